@@ -1,0 +1,6 @@
+"""Config: one schema (schema.py), TOML + CLI loading (manager.py), up-front checks (validate.py)."""
+
+from torchtitan_loom.config.manager import ConfigError, help_text, load_config, to_toml
+from torchtitan_loom.config.schema import JobConfig
+
+__all__ = ["ConfigError", "JobConfig", "help_text", "load_config", "to_toml"]

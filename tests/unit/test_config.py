@@ -1,0 +1,149 @@
+"""Config system: TOML + CLI overrides + precedence, --help, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
+from torchtitan_loom.config.manager import section_fields, section_types
+from torchtitan_loom.config.validate import validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_toml(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.5\n")
+    cfg = load_config(["--job.config_file", path, "--training.steps", "9", "--optimizer.lr=0.25"])
+    assert cfg.training.steps == 9          # CLI beats TOML
+    assert cfg.training.seq_len == 64       # TOML beats default
+    assert cfg.optimizer.lr == 0.25         # --k=v form
+    assert cfg.training.micro_batch_size == 8  # default kept
+    assert cfg.job.config_file == path
+
+
+def test_booleans_lists_and_none():
+    cfg = load_config(["--spike_guard.enable", "false", "--metrics.enable_tensorboard",
+                       "--model.num_loops", "9", "--model.cycle_residual_scale=false"])
+    assert cfg.spike_guard.enable is False
+    assert cfg.metrics.enable_tensorboard is True
+    assert cfg.model.num_loops == 9 and cfg.model.cycle_residual_scale is False
+    cfg = load_config(["--model.num_loops", "none"])
+    assert cfg.model.num_loops is None
+
+
+def test_seed_launcher_ablation_switches_reachable(tmp_path):
+    # CYCLE_RESIDUAL_SCALE, EMBED_INJECT_MODE, FFN_BRANCH_RMS, BP_K, H, λ, β from TOML and CLI.
+    toml = ("[model]\ncycle_residual_scale = false\nembed_inject_mode = \"none\"\nffn_branch_rms = \"none\"\n"
+            "num_loops = 6\ncycle_scale_lambda = 0.25\nlooping_residual_beta = 0.7\n[training]\nbp_segment_len = 2\n")
+    cfg = load_config(["--job.config_file", write_toml(tmp_path, toml)])
+    args = validate(cfg, 1)
+    assert (args.cycle_residual_scale, args.embed_inject_mode, args.ffn_branch_rms) == (False, "none", "none")
+    assert (args.num_loops, args.cycle_scale_lambda, args.looping_residual_beta) == (6, 0.25, 0.7)
+    assert cfg.training.bp_segment_len == 2
+    cfg = load_config(["--model.embed_inject_mode", "loop_start_mix_soft", "--model.num_loops", "12",
+                       "--training.bp_segment_len", "0", "--model.cycle_scale_lambda", "0.5"])
+    args = validate(cfg, 1)
+    assert args.num_loops == 12 and args.embed_inject_mode == "loop_start_mix_soft"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--training.stepz", "3"], "unknown key 'training.stepz'; did you mean 'training.steps'?"),
+    (["--trainin.steps", "3"], "unknown section 'trainin'; did you mean 'training'?"),
+    (["--training.steps", "abc"], "training.steps: expected int, got 'abc'"),
+    (["--training.steps", "true"], "training.steps: expected int, got 'true'"),
+    (["--spike_guard.enable", "maybe"], "spike_guard.enable: expected bool, got 'maybe'"),
+    (["--model.attn_backend", "magic"], "model.attn_backend: 'magic' is not one of sdpa, flex, flash_attn"),
+    (["--job.config_file", "/nonexistent.toml"], "job.config_file: no such file '/nonexistent.toml'"),
+    (["positional"], "unexpected argument 'positional'"),
+])
+def test_load_errors_name_the_key(argv, expected):
+    with pytest.raises(ConfigError) as exc:
+        load_config(argv)
+    assert str(exc.value).startswith(expected)
+    assert "\n" not in str(exc.value)
+
+
+def test_toml_type_and_key_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"^training.steps: expected int, got '10'$"):
+        load_config(["--job.config_file", write_toml(tmp_path, "[training]\nsteps = \"10\"\n")])
+    with pytest.raises(ConfigError, match="unknown key 'optimizer.learning_rate'"):
+        load_config(["--job.config_file", write_toml(tmp_path, "[optimizer]\nlearning_rate = 1.0\n")])
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(["--job.config_file", write_toml(tmp_path, "[training\n")])
+
+
+@pytest.mark.parametrize("argv, world, expected", [
+    (["--training.global_batch_size", "12", "--training.micro_batch_size", "8"], 1,
+     "training.global_batch_size = 12: must be divisible by data-parallel ranks × micro_batch_size = 1 × 8"),
+    (["--training.global_batch_size", "16", "--training.micro_batch_size", "8"], 4,
+     "training.global_batch_size = 16: must be divisible by data-parallel ranks × micro_batch_size = 4 × 8"),
+    (["--training.bp_segment_len", "-1"], 1, "training.bp_segment_len = -1: must be ≥ 0"),
+    (["--training.seq_len", "4096"], 1, "training.seq_len = 4096: the model flavor 'debug' supports at most"),
+    (["--data.path", "/definitely/missing"], 1, "data.path: no such directory '/definitely/missing'"),
+    (["--model.flavor", "huge"], 1, "model.flavor: unknown flavor 'huge' of 'loom'; valid: debug"),
+    (["--parallelism.ep", "2"], 1, "parallelism.ep = 2: not supported yet"),
+    (["--compile.enable"], 1, "compile.enable = True: not supported yet"),
+    (["--float8.enable"], 1, "float8.enable = True: not supported yet"),
+    (["--checkpoint.enable"], 1, "checkpoint.enable = True: not supported yet"),
+])
+def test_validation_errors(argv, world, expected):
+    with pytest.raises(ConfigError) as exc:
+        validate(load_config(argv), world)
+    assert str(exc.value).startswith(expected), str(exc.value)
+
+
+def test_model_args_errors_surface_as_config_errors():
+    with pytest.raises(ConfigError, match=r"^model: .*num_loops"):
+        validate(load_config(["--model.num_loops", "0"]), 1)
+
+
+def test_seq_len_checked_against_pack(tmp_path):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "metadata.json").write_text(json.dumps({"max_seq_len": 129}))
+    validate(load_config(["--data.path", str(pack), "--training.seq_len", "128"]), 1)
+    with pytest.raises(ConfigError, match=r"records of at most 129 tokens, so seq_len must be ≤ 128"):
+        validate(load_config(["--data.path", str(pack), "--training.seq_len", "129"]), 1)
+
+
+def test_every_field_documented_and_in_help():
+    text = help_text()
+    for sec, cls in section_types().items():
+        assert f"[{sec}]" in text
+        for key, (_, f) in section_fields(cls).items():
+            assert f.metadata.get("doc"), f"{sec}.{key} has no doc"
+            assert f"--{sec}.{key}" in text
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(["--training.steps", "11", "--model.num_loops", "4", "--job.description", 'a "quoted" run'])
+    path = write_toml(tmp_path, to_toml(cfg))
+    again = load_config(["--job.config_file", path])
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+
+
+def test_shipped_configs_load_and_validate():
+    for name in ("debug_model", "loom_329m", "loom_1p7b"):
+        cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / f"{name}.toml"), "--data.path", ""])
+        args = validate(cfg, 1 if name == "debug_model" else 8)
+        assert args.num_loops == (3 if name == "debug_model" else 9)
+
+
+def test_cli_exit_code_2_and_one_line_per_error():
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_loom.train", "--training.stepz", "3"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["config error: unknown key 'training.stepz'; did you mean 'training.steps'?"]
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_loom.train", "--help"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and "--training.bp_segment_len" in proc.stdout

@@ -1,0 +1,122 @@
+"""Metrics: JSONL lines, TensorBoard event files read back, peak-FLOP table, console line, timer."""
+
+import json
+import math
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from torchtitan_loom.components.metrics import (
+    MetricsLogger,
+    StepTimer,
+    flops_metrics,
+    format_console_line,
+    memory_stats,
+    peak_flops,
+    peak_flops_for_name,
+    tb_tag,
+)
+
+
+def _read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_jsonl_lines_written_and_flushed_per_call(tmp_path):
+    logger = MetricsLogger(str(tmp_path), enable_tensorboard=False)
+    logger.log(1, {"loss": 3.5, "loss_segment_1": 4.0, "mfu": None, "skipped": False,
+                   "tokens": 2048, "grad_norm": torch.tensor(0.5)},
+               extra={"expert_load": torch.tensor([[1, 2], [3, 4]])})
+    # Flushed immediately: readable before close.
+    rows = _read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows == [{"step": 1, "loss": 3.5, "loss_segment_1": 4.0, "mfu": None, "skipped": 0,
+                     "tokens": 2048, "grad_norm": 0.5, "expert_load": [[1, 2], [3, 4]]}]
+    assert isinstance(rows[0]["loss"], float) and isinstance(rows[0]["tokens"], int)
+    logger.log(2, {"loss": 3.25, "eval_loss": 3.3})
+    logger.close()
+    rows = _read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["eval_loss"] == 3.3
+    assert not (tmp_path / "tb").exists()
+
+
+def test_only_log_rank_writes(tmp_path):
+    logger = MetricsLogger(str(tmp_path / "run"), rank=1, log_rank=0)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_duplicate_and_bad_values_raise(tmp_path):
+    with MetricsLogger(str(tmp_path), enable_tensorboard=False) as logger:
+        with pytest.raises(ValueError, match="duplicate"):
+            logger.log(1, {"loss": 1.0}, extra={"loss": 2.0})
+        with pytest.raises(ValueError, match="'lr' must be a number"):
+            logger.log(1, {"lr": "high"})
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    with MetricsLogger(str(tmp_path)) as logger:
+        logger.log(1, {"loss": 3.5, "loss_segment_2": 3.75, "mfu": None})
+        logger.log(2, {"loss": 3.0, "eval_loss_loop_3": 3.125})
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert tags == {"train/loss", "train/loss_segment_2", "eval/loss_loop_3"}  # None not written
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 3.5), (2, 3.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss_loop_3")] == [(2, 3.125)]
+
+
+def test_tb_tag_mapping():
+    assert tb_tag("loss") == "train/loss"
+    assert tb_tag("loss_segment_1") == "train/loss_segment_1"
+    assert tb_tag("eval_loss") == "eval/loss"
+    assert tb_tag("eval_loss_loop_3") == "eval/loss_loop_3"
+
+
+def test_peak_flops_table():
+    assert peak_flops(torch.device("cpu")) is None
+    assert peak_flops_for_name("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for_name("NVIDIA H100 PCIe") == 756e12  # not the SXM entry
+    assert peak_flops_for_name("NVIDIA H200") == 989e12
+    assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_for_name("NVIDIA B200") == 2250e12
+    assert peak_flops_for_name("NVIDIA L40S") == 362e12
+    assert peak_flops_for_name("AMD Instinct MI300X") == 1307e12
+    assert peak_flops_for_name("NVIDIA GeForce GTX 1080") is None
+
+
+def test_flops_metrics():
+    m = flops_metrics(tokens_per_s=1000.0, flops_per_token=6e9, peak=989e12)
+    assert m["tflops"] == pytest.approx(6.0, rel=1e-12)
+    assert m["mfu"] == pytest.approx(100 * 6e12 / 989e12, rel=1e-12)
+    assert flops_metrics(1000.0, 6e9, None) == {"tflops": pytest.approx(6.0), "mfu": None}
+
+
+def test_step_timer_with_fake_clock():
+    now = [10.0]
+    timer = StepTimer(clock=lambda: now[0])
+    timer.add_tokens(1000)
+    timer.add_tokens(500)
+    now[0] = 12.0
+    assert timer.tokens_per_s() == 750.0
+    now[0] = 13.0  # new window, no tokens yet
+    assert timer.tokens_per_s() == 0.0
+
+
+def test_memory_stats_cpu():
+    stats = memory_stats(torch.device("cpu"))
+    assert set(stats) == {"memory_max_rss_gib"}
+    # This test process has imported torch, so its peak RSS is well above 10 MiB and below 1 TiB.
+    assert 0.01 < stats["memory_max_rss_gib"] < 1024
+
+
+def test_console_line():
+    line = format_console_line(42, {"loss": 3.14159, "loss_segment_2": 3.2, "loss_segment_1": 3.5,
+                                    "lr": 2e-4, "grad_norm": 0.8, "tokens_per_s": 12345.6,
+                                    "tflops": 1.5, "mfu": None, "memory_max_rss_gib": 1.25})
+    assert line == ("step     42 | loss 3.1416 | seg 3.500/3.200 | lr 2.00e-04 | gnorm 0.800 | "
+                    "12,346 tok/s | 1.50 TFLOP/s | mem 1.25 GiB")
+    line = format_console_line(7, {"loss": math.nan, "mfu": 12.34, "skipped": True})
+    assert "loss nan" in line and "mfu 12.3%" in line and line.endswith("SKIPPED")

@@ -1,0 +1,244 @@
+"""Training metrics: JSONL + TensorBoard logger, console line, tokens/s, TFLOP/s and MFU, memory.
+
+Scalar names used by the trainer (all optional except ``step``): ``loss``, ``loss_segment_j``,
+``lr``, ``grad_norm``, ``tokens_per_s``, ``tflops``, ``mfu`` (percent), ``skipped``, memory keys
+from ``memory_stats``, ``eval_loss``, ``eval_loss_loop_t``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Dense bf16 peak FLOP/s by GPU name substring, most specific names first (first match wins).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("B200", 2250e12),
+    ("L40S", 362e12),
+    ("MI300X", 1307e12),
+)
+
+_GIB = float(1 << 30)
+
+
+def peak_flops_for_name(name: str) -> float | None:
+    """Dense bf16 peak FLOP/s for a device name (case-insensitive substring match), else None."""
+    lowered = name.lower()
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in lowered:
+            return flops
+    return None
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of ``device``; None on CPU or for a GPU missing from the table.
+
+    An unknown GPU triggers a ``UserWarning`` (Python's warning filter shows it once per call
+    site), so MFU is reported as null rather than against a guessed peak.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    flops = peak_flops_for_name(name)
+    if flops is None:
+        warnings.warn(f"unknown GPU {name!r}: no peak FLOP/s in the table, MFU will be null")
+    return flops
+
+
+def flops_metrics(tokens_per_s: float, flops_per_token: float,
+                  peak: float | None) -> dict[str, float | None]:
+    """{"tflops": achieved TFLOP/s, "mfu": percent of ``peak`` (None when peak is None)}.
+
+    ``flops_per_token`` must be the training FLOPs per token (forward + backward) for the work
+    actually done per token; the caller decides that from the model's own count.
+    """
+    achieved = tokens_per_s * flops_per_token
+    return {"tflops": achieved / 1e12, "mfu": None if not peak else 100.0 * achieved / peak}
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory in GiB since the previous call.
+
+    CUDA: ``memory_max_allocated_gib`` and ``memory_max_reserved_gib`` from the caching
+    allocator, whose peaks are then reset. CPU: ``memory_max_rss_gib``, the process's peak
+    resident set size from ``resource.getrusage`` (a lifetime peak; the OS cannot reset it).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        stats = {"memory_max_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+                 "memory_max_reserved_gib": torch.cuda.max_memory_reserved(device) / _GIB}
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    import resource  # Unix only; imported here so the module still imports elsewhere
+
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    bytes_per_unit = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    return {"memory_max_rss_gib": max_rss * bytes_per_unit / _GIB}
+
+
+class StepTimer:
+    """Tokens per second of wall-clock time between two ``tokens_per_s()`` calls.
+
+    On GPUs the caller should read it after a synchronising call (e.g. ``loss.item()``) so the
+    time covers the queued work. ``reset()`` restarts the window (e.g. after an eval).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        self._start = self._clock()
+        self._tokens = 0
+
+    def add_tokens(self, n: int) -> None:
+        self._tokens += int(n)
+
+    def tokens_per_s(self) -> float:
+        """Rate over the current window, then start a new window."""
+        elapsed = self._clock() - self._start
+        rate = self._tokens / elapsed if elapsed > 0 else 0.0
+        self.reset()
+        return rate
+
+
+def tb_tag(name: str) -> str:
+    """TensorBoard tag of a scalar: ``eval_x`` → ``eval/x``, anything else ``x`` → ``train/x``.
+
+    E.g. ``loss`` → ``train/loss``, ``loss_segment_2`` → ``train/loss_segment_2``,
+    ``eval_loss_loop_3`` → ``eval/loss_loop_3``. The prefix groups the charts in the UI.
+    """
+    if name.startswith("eval_"):
+        return "eval/" + name[len("eval_"):]
+    return "train/" + name
+
+
+class MetricsLogger:
+    """Writes one JSON line per ``log`` call to ``<dump_folder>/<jsonl_name>`` and the numeric
+    scalars to TensorBoard under ``<dump_folder>/<tb_folder>/``. Only ``rank == log_rank``
+    writes anything (other ranks create no files). The JSONL file is opened in append mode so a
+    resumed run continues the same file.
+    """
+
+    def __init__(self, dump_folder: str, *, enable_tensorboard: bool = True, tb_folder: str = "tb",
+                 jsonl_name: str = "metrics.jsonl", rank: int = 0, log_rank: int = 0) -> None:
+        self.active = rank == log_rank
+        self.jsonl_path = os.path.join(dump_folder, jsonl_name)
+        self.tb_dir = os.path.join(dump_folder, tb_folder) if enable_tensorboard else None
+        self._jsonl = None
+        self._writer = None
+        if not self.active:
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        if self.tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
+
+            self._writer = SummaryWriter(log_dir=self.tb_dir)
+
+    def log(self, step: int, scalars: dict[str, float | int | None],
+            extra: dict | None = None) -> None:
+        """Append ``{"step": step, **scalars, **extra}`` as one JSON line (flushed at once) and
+        write every non-None numeric scalar to TensorBoard at ``step`` (tags from ``tb_tag``).
+
+        None stays null; 0-d tensors become numbers; tensors in ``extra`` become nested lists.
+        Non-finite floats are written as NaN/Infinity (Python's json reads them back).
+        """
+        if not self.active:
+            return
+        extra = extra or {}
+        clash = ({"step"} & (set(scalars) | set(extra))) | (set(scalars) & set(extra))
+        if clash:
+            raise ValueError(f"MetricsLogger.log: duplicate metric names {sorted(clash)}")
+        values = {k: _to_number(k, v) for k, v in scalars.items()}
+        record = {"step": int(step), **values, **{k: _to_json(v) for k, v in extra.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            for name, value in values.items():
+                if value is not None:
+                    self._writer.add_scalar(tb_tag(name), value, global_step=int(step))
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _to_number(name: str, value: Any) -> float | int | None:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if value is None or isinstance(value, (int, float)):  # bool is an int: logged as 0/1
+        return int(value) if isinstance(value, bool) else value
+    try:
+        return float(value)  # numpy scalars and the like
+    except (TypeError, ValueError):
+        raise ValueError(f"metric {name!r} must be a number or None, "
+                         f"got {type(value).__name__}") from None
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def format_console_line(step: int, scalars: dict[str, Any]) -> str:
+    """One compact line: step, loss (per-segment losses), lr, grad norm, tokens/s, TFLOP/s,
+    MFU and memory, each shown only when present and not None."""
+    def has(key: str) -> bool:
+        return scalars.get(key) is not None
+
+    parts = [f"step {step:>6d}"]
+    if has("loss"):
+        parts.append(f"loss {scalars['loss']:.4f}")
+    seg = sorted((int(m.group(1)), v) for k, v in scalars.items()
+                 if (m := re.fullmatch(r"loss_segment_(\d+)", k)) and v is not None)
+    if seg:
+        parts.append("seg " + "/".join(f"{v:.3f}" for _, v in seg))
+    if has("lr"):
+        parts.append(f"lr {scalars['lr']:.2e}")
+    if has("grad_norm"):
+        parts.append(f"gnorm {scalars['grad_norm']:.3f}")
+    if has("tokens_per_s"):
+        parts.append(f"{scalars['tokens_per_s']:,.0f} tok/s")
+    if has("tflops"):
+        parts.append(f"{scalars['tflops']:.2f} TFLOP/s")
+    if has("mfu"):
+        parts.append(f"mfu {scalars['mfu']:.1f}%")
+    for key in ("memory_max_allocated_gib", "memory_max_rss_gib"):
+        if has(key):
+            parts.append(f"mem {scalars[key]:.2f} GiB")
+            break
+    if has("eval_loss"):
+        parts.append(f"eval {scalars['eval_loss']:.4f}")
+    if scalars.get("skipped"):
+        parts.append("SKIPPED")
+    return " | ".join(parts)

@@ -1,0 +1,215 @@
+"""Load a JobConfig: dataclass defaults < TOML file < CLI overrides, with one-line errors.
+
+CLI forms: ``--section.key value``, ``--section.key=value``, a bare ``--section.flag`` for true,
+``--section.flag false``; lists are comma-separated. Unknown sections/keys suggest the nearest valid
+name; wrong types name the key, the expected type and the value given. Nothing here creates a
+process group or a tensor, so every error surfaces before any is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from typing import Any
+
+from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the key and what would be valid."""
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def section_fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    """(inner type, is_optional) for ``X | None``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def type_name(tp: Any) -> str:
+    inner, optional = _split_optional(tp)
+    name = getattr(inner, "__name__", str(inner))
+    if typing.get_origin(inner) is list:
+        name = f"list[{typing.get_args(inner)[0].__name__}] (comma-separated)"
+    return f"{name} or none" if optional else name
+
+
+def _nearest(name: str, options: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean '{prefix}{close[0]}'?"
+    return f"; valid: {', '.join(prefix + o for o in options)}"
+
+
+def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Convert a TOML value or CLI string to the annotated type, or raise ConfigError."""
+    inner, optional = _split_optional(tp)
+    bad = ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if optional and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
+        return None
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise bad
+    if inner is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if from_cli:
+            try:
+                return int(str(value).replace("_", ""))
+            except ValueError:
+                raise bad from None
+        raise bad
+    if inner is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if inner is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if typing.get_origin(inner) is list:
+        elem = typing.get_args(inner)[0]
+        items = value.split(",") if from_cli and isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise bad
+        return [_coerce(key, elem, v.strip() if isinstance(v, str) else v, from_cli) for v in items if v != ""]
+    raise ConfigError(f"{key}: unsupported annotation {tp!r}")  # a schema bug, not a user error
+
+
+def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
+    sections = section_types()
+    if "." not in dotted:
+        raise ConfigError(f"'{dotted}': options are --section.key{_nearest(dotted, list(sections))}")
+    sec, key = dotted.split(".", 1)
+    if sec not in sections:
+        raise ConfigError(f"unknown section '{sec}'{_nearest(sec, list(sections))}")
+    fields = section_fields(sections[sec])
+    key = key.replace("-", "_")
+    if key not in fields:
+        raise ConfigError(f"unknown key '{sec}.{key}'{_nearest(key, list(fields), prefix=sec + '.')}")
+    tp, f = fields[key]
+    value = _coerce(f"{sec}.{key}", tp, value, from_cli)
+    choices = f.metadata.get("choices")
+    if choices and value is not None and value not in choices:
+        raise ConfigError(f"{sec}.{key}: {value!r} is not one of {', '.join(choices)}")
+    setattr(getattr(cfg, sec), key, value)
+
+
+def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
+    """Split argv into (dotted key, raw value) pairs; a bare flag means true."""
+    pairs: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key value")
+        body = arg[2:]
+        if "=" in body:
+            key, value = body.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, value = body, argv[i + 1]
+            i += 2
+        else:
+            key, value = body, "true"
+            i += 1
+        pairs.append((key, value))
+    return pairs
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"job.config_file: no such file '{path}'") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {exc}") from None
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Build the JobConfig from argv (without the program name). Raises ConfigError."""
+    pairs = parse_cli(argv)
+    cfg = JobConfig()
+    config_file = next((v for k, v in pairs if k in ("job.config_file", "job.config-file")), "")
+    if config_file:
+        for sec, table in _read_toml(config_file).items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}")
+            for key, value in table.items():
+                _set(cfg, f"{sec}.{key}", value, from_cli=False)
+    for key, value in pairs:
+        _set(cfg, key, value, from_cli=True)
+    return cfg
+
+
+def help_text() -> str:
+    """Every section and key with its type, default and doc (what --help prints)."""
+    lines = ["usage: run_train.sh [--job.config_file FILE] [--section.key VALUE ...]",
+             "Precedence: CLI > TOML > defaults. Booleans: --section.flag / --section.flag false.", ""]
+    for sec, cls in section_types().items():
+        lines.append(f"[{sec}]  {SECTION_DOCS.get(sec, '')}")
+        for key, (tp, f) in section_fields(cls).items():
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            extra = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
+            pending = f" [not supported yet: {f.metadata['pending']}]" if f.metadata.get("pending") else ""
+            lines.append(f"  --{sec}.{key}  {type_name(tp)} = {default!r}{extra}")
+            lines.append(f"      {f.metadata.get('doc', '')}{pending}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML that load_config reads back (None values are omitted)."""
+    out = []
+    for sec, table in cfg.to_dict().items():
+        out.append(f"[{sec}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,133 @@
+"""Cross-field checks of a JobConfig, run before any process group or tensor exists.
+
+Every problem found is reported (one line each) in a single ConfigError, so a user fixes a config
+in one round trip. The world size comes from the launcher's environment (torchrun's WORLD_SIZE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from torchtitan_loom.config.manager import ConfigError, section_fields, section_types
+from torchtitan_loom.config.schema import JobConfig
+
+# Model-section keys that are not LoomModelArgs overrides.
+_MODEL_META_KEYS = ("name", "flavor")
+
+
+def resolve_model_args(cfg: JobConfig) -> Any:
+    """The flavor's args with every non-None [model] override applied, validated."""
+    from torchtitan_loom.protocols import get_train_spec
+
+    try:
+        spec = get_train_spec(cfg.model.name)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"model.name: {exc}") from None
+    if cfg.model.flavor not in spec.model_args:
+        raise ConfigError(f"model.flavor: unknown flavor '{cfg.model.flavor}' of '{cfg.model.name}'; "
+                          f"valid: {', '.join(spec.model_args)}")
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
+                 if k not in _MODEL_META_KEYS and v is not None}
+    overrides["init_seed"] = cfg.training.seed
+    args = dataclasses.replace(spec.model_args[cfg.model.flavor], **overrides)
+    try:
+        args.validate()
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    return args
+
+
+def _pending_errors(cfg: JobConfig) -> list[str]:
+    errors = []
+    for sec, cls in section_types().items():
+        default = cls()
+        for key, (_, f) in section_fields(cls).items():
+            pending = f.metadata.get("pending")
+            value = getattr(getattr(cfg, sec), key)
+            if pending and value != getattr(default, key):
+                errors.append(f"{sec}.{key} = {value!r}: not supported yet (lands with {pending}); "
+                              f"leave it at {getattr(default, key)!r}")
+    return errors
+
+
+def _pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
+    meta = os.path.join(path, "metadata.json")
+    if not os.path.isdir(path):
+        errors.append(f"{key}: no such directory '{path}' (a packed corpus; see python -m torchtitan_loom.tools.pack)")
+        return None
+    if not os.path.isfile(meta):
+        errors.append(f"{key}: '{path}' has no metadata.json; is it a pack written by torchtitan_loom.tools.pack?")
+        return None
+    try:
+        with open(meta) as fh:
+            return int(json.load(fh)["max_seq_len"])
+    except (ValueError, KeyError, TypeError) as exc:
+        errors.append(f"{key}: '{meta}' is unreadable or lacks max_seq_len ({exc})")
+        return None
+
+
+def dp_degree(cfg: JobConfig, world_size: int) -> int:
+    """Data-parallel ranks: every rank is a data-parallel rank until other axes exist."""
+    return world_size
+
+
+def validate(cfg: JobConfig, world_size: int) -> Any:
+    """Check everything that can be checked up front; return the resolved model args."""
+    errors = _pending_errors(cfg)
+    t, par = cfg.training, cfg.parallelism
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
+        if getattr(t, key) < 1:
+            errors.append(f"training.{key} = {getattr(t, key)}: must be ≥ 1")
+    if t.bp_segment_len < 0:
+        errors.append(f"training.bp_segment_len = {t.bp_segment_len}: must be ≥ 0 (0 = all loops in one segment)")
+    if par.dp_shard not in (-1, world_size // max(par.dp_replicate, 1)):
+        errors.append(f"parallelism.dp_shard = {par.dp_shard}: with {world_size} ranks use -1 or "
+                      f"{world_size // max(par.dp_replicate, 1)} (dp_replicate × dp_shard = world size)")
+    dp = dp_degree(cfg, world_size)
+    if t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (dp * t.micro_batch_size):
+        errors.append(f"training.global_batch_size = {t.global_batch_size}: must be divisible by data-parallel "
+                      f"ranks × micro_batch_size = {dp} × {t.micro_batch_size}")
+    eval_rows = cfg.eval.batch_size or t.global_batch_size
+    if cfg.eval.batch_size < 0 or eval_rows % dp:
+        errors.append(f"eval.batch_size = {cfg.eval.batch_size}: must be ≥ 0 and its rows ({eval_rows}) "
+                      f"divisible by the {dp} data-parallel ranks")
+    if cfg.eval.interval < 0 or cfg.eval.tokens < 1:
+        errors.append("eval.interval must be ≥ 0 and eval.tokens ≥ 1")
+    if cfg.metrics.log_freq < 1:
+        errors.append(f"metrics.log_freq = {cfg.metrics.log_freq}: must be ≥ 1")
+    if not 0 <= cfg.metrics.log_rank < world_size:
+        errors.append(f"metrics.log_rank = {cfg.metrics.log_rank}: must be a rank in [0, {world_size})")
+    if cfg.optimizer.lr <= 0:
+        errors.append(f"optimizer.lr = {cfg.optimizer.lr}: must be > 0")
+    s = cfg.lr_scheduler
+    if not (0 <= s.warmup_ratio <= 1 and 0 <= s.decay_ratio <= 1 and 0 <= s.min_ratio <= 1):
+        errors.append("lr_scheduler.warmup_ratio, decay_ratio and min_ratio must each lie in [0, 1]")
+    if not 0 <= cfg.spike_guard.ema < 1:
+        errors.append(f"spike_guard.ema = {cfg.spike_guard.ema}: must lie in [0, 1)")
+    if t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            errors.append("training.device = 'cuda': no CUDA device is visible; use 'cpu' or 'auto'")
+    args = None
+    try:
+        args = resolve_model_args(cfg)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    if args is not None and t.seq_len > args.max_seq_len:
+        errors.append(f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
+                      f"max_seq_len = {args.max_seq_len}")
+    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if path:
+            max_len = _pack_max_seq_len(path, key, errors)
+            if max_len is not None and t.seq_len > max_len - 1:
+                errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at most "
+                              f"{max_len} tokens, so seq_len must be ≤ {max_len - 1}")
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return args
+
+
