@@ -1,0 +1,86 @@
+"""End-to-end runs of ./run_train.sh (torchrun underneath), as a user would launch them."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_train(args, env_extra=None, timeout=600):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_default_run_trains_and_logs(tmp_path):
+    dump = tmp_path / "run"
+    proc = run_train(["--training.steps", "20", "--job.dump_folder", str(dump), "--metrics.log_freq", "5"],
+                     {"NGPU": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_jsonl(dump / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped", "loss_segment_1",
+                "loss_segment_3", "expert_load"):
+        assert key in rows[0], key
+    assert rows[0]["mfu"] is None                 # CPU: no peak FLOP/s, MFU left null
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, [r["loss"] for r in rows]
+    last = rows[-1]
+    assert {"eval_loss", "eval_loss_loop_1", "eval_loss_loop_3"} <= last.keys()
+    assert last["eval_loss"] == last["eval_loss_loop_3"]
+    load = last["expert_load"]                    # [layer][loop][expert]
+    assert len(load) == 2 and len(load[0]) == 3 and len(load[0][0]) == 8
+    assert (dump / "config.toml").exists()
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(dump / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    loss_tag = next(t for t in tags if t.endswith("loss") and "eval" not in t and "segment" not in t)
+    assert [e.step for e in acc.Scalars(loss_tag)] == [5, 10, 15, 20]
+    assert abs(acc.Scalars(loss_tag)[-1].value - rows[-1]["loss"]) < 1e-4
+    assert any("eval" in t for t in tags)
+
+
+def test_two_ranks_match_one_rank(tmp_path, tiny_pack):
+    # Same global batches, token-mean gradients: the world size must not change the trajectory.
+    common = ["--data.path", str(tiny_pack), "--training.seq_len", "32", "--training.steps", "3",
+              "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
+              "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--eval.interval", "3",
+              "--eval.tokens", "500"]
+    losses = []
+    for ngpu in ("1", "2"):
+        dump = tmp_path / f"w{ngpu}"
+        proc = run_train(common + ["--job.dump_folder", str(dump)], {"NGPU": ngpu})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        losses.append([(r["loss"], r.get("eval_loss")) for r in read_jsonl(dump / "metrics.jsonl")])
+    for (l1, e1), (l2, e2) in zip(*losses):
+        assert l2 == pytest.approx(l1, rel=1e-5)
+        assert (e1 is None and e2 is None) or e2 == pytest.approx(e1, rel=1e-5)
+
+
+def test_spike_abort_exits_2_with_message(tmp_path, tiny_pack):
+    dump = tmp_path / "spike"
+    # Negative thresholds make every second sight of a segment a "spike".
+    proc = run_train(["--data.path", str(tiny_pack), "--training.seq_len", "32", "--training.steps", "5",
+                      "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
+                      "--eval.interval", "0", "--job.dump_folder", str(dump),
+                      "--spike_guard.hard", "-1", "--spike_guard.delta", "-1", "--spike_guard.ratio", "-1"],
+                     {"NGPU": "1"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "loss spike at step 2" in (dump / "SPIKE_ABORT.txt").read_text()
+    assert "abort_on_spike" in proc.stdout + proc.stderr
+
+
+def test_config_error_exits_2_before_launching_ranks(tmp_path):
+    proc = run_train(["--training.global_batch_size", "3"], {"NGPU": "1"})
+    assert proc.returncode != 0
+    assert "training.global_batch_size = 3: must be divisible" in proc.stdout + proc.stderr

@@ -1,0 +1,163 @@
+"""Gated grouped-query attention with RoPE and document masks (LOOM_SPEC.md §4.4 steps 1-6).
+
+Three interchangeable kernels compute the same math, chosen by `LoomModelArgs.attn_backend`:
+- "sdpa": F.scaled_dot_product_attention with a boolean [B, 1, S, S] mask (the CPU reference);
+- "flex": torch flex_attention with a BlockMask (GPU; fused only when the block is compiled);
+- "flash_attn": flash_attn_varlen_func over (row, document) segments (GPU, package required).
+A mask is built once per forward by `build_attention_mask` and reused by every layer and loop.
+
+A position attends to position j of the same row iff doc_ids are equal and j <= i. Documents are
+contiguous runs in a row (the data contract); the varlen backend relies on that.
+GQA convention: query head h uses kv head h // (n_heads // n_kv_heads) (as flash-attn and
+torch's enable_gqa do).
+
+Legend: B batch rows, S sequence length, D model dim, H query heads, K kv heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_loom.models.loom.args import LoomModelArgs
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def rope_cos_sin(positions_BS: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [B, S, d] for rotate-half RoPE: angle = position * theta^(-2i/d), i < d/2, duplicated.
+
+    Computed from the positions directly (no table), so there is no buffer to initialise and no
+    maximum position.
+    """
+    device = positions_BS.device
+    inv_freq_f = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angle_BSf = positions_BS.to(torch.float32)[..., None] * inv_freq_f
+    angle_BSd = torch.cat([angle_BSf, angle_BSf], dim=-1)
+    return angle_BSd.cos(), angle_BSd.sin()
+
+
+def apply_rope(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (GPT-NeoX) RoPE over the full head dim, in fp32, cast back to x's dtype."""
+    x = x_BSHd.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos_BSd[:, :, None, :], sin_BSd[:, :, None, :]
+    return (x * cos + rotated * sin).to(x_BSHd.dtype)
+
+
+# ---------------------------------------------------------------- masks
+
+
+def build_attention_mask(backend: str, doc_ids_BS: torch.Tensor) -> Any:
+    """Backend-specific document-causal mask for one forward (reused by all layers and loops).
+
+    sdpa -> bool [B, 1, S, S] (True = may attend); flex -> BlockMask;
+    flash_attn -> (cu_seqlens int32 [segments+1], max_seqlen int) over the flattened [B*S] tokens.
+    """
+    B, S = doc_ids_BS.shape
+    if backend == "sdpa":
+        same_doc_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
+        causal_SS = torch.ones(S, S, dtype=torch.bool, device=doc_ids_BS.device).tril()
+        return (same_doc_BSS & causal_SS)[:, None]
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def doc_causal(b, h, q_idx, kv_idx):
+            return (doc_ids_BS[b, q_idx] == doc_ids_BS[b, kv_idx]) & (q_idx >= kv_idx)
+
+        return create_block_mask(doc_causal, B, None, S, S, device=doc_ids_BS.device)
+    if backend == "flash_attn":
+        _import_flash_attn()
+        # S bounds every segment; passing the bound avoids a second sync for the true maximum.
+        return document_cu_seqlens(doc_ids_BS), S
+    raise ValueError(f"attn_backend={backend!r} is not valid; choose one of sdpa, flex, flash_attn")
+
+
+def document_cu_seqlens(doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """int32 boundaries [segments + 1] of the (row, document) runs of the flattened [B*S] tokens."""
+    B, S = doc_ids_BS.shape
+    flat_N = doc_ids_BS.reshape(-1)
+    starts_N = torch.ones_like(flat_N, dtype=torch.bool)
+    starts_N[1:] = flat_N[1:] != flat_N[:-1]
+    starts_N.view(B, S)[:, 0] = True  # a segment never spans two rows
+    # Host sync, once per forward: the number of segments is data dependent.
+    seg_starts = starts_N.nonzero().flatten()
+    return torch.cat([seg_starts, seg_starts.new_tensor([B * S])]).to(torch.int32)
+
+
+def _import_flash_attn():
+    try:
+        return importlib.import_module("flash_attn")
+    except ImportError as err:
+        raise ImportError(
+            "attn_backend='flash_attn' needs the flash-attn package (pip install flash-attn, CUDA "
+            "only); it is not importable here. Use attn_backend='sdpa' or 'flex'.") from err
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: torch.Tensor, mask: Any) -> torch.Tensor:
+    """Softmax(q k^T / sqrt(d)) v under the document-causal `mask`; returns [B, S, H, d]."""
+    B, S, H, d = q_BSHd.shape
+    K = k_BSKd.shape[2]
+    if backend == "sdpa":
+        q, k, v = (t.transpose(1, 2) for t in (q_BSHd, k_BSKd, v_BSKd))
+        # Expand kv heads explicitly: works with a boolean mask on every sdpa kernel.
+        k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if q_BSHd.device.type == "cpu" and torch.is_grad_enabled() and (
+            q_BSHd.requires_grad or k_BSKd.requires_grad or v_BSKd.requires_grad
+        ):
+            raise RuntimeError(
+                "attn_backend='flex' has no backward on CPU; use attn_backend='sdpa' for CPU "
+                "training (flex works on CPU only under torch.no_grad()).")
+        q, k, v = (t.transpose(1, 2) for t in (q_BSHd, k_BSKd, v_BSKd))
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=H != K).transpose(1, 2)
+    if backend == "flash_attn":
+        flash_attn = _import_flash_attn()
+        if q_BSHd.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"attn_backend='flash_attn' needs bf16/fp16 activations, got {q_BSHd.dtype}; "
+                "enable mixed precision or use attn_backend='sdpa'.")
+        cu_seqlens, max_seqlen = mask
+        out_NHd = flash_attn.flash_attn_varlen_func(
+            q_BSHd.reshape(B * S, H, d), k_BSKd.reshape(B * S, K, d), v_BSKd.reshape(B * S, K, d),
+            cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=0.0, causal=True)
+        return out_NHd.view(B, S, H, d)
+    raise ValueError(f"attn_backend={backend!r} is not valid; choose one of sdpa, flex, flash_attn")
+
+
+# ---------------------------------------------------------------- module
+
+
+class GatedAttention(nn.Module):
+    """h -> W_o (sigmoid(G) * Attn(RoPE(Q), RoPE(K), V)); fused projection order: gate, q, k, v heads."""
+
+    def __init__(self, args: LoomModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.backend = args.attn_backend
+        qkv_out = (2 * args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Any) -> torch.Tensor:
+        """Attention branch output a = W_o A (before the residual gain), [B, S, D]."""
+        B, S, _ = h_BSD.shape
+        H, K, d = self.n_heads, self.n_kv_heads, self.head_dim
+        gate, q, k, v = self.wqkv(h_BSD).split([H * d, H * d, K * d, K * d], dim=-1)
+        q_BSHd = apply_rope(q.view(B, S, H, d), *rope)
+        k_BSKd = apply_rope(k.view(B, S, K, d), *rope)
+        attn_BSHd = attend(self.backend, q_BSHd, k_BSKd, v.view(B, S, K, d), mask)
+        gated_BSHd = torch.sigmoid(gate.view(B, S, H, d)) * attn_BSHd
+        return self.wo(gated_BSHd.reshape(B, S, H * d))

@@ -1,0 +1,97 @@
+"""One LOOM block (layer l, loop t), LOOM_SPEC.md §4.4-§4.5:
+
+    o = gamma * GatedAttention(RMS(x))
+    x = x + r_H + r_L            (Looping Residual; plain x + o when switched off)
+    x = x + gamma * RMS_w(MoE(RMS(x); router_t))
+    x = RMS(x)                   (per_layer_out_norm)
+
+Everything that depends on the loop (router weight, gamma, the memories) is a tensor argument,
+so one compiled block serves all loops.
+
+Legend: B batch rows, S sequence length, D model dim, E routed experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from torchtitan_loom.models.loom.args import LoomModelArgs
+from torchtitan_loom.models.loom.attention import GatedAttention
+from torchtitan_loom.models.loom.looping_residual import Memory, looping_residual_write
+from torchtitan_loom.models.loom.moe import LoomMoE
+
+
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim (times `weight` if given), computed in fp32."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+class RMSNormAffine(nn.Module):
+    """RMS_w: RMSNorm with a learnable per-channel weight (initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.eps, self.weight)
+
+
+class BlockOutput(NamedTuple):
+    """What a block hands to the next: stream, both memories, kept counts [E], z-loss term."""
+
+    x_BSD: torch.Tensor
+    l_mem: Memory
+    h_mem: Memory
+    kept_E: torch.Tensor
+    z_sq: torch.Tensor
+
+
+class LoomBlock(nn.Module):
+    """Gated GQA attention with the Looping Residual, then the gamma-scaled MoE half."""
+
+    def __init__(self, args: LoomModelArgs):
+        super().__init__()
+        self.eps = args.norm_eps
+        self.looping_residual = args.looping_residual
+        self.beta = args.looping_residual_beta
+        self.per_layer_out_norm = args.per_layer_out_norm
+        self.attention = GatedAttention(args)
+        self.moe = LoomMoE(args)
+        if args.ffn_branch_rms == "affine":
+            self.ffn_branch_norm = RMSNormAffine(args.dim, args.norm_eps)
+        else:
+            self.ffn_branch_norm = None
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_mask: Any,
+        router_w_ED: torch.Tensor,
+        gamma: torch.Tensor,
+        l_mem: Memory,
+        h_mem: Memory,
+    ) -> BlockOutput:
+        """Run the block once. `gamma` is a 0-d fp32 tensor; `router_w_ED` is this loop's router."""
+        o_BSD = gamma * self.attention(rms_norm(x_BSD, self.eps), rope, attn_mask)
+        if self.looping_residual:
+            r_BSD, l_mem, h_mem = looping_residual_write(o_BSD, l_mem, h_mem, self.beta)
+            x_BSD = x_BSD + r_BSD.to(x_BSD.dtype)
+        else:
+            x_BSD = x_BSD + o_BSD
+        m_BSD, kept_E, z_sq = self.moe(rms_norm(x_BSD, self.eps), router_w_ED)
+        if self.ffn_branch_norm is not None:
+            m_BSD = self.ffn_branch_norm(m_BSD)
+        x_BSD = x_BSD + gamma * m_BSD
+        if self.per_layer_out_norm:
+            x_BSD = rms_norm(x_BSD, self.eps)
+        return BlockOutput(x_BSD, l_mem, h_mem, kept_E, z_sq)

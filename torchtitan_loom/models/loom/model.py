@@ -1,0 +1,264 @@
+"""LoomTransformer: embedding, the loop schedule (gamma, g_t), loop ranges with a carried state,
+untied head, layout-independent init (LOOM_SPEC.md §2-§4, §14).
+
+    e = sqrt(d) * Emb[tokens];  z = e (loop 1) or the carried z
+    for t in [loop_start, loop_end]:
+        if t >= 2: z = (1 - g_t) z + g_t e           g_t = clamp(lambda / (t sqrt(L)), 0, 1)
+        fresh L-axis memory; the H-axis memory is carried
+        for each layer: z = Block(z; router t, gamma)  gamma = lambda / (H sqrt(L))
+        z = RMS(z)
+    logits = W_out z
+
+Legend: B batch rows, S sequence length, D model dim, V vocab, L layers, T loops in the range,
+E routed experts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from torchtitan_loom.models.loom.args import LoomModelArgs
+from torchtitan_loom.models.loom.attention import build_attention_mask, rope_cos_sin
+from torchtitan_loom.models.loom.block import LoomBlock, rms_norm
+from torchtitan_loom.models.loom.looping_residual import Memory, empty_memory
+from torchtitan_loom.models.loom.moe import LoomMoE
+from torchtitan_loom.protocols import LoopCarry, ModelOutput
+
+TRUNC_NORMAL_GAIN = 1.014762601732121  # restores the std after the fmod-3 fold (spec §3)
+WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # added by compile / AC wrappers
+
+
+def residual_gain(args: LoomModelArgs) -> float:
+    """gamma = lambda / (H sqrt(L)), the same in every loop; 1 when cycle_residual_scale is off."""
+    if not args.cycle_residual_scale:
+        return 1.0
+    return args.cycle_scale_lambda / (args.num_loops * math.sqrt(args.n_layers))
+
+
+def inject_gain(t: int, args: LoomModelArgs) -> float:
+    """g_t = clamp(lambda / (t sqrt(L)), 0, 1), the embedding weight at the start of loop t >= 2."""
+    return min(1.0, max(0.0, args.cycle_scale_lambda / (t * math.sqrt(args.n_layers))))
+
+
+class LoomTransformer(nn.Module):
+    """The LOOM looped MoE language model (implements protocols.ModelProtocol)."""
+
+    def __init__(self, args: LoomModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList([LoomBlock(args) for _ in range(args.n_layers)])
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def num_loops(self) -> int:
+        """H."""
+        return self.args.num_loops
+
+    def moe_layers(self) -> Iterator[LoomMoE]:
+        """The L MoE modules in layer order (each with its `expert_bias` buffer [E])."""
+        return (layer.moe for layer in self.layers)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        tokens_BS: torch.Tensor,
+        positions_BS: torch.Tensor,
+        doc_ids_BS: torch.Tensor,
+        loop_start: int = 1,
+        loop_end: int | None = None,
+        carry: LoopCarry | None = None,
+    ) -> ModelOutput:
+        """Run loops [loop_start, loop_end] (1-based, global; loop_end None = H).
+
+        loop_start = 1 starts from the embedding and needs carry=None; loop_start > 1 continues
+        from `carry` (the state after loop_start - 1). See protocols.ModelOutput for the fields.
+        """
+        args = self.args
+        loop_end = args.num_loops if loop_end is None else loop_end
+        self._check_inputs(tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry)
+
+        # The embedding is recomputed every call: later loops re-inject it (spec §6 item 2).
+        e_BSD = self.tok_embeddings(tokens_BS) * math.sqrt(args.dim)
+        if carry is None:
+            z_BSD, h_mem = e_BSD, empty_memory(e_BSD)
+        else:
+            z_BSD, h_mem = carry.z_BSD, Memory(carry.h_num_BSD, carry.h_den_BS1)
+        rope = rope_cos_sin(positions_BS, args.head_dim, args.rope_theta)
+        attn_mask = build_attention_mask(args.attn_backend, doc_ids_BS)
+        gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
+
+        counts_per_loop, z_terms = [], []
+        for t in range(loop_start, loop_end + 1):
+            if t >= 2 and args.embed_inject_mode == "loop_start_mix_soft":
+                g = inject_gain(t, args)
+                z_BSD = (1.0 - g) * z_BSD + g * e_BSD
+            l_mem = empty_memory(z_BSD)
+            counts_per_layer = []
+            for layer in self.layers:
+                # Picked here, outside the block, so the block sees the router as a plain tensor.
+                router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
+                z_BSD, l_mem, h_mem, kept_E, z_sq = layer(z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem)
+                counts_per_layer.append(kept_E)
+                z_terms.append(z_sq)
+            counts_per_loop.append(torch.stack(counts_per_layer))
+            z_BSD = rms_norm(z_BSD, args.norm_eps)
+
+        counts_LTE = torch.stack(counts_per_loop, dim=1)
+        if args.router_z_loss_coef > 0:
+            aux_loss = args.router_z_loss_coef * torch.stack(z_terms).sum()
+        else:
+            aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
+        logits_BSV = self.output(z_BSD).float()
+        return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), counts_LTE, aux_loss)
+
+    def _check_inputs(self, tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry) -> None:
+        # Shape and range checks only: value checks would need a host sync.
+        H = self.args.num_loops
+        if tokens_BS.dim() != 2:
+            raise ValueError(f"tokens_BS must be [B, S], got shape {tuple(tokens_BS.shape)}")
+        if positions_BS.shape != tokens_BS.shape or doc_ids_BS.shape != tokens_BS.shape:
+            raise ValueError(
+                f"positions_BS {tuple(positions_BS.shape)} and doc_ids_BS {tuple(doc_ids_BS.shape)} "
+                f"must have the shape of tokens_BS {tuple(tokens_BS.shape)}")
+        if tokens_BS.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len={self.args.max_seq_len}")
+        if not 1 <= loop_start <= loop_end <= H:
+            raise ValueError(
+                f"loop range [{loop_start}, {loop_end}] invalid: need 1 <= loop_start <= loop_end <= H={H}")
+        if loop_start == 1 and carry is not None:
+            raise ValueError("loop_start=1 starts from the embedding: pass carry=None")
+        if loop_start > 1 and carry is None:
+            raise ValueError(
+                f"loop_start={loop_start} continues a forward: pass the carry of loops [1, {loop_start - 1}]")
+        if carry is not None and carry.z_BSD.shape[:2] != tokens_BS.shape:
+            raise ValueError(
+                f"carry.z_BSD shape {tuple(carry.z_BSD.shape)} does not match tokens {tuple(tokens_BS.shape)}")
+
+    # ------------------------------------------------------------------ counts
+
+    def param_counts(self) -> dict[str, int]:
+        """{"total", "active"}: total = every parameter (all H routers included).
+
+        active = per token: for each of the L layers the attention (wqkv, wo), k of the E routed
+        experts, the shared experts, ONE router and the ffn_branch_rms weight; plus the embedding
+        row and the output head (V*D each, spec §2 "active incl. head and embedding").
+        """
+        total = sum(p.numel() for p in self.parameters())
+        per_layer = sum(self._active_matmul_params(layer) + self._norm_params(layer) for layer in self.layers)
+        head_and_embedding = self.output.weight.numel() + self.tok_embeddings.weight.numel()
+        return {"total": total, "active": per_layer + head_and_embedding}
+
+    def flops_per_token(self, seq_len: int, head_calls: int = 1) -> float:
+        """Training FLOPs per token (forward + backward) over all H loops:
+
+            6 * (P_loop * H + V * D * head_calls) + 12 * L * H * n_heads * head_dim * seq_len
+
+        P_loop = matmul parameters a token uses in one loop, summed over the L layers (attention
+        wqkv + wo, k routed experts, shared experts, one router); V*D = output head, applied once
+        per forward (pass head_calls = number of segments for segmented training). The last term is
+        attention scores and values (QK^T and AV, 2 matmuls x 2 FLOPs x 3 for fwd+bwd, no causal
+        discount, TorchTitan convention). The embedding lookup and the norms are not counted.
+        """
+        args = self.args
+        p_loop = sum(self._active_matmul_params(layer) for layer in self.layers)
+        head = self.output.weight.numel()
+        attention = 12 * args.n_layers * args.num_loops * args.n_heads * args.head_dim * seq_len
+        return float(6 * (p_loop * args.num_loops + head * head_calls) + attention)
+
+    def _active_matmul_params(self, layer: LoomBlock) -> int:
+        moe = layer.moe
+        attention = sum(p.numel() for p in layer.attention.parameters())
+        routed = (moe.experts.w13.numel() + moe.experts.w2.numel()) * moe.top_k // moe.num_experts
+        shared = sum(p.numel() for p in moe.shared_experts.parameters())
+        return attention + routed + shared + moe.routers[0].numel()
+
+    @staticmethod
+    def _norm_params(layer: LoomBlock) -> int:
+        return 0 if layer.ffn_branch_norm is None else layer.ffn_branch_norm.weight.numel()
+
+    # ------------------------------------------------------------------ init
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter from a generator seeded by (init_seed, canonical name).
+
+        Each tensor is drawn on the CPU on its FULL shape, then copied in (for a DTensor, only this
+        rank's shard), so the initial weights do not depend on device, world size or sharding.
+        Router t >= 1 is drawn from router 0's seed: an exact copy (spec §3). `expert_bias` -> 0.
+        """
+        for name, param in self.named_parameters():
+            if param.is_meta:
+                raise RuntimeError(f"parameter {name} is on the meta device: call model.to_empty(device=...) first")
+            _copy_full(param, _init_value(canonical_name(name), tuple(param.shape), self.args))
+        for moe in self.moe_layers():
+            moe.expert_bias.zero_()
+
+
+def canonical_name(name: str) -> str:
+    """The parameter name without the segments torch.compile / activation-checkpoint wrappers add."""
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+_ROUTER = re.compile(r"^(layers\.\d+\.moe\.routers\.)\d+$")
+_STD_BY_SUFFIX = (  # (name pattern, fan-in is the expert width?)
+    (re.compile(r"^tok_embeddings\.weight$"), False),
+    (re.compile(r"^output\.weight$"), False),
+    (re.compile(r"^layers\.\d+\.attention\.(wqkv|wo)\.weight$"), False),
+    (re.compile(r"^layers\.\d+\.moe\.experts\.w13$"), False),
+    (re.compile(r"^layers\.\d+\.moe\.experts\.w2$"), True),
+    (re.compile(r"^layers\.\d+\.moe\.shared_experts\.\d+\.w13\.weight$"), False),
+    (re.compile(r"^layers\.\d+\.moe\.shared_experts\.\d+\.w2\.weight$"), True),
+)
+
+
+def _init_value(name: str, shape: tuple[int, ...], args: LoomModelArgs) -> torch.Tensor:
+    """The full fp32 CPU init tensor of parameter `name` (spec §3 table)."""
+    if re.fullmatch(r"layers\.\d+\.ffn_branch_norm\.weight", name):
+        return torch.ones(shape)
+    router = _ROUTER.match(name)
+    if router:  # plain normal; every loop's router from router 0's seed => identical copies
+        return _randn(router.group(1) + "0", shape, args.init_seed) / math.sqrt(args.dim)
+    for pattern, fan_in_is_expert_width in _STD_BY_SUFFIX:
+        if pattern.match(name):
+            std = 1.0 / math.sqrt(args.expert_intermediate_size if fan_in_is_expert_width else args.dim)
+            return torch.fmod(_randn(name, shape, args.init_seed), 3.0) * (TRUNC_NORMAL_GAIN * std)
+    raise ValueError(f"no init rule for parameter {name!r}; add one in models/loom/model.py")
+
+
+def init_generator_seed(init_seed: int, seed_name: str) -> int:
+    """32-bit generator seed of one parameter (the CPU generator only uses 32 bits of a seed).
+
+    zlib.crc32 is stable across processes, unlike Python's salted hash().
+    """
+    return zlib.crc32(f"{init_seed}:{seed_name}".encode())
+
+
+def _randn(seed_name: str, shape: tuple[int, ...], init_seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(init_generator_seed(init_seed, seed_name))
+    return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full-shape `full` into `param`, or this rank's shard of it when param is a DTensor."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(param, DTensor):
+            full = full.to(device=param.to_local().device, dtype=param.dtype)
+            # src_data_rank=None: every rank holds the same full tensor, so no communication.
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+            return
+    param.copy_(full)

@@ -1,0 +1,181 @@
+"""LOOM MoE layer (LOOM_SPEC.md §4.6): sigmoid router with selection-only bias, capacity keep/drop,
+routed SwiGLU experts (grouped GEMM or a per-expert loop) and unweighted shared experts.
+
+One call = one micro-batch, one layer, one loop. The router weight of the current loop arrives
+as a tensor argument (the model picks `routers[t-1]`), so a compiled block serves every loop.
+Counts of kept assignments are returned, never accumulated in buffers.
+
+Legend: B batch rows, S sequence length, D model dim, N tokens (B*S), E routed experts,
+K routed top-k, A assignments (N*K), I expert width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_loom.models.loom.args import LoomModelArgs
+
+GATE_SUM_FLOOR = 1e-9  # gate normalisation p = s / max(sum s, 1e-9), spec §4.6 step 5
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int | None:
+    """C = max(1, floor(capacity_factor * N * k / E)); None when capacity_factor == 0 (no dropping)."""
+    if capacity_factor == 0:
+        return None
+    return max(1, math.floor(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def route(
+    x_ND: torch.Tensor, router_w_ED: torch.Tensor, expert_bias_E: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k selection by sigmoid score + bias; gate weights from the unbiased scores.
+
+    Returns (fp32 logits [N, E], expert ids [N, K], normalised gate weights [N, K] in x's dtype).
+    """
+    # fp32 router even under autocast (which would otherwise run this matmul in bf16).
+    with torch.autocast(device_type=x_ND.device.type, enabled=False):
+        logits_NE = x_ND.float() @ router_w_ED.float().t()
+    scores_NE = torch.sigmoid(logits_NE).to(x_ND.dtype)
+    # The bias only decides which experts are chosen; the weights use the raw scores.
+    _, expert_NK = (scores_NE + expert_bias_E.to(scores_NE.dtype)).topk(top_k, dim=-1)
+    gate_NK = scores_NE.gather(1, expert_NK)
+    gate_NK = gate_NK / gate_NK.sum(dim=-1, keepdim=True).clamp_min(GATE_SUM_FLOOR)
+    return logits_NE, expert_NK, gate_NK
+
+
+def capacity_plan(
+    expert_NK: torch.Tensor, gate_NK: torch.Tensor, num_experts: int, capacity: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Order assignments by expert and apply the keep rule of spec §4.6 item 7, with tensor ops only.
+
+    Returns
+      order_A   flat assignment indices (token*K + slot) grouped by expert ascending; within an
+                expert, by gate weight descending, ties to the lower flat index;
+      counts_E  int64 routed assignments per expert (before dropping; sizes the expert groups);
+      kept_E    int64 kept assignments per expert (min(count, C));
+      gate_NK   weights after dropping: dropped slots 0, each token that lost a slot renormalised
+                over its survivors (0 if it lost all); tokens that lost nothing keep their weights.
+    No host synchronisation: shapes depend only on N, K, E.
+    """
+    N, K = expert_NK.shape
+    expert_A = expert_NK.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_A.device)
+    counts_E.scatter_add_(0, expert_A, torch.ones_like(expert_A))
+    if capacity is None:
+        return torch.argsort(expert_A, stable=True), counts_E, counts_E, gate_NK
+    # Two stable sorts = lexicographic (expert asc, weight desc, flat index asc).
+    by_weight_A = torch.argsort(gate_NK.reshape(-1), descending=True, stable=True)
+    order_A = by_weight_A[torch.argsort(expert_A[by_weight_A], stable=True)]
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    positions_A = torch.arange(N * K, device=expert_A.device)
+    rank_in_expert_A = positions_A - starts_E[expert_A[order_A]]
+    keep_A = torch.empty_like(expert_A, dtype=torch.bool)
+    keep_A[order_A] = rank_in_expert_A < capacity
+    keep_NK = keep_A.view(N, K)
+    kept_gate_NK = gate_NK * keep_NK
+    renormed_NK = kept_gate_NK / kept_gate_NK.sum(dim=-1, keepdim=True).clamp_min(GATE_SUM_FLOOR)
+    lost_N1 = ~keep_NK.all(dim=-1, keepdim=True)
+    gate_NK = torch.where(lost_N1, renormed_NK, gate_NK)
+    return order_A, counts_E, counts_E.clamp_max(capacity), gate_NK
+
+
+def swiglu(x_MD: torch.Tensor, w13_2ID: torch.Tensor, w2_DI: torch.Tensor) -> torch.Tensor:
+    """W_d (silu(W_g x) * W_u x) with W_g, W_u the first and second halves of w13."""
+    gate_MI, up_MI = (x_MD @ w13_2ID.t()).chunk(2, dim=-1)
+    return (F.silu(gate_MI) * up_MI) @ w2_DI.t()
+
+
+def grouped_mm_usable(x: torch.Tensor, dim: int, inter: int) -> bool:
+    """Whether torch._grouped_mm can take these operands: it needs 16-byte aligned strides, and
+    bf16 except in CPU eager mode (its CUDA kernels and its compile-time shape check take bf16 only)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    cpu_eager = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if x.dtype != torch.bfloat16 and not cpu_eager:
+        return False
+    align = 16 // x.element_size()
+    return dim % align == 0 and inter % align == 0
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts stored packed: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I]."""
+
+    def __init__(self, num_experts: int, dim: int, inter: int, impl: str):
+        super().__init__()
+        self.impl = impl
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter))
+
+    def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Apply expert e to the rows of its group; rows are grouped by expert, group sizes counts_E."""
+        D, I = self.w2.shape[1], self.w2.shape[2]
+        if self.impl == "grouped" and grouped_mm_usable(x_AD, D, I):
+            offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group ends, stays on device
+            h_A2I = torch._grouped_mm(x_AD, self.w13.transpose(-2, -1), offs=offsets_E)
+            gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate_AI) * up_AI, self.w2.transpose(-2, -1), offs=offsets_E)
+        # Per-expert loop (reference / fallback). Host sync: Python needs the group sizes to slice.
+        chunks = x_AD.split(counts_E.tolist())
+        return torch.cat([swiglu(chunk, self.w13[e], self.w2[e]) for e, chunk in enumerate(chunks)])
+
+
+class SharedExpert(nn.Module):
+    """One always-on SwiGLU expert: w13 [2I, D], w2 [D, I]."""
+
+    def __init__(self, dim: int, inter: int):
+        super().__init__()
+        self.w13 = nn.Linear(dim, 2 * inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return swiglu(x_ND, self.w13.weight, self.w2.weight)
+
+
+class LoomMoE(nn.Module):
+    """Per-loop routers (separate parameters), `expert_bias` buffer, routed and shared experts."""
+
+    def __init__(self, args: LoomModelArgs):
+        super().__init__()
+        E, D, I = args.num_routed_experts, args.dim, args.expert_intermediate_size
+        self.num_experts, self.top_k = E, args.routed_top_k
+        self.capacity_factor = args.capacity_factor
+        self.z_loss_enabled = args.router_z_loss_coef > 0
+        # routers.{t} serves loop t+1 (only routers.0 when router_per_loop=False).
+        self.routers = nn.ParameterList([nn.Parameter(torch.empty(E, D)) for _ in range(args.num_routers)])
+        self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
+        self.experts = RoutedExperts(E, D, I, args.moe_impl)
+        self.shared_experts = nn.ModuleList([SharedExpert(D, I) for _ in range(args.num_shared_experts)])
+
+    def forward(
+        self, x_BSD: torch.Tensor, router_w_ED: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (output [B, S, D], kept assignments per expert int64 [E], z-loss term).
+
+        The z-loss term is mean_n logsumexp(logits_n)^2 (fp32), or a 0 tensor when the
+        coefficient is 0 (then it is not computed).
+        """
+        B, S, D = x_BSD.shape
+        N, K = B * S, self.top_k
+        x_ND = x_BSD.reshape(N, D)
+        logits_NE, expert_NK, gate_NK = route(x_ND, router_w_ED, self.expert_bias, K)
+        capacity = expert_capacity(N, K, self.num_experts, self.capacity_factor)
+        order_A, counts_E, kept_E, gate_NK = capacity_plan(expert_NK, gate_NK, self.num_experts, capacity)
+
+        # Dispatch every assignment (dropped ones too, weighted 0: fixed shapes, no sync).
+        x_AD = x_ND[order_A // K]
+        out_AD = self.experts(x_AD, counts_E)
+        # Undo the expert grouping: row order_A[i] of the flat [N*K] layout is out_AD[i].
+        out_NKD = out_AD.new_empty(N * K, D).index_copy(0, order_A, out_AD).view(N, K, D)
+        y_ND = (out_NKD * gate_NK.unsqueeze(-1)).sum(dim=1)
+        for shared in self.shared_experts:
+            y_ND = y_ND + shared(x_ND)
+
+        if self.z_loss_enabled:
+            z_sq = torch.logsumexp(logits_NE, dim=-1).pow(2).mean()
+        else:
+            z_sq = logits_NE.new_zeros(())
+        return y_ND.view(B, S, D), kept_E, z_sq

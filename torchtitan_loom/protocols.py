@@ -1,0 +1,116 @@
+"""What the trainer knows about a model: the ModelProtocol, its output types, and the TrainSpec
+registry (TorchTitan v0.2.2 spirit: a named spec carries the model class, its flavors and the
+parallelize function).
+
+Legend: B batch rows, S sequence length, D model dim, V vocab, L layers, T loops in the range
+run, E routed experts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+class LoopCarry(NamedTuple):
+    """State handed from one loop range to the next: the stream and the H-axis memory (fp32)."""
+
+    z_BSD: torch.Tensor
+    h_num_BSD: torch.Tensor
+    h_den_BS1: torch.Tensor
+
+    def detach(self) -> "LoopCarry":
+        """Values only, no autograd history (segment boundary of truncated backprop)."""
+        return LoopCarry(*(t.detach() for t in self))
+
+
+class ModelOutput(NamedTuple):
+    """Result of a forward over loops [loop_start, loop_end]."""
+
+    logits_BSV: torch.Tensor
+    """fp32 logits of the head applied to the state after loop_end."""
+    carry: LoopCarry
+    """State after loop_end, NOT detached (the caller detaches)."""
+    counts_LTE: torch.Tensor
+    """int64 kept (post-capacity) assignments per layer, per loop of the range, per expert."""
+    aux_loss: torch.Tensor
+    """Scalar: router_z_loss_coef * sum over layers and loops of the z-loss term (0 when off)."""
+
+
+@runtime_checkable
+class ModelProtocol(Protocol):
+    """The model surface the trainer uses; nothing about the model's internals."""
+
+    @property
+    def num_loops(self) -> int:
+        """H, the number of loops of a full forward."""
+        ...
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer in place, layout-independently."""
+        ...
+
+    def __call__(
+        self,
+        tokens_BS: torch.Tensor,
+        positions_BS: torch.Tensor,
+        doc_ids_BS: torch.Tensor,
+        loop_start: int = 1,
+        loop_end: int | None = None,
+        carry: LoopCarry | None = None,
+    ) -> ModelOutput:
+        """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1."""
+        ...
+
+    def moe_layers(self) -> Iterator[nn.Module]:
+        """The MoE modules, one per layer; each has an `expert_bias` buffer [E]."""
+        ...
+
+    def param_counts(self) -> dict[str, int]:
+        """{"total": all parameters, "active": parameters used per token}."""
+        ...
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token over all loops (forward + backward)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """A registered model: its class, its named argument sets, and how to parallelize it."""
+
+    name: str
+    model_cls: type[nn.Module]
+    model_args: Mapping[str, Any]
+    """flavor name -> model args (e.g. LoomModelArgs)."""
+    parallelize_fn: Callable[..., nn.Module] | None = None
+    """parallelize(model, parallel_dims, job_config) -> model; filled by the parallelism code."""
+
+
+# The registry is the only module-level mutable state in the package: specs register once at
+# import of their model package and are read-only afterwards.
+_REGISTRY: dict[str, TrainSpec] = {}
+
+_MODELS_PACKAGE = "torchtitan_loom.models"
+
+
+def register_train_spec(name: str, spec: TrainSpec) -> None:
+    """Register `spec` under `name`; registering a different spec under a taken name is an error."""
+    existing = _REGISTRY.get(name)
+    if existing is not None and existing is not spec:
+        raise ValueError(f"train spec {name!r} is already registered")
+    _REGISTRY[name] = spec
+
+
+def get_train_spec(name: str) -> TrainSpec:
+    """The spec registered as `name`; imports the bundled model packages on first use."""
+    if name not in _REGISTRY:
+        importlib.import_module(_MODELS_PACKAGE)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown train spec {name!r}; registered: {', '.join(sorted(_REGISTRY)) or 'none'}")
+    return _REGISTRY[name]

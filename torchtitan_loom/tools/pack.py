@@ -1,0 +1,270 @@
+"""Packer CLI: corpus files → packed-document pack (LOOM_SPEC §8.1); `--verify DIR` checks one.
+
+    python -m torchtitan_loom.tools.pack --jsonl 'data/*.jsonl' --tokenizer byte --out packs/mine
+    python -m torchtitan_loom.tools.pack --verify packs/mine
+
+Documents are read in input order (all --jsonl files, then --text, then --parquet, each list in
+the order given with globs sorted), tokenised in parallel by --workers processes (results are
+consumed in order, so the pack does not depend on the number of workers), EOS-terminated and
+chunked into records of --seq-len tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from torchtitan_loom.components.data.pack_format import PackError, open_pack, read_metadata
+from torchtitan_loom.components.data.pack_writer import PackWriter
+from torchtitan_loom.components.tokenizer import build_tokenizer
+
+DOCS_PER_TASK = 256     # documents sent to a worker at a time
+PROGRESS_EVERY_S = 2.0  # seconds between progress lines on stderr
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_loom.tools.pack",
+        description="Tokenise a corpus into the packed-document format read by the trainer, "
+                    "or check an existing pack with --verify.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = p.add_argument_group("inputs (at least one, unless --verify)")
+    src.add_argument("--jsonl", nargs="+", default=[], metavar="FILE",
+                     help="JSON-lines files or globs; one document per line, text in --text-field")
+    src.add_argument("--text", nargs="+", default=[], metavar="FILE",
+                     help="plain-text files or globs; split into documents per --text-split")
+    src.add_argument("--parquet", nargs="+", default=[], metavar="FILE",
+                     help="parquet files or globs (needs pyarrow); one document per row, "
+                          "text in --text-field")
+    src.add_argument("--text-field", default="text", help="field / column holding the text in jsonl and parquet")
+    src.add_argument("--text-split", choices=("file", "blankline", "line"), default="file",
+                     help="how --text files split into documents: the whole file, paragraphs "
+                          "separated by blank lines, or single lines")
+    p.add_argument("--tokenizer", default="byte",
+                   help="'byte' (built-in byte-level tokenizer) or a path to a Hugging Face tokenizer.json / its directory")
+    p.add_argument("--eos-token", default=None,
+                   help="end-of-text token of a Hugging Face tokenizer; when unset: the one in tokenizer_config.json, "
+                        "else the first of <|endoftext|>, </s>, <eos> in the vocabulary)")
+    p.add_argument("--out", type=Path, default=None, help="output pack directory (must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    p.add_argument("--seq-len", type=int, default=1024,
+                   help="record (chunk) length in tokens, metadata max_seq_len; the model trains at seq_len - 1")
+    p.add_argument("--epochs", type=int, default=9,
+                   help="number of shuffled training orderings epoch_0..epoch_{N-1}; the holdout is epoch_N")
+    p.add_argument("--holdout-tokens", type=int, default=20_000_000,
+                   help="tokens held out for eval: the last records of the corpus, at most 10%% of records; 0 = none")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="tokenizer processes (output is identical for any number)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the training orderings (numpy default_rng)")
+    p.add_argument("--verify", type=Path, default=None, metavar="DIR",
+                   help="check the pack in DIR, print its statistics, exit non-zero if it is invalid")
+    return p
+
+
+def expand(patterns: list[str], flag: str) -> list[Path]:
+    """Files matched by each pattern, in the order given, sorted within a glob."""
+    files: list[Path] = []
+    for pat in patterns:
+        hits = sorted(glob.glob(pat)) if glob.has_magic(pat) else ([pat] if os.path.isfile(pat) else [])
+        if not hits:
+            raise SystemExit(f"error: {flag} {pat!r} matches no file")
+        files += [Path(h) for h in hits]
+    return files
+
+
+def _jsonl_docs(path: Path, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[field]
+            except (ValueError, KeyError, TypeError):
+                raise SystemExit(f"error: {path}:{lineno}: not a JSON object with a string field {field!r} "
+                                 "(set --text-field to the field holding the text)") from None
+            if not isinstance(text, str):
+                raise SystemExit(f"error: {path}:{lineno}: field {field!r} is {type(text).__name__}, expected a string")
+            yield text
+
+
+def _text_docs(path: Path, split: str) -> Iterator[str]:
+    text = path.read_text(encoding="utf-8")
+    if split == "file":
+        yield text
+    elif split == "line":
+        yield from (line for line in text.splitlines() if line.strip())
+    else:
+        yield from (para.strip("\r\n") for para in re.split(r"\r?\n[ \t]*\r?\n", text) if para.strip())
+
+
+def _parquet_docs(path: Path, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise SystemExit("error: --parquet needs the optional pyarrow package: "
+                         "pip install torchtitan_loom[data]") from None
+    pf = pq.ParquetFile(path)
+    if field not in pf.schema_arrow.names:
+        raise SystemExit(f"error: {path}: no column {field!r} (columns: {pf.schema_arrow.names}); set --text-field")
+    for g in range(pf.num_row_groups):
+        yield from (t for t in pf.read_row_group(g, columns=[field]).column(field).to_pylist() if t is not None)
+
+
+def read_documents(args: argparse.Namespace) -> Iterator[str]:
+    """All input documents in a fixed order."""
+    for f in expand(args.jsonl, "--jsonl"):
+        yield from _jsonl_docs(f, args.text_field)
+    for f in expand(args.text, "--text"):
+        yield from _text_docs(f, args.text_split)
+    for f in expand(args.parquet, "--parquet"):
+        yield from _parquet_docs(f, args.text_field)
+
+
+def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for d in docs:
+        batch.append(d)
+        if len(batch) == DOCS_PER_TASK:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_for(name: str, eos_token: str | None):
+    """A pure builder, memoised so each worker process loads its tokenizer once."""
+    return build_tokenizer(name, eos_token)
+
+
+def _encode_batch(task: tuple[str, str | None, list[str]]) -> list[np.ndarray]:
+    name, eos_token, texts = task
+    tok = _tokenizer_for(name, eos_token)
+    return [tok.encode_array(t) for t in texts]
+
+
+def _ordered_parallel(pool, name: str, eos_token: str | None, batches: Iterator[list[str]],
+                      ahead: int) -> Iterator[list[np.ndarray]]:
+    """Results in submission order (so the pack does not depend on the number of workers), with
+    at most `ahead` batches in flight (Pool.imap would read the whole corpus into its queue)."""
+    pending: collections.deque = collections.deque()
+    for b in batches:
+        pending.append(pool.apply_async(_encode_batch, ((name, eos_token, b),)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+class Progress:
+    """Periodic 'docs, tokens and their rates' line on stderr."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, docs: int, tokens: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if final or now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            dt = max(now - self.t0, 1e-9)
+            print(f"pack: {docs:,} docs ({docs / dt:,.0f}/s), {tokens:,} tokens ({tokens / dt:,.0f}/s)"
+                  + (f", done in {dt:.1f}s" if final else ""), file=sys.stderr, flush=True)
+
+
+def run_pack(args: argparse.Namespace) -> Path:
+    """Tokenise the inputs and write the pack; returns its directory."""
+    if args.out.exists() and not args.force:
+        raise SystemExit(f"error: --out {str(args.out)!r} already exists; pass --force to replace it")
+    if args.seq_len < 2 or args.epochs < 1 or args.workers < 1 or args.holdout_tokens < 0:
+        raise SystemExit("error: need --seq-len ≥ 2, --epochs ≥ 1, --workers ≥ 1 and --holdout-tokens ≥ 0")
+    tok = build_tokenizer(args.tokenizer, args.eos_token)
+    info = {"vocab_size": tok.vocab_size, "name_or_path": tok.name_or_path, "eos_token_id": tok.eos_id}
+    progress = Progress()
+    with PackWriter(args.out, info, args.seq_len, extra_metadata={"created_by": "torchtitan_loom.tools.pack"}) as w:
+        batches = _batches(read_documents(args))
+        if args.workers == 1:
+            encoded = ([tok.encode_array(t) for t in b] for b in batches)
+            pool = None
+        else:
+            pool = mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(args.workers)
+            encoded = _ordered_parallel(pool, args.tokenizer, args.eos_token, batches, 4 * args.workers)
+        try:
+            for arrays in encoded:
+                for ids in arrays:
+                    w.add_document(ids)
+                progress.update(w.num_documents, w.total_tokens)
+        finally:
+            if pool is not None:
+                pool.terminate()
+        progress.update(w.num_documents, w.total_tokens, final=True)
+        return w.finish(epochs=args.epochs, holdout_tokens=args.holdout_tokens, seed=args.seed,
+                        replace=args.force)
+
+
+def verify(path: Path) -> dict:
+    """Validate the pack fully (every token id scanned) and return its statistics."""
+    meta = read_metadata(path)
+    vocab = int(meta["tokenizer_info"]["vocab_size"])
+    pack = open_pack(path, seq_len=int(meta["max_seq_len"]) - 1, vocab_size=vocab, scan_tokens=True)
+    lens = {k: pack.records(k)[1] for k in pack.epoch_dirs}
+    train_lens = lens[pack.training_epochs[0]]
+    hold = lens.get(pack.holdout_epoch, np.zeros(0, np.int64)) if pack.holdout_epoch is not None else np.zeros(0)
+    toks = pack.tokens
+    return {
+        "path": str(path),
+        "tokenizer": pack.tokenizer_name,
+        "vocab_size": vocab,
+        "eos_token_id": pack.eos_id,
+        "max_seq_len": pack.max_seq_len,
+        "tokens": int(len(toks)),
+        "token_dtype": str(toks.dtype),
+        "token_id_range": [int(toks.min()) if len(toks) else 0, int(toks.max()) if len(toks) else 0],
+        "training_epochs": list(pack.training_epochs),
+        "records_per_training_epoch": int(len(train_lens)),
+        "training_tokens_per_epoch": int(train_lens.sum()),
+        "mean_record_length": round(float(train_lens.mean()), 2) if len(train_lens) else 0.0,
+        "holdout_epoch": pack.holdout_epoch,
+        "holdout_records": int(len(hold)),
+        "holdout_tokens": int(np.sum(hold)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verify is not None:
+        if args.out is not None or args.jsonl or args.text or args.parquet:
+            parser.error("--verify DIR checks an existing pack; do not combine it with inputs or --out")
+        try:
+            stats = verify(args.verify)
+        except PackError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        for k, v in stats.items():
+            print(f"{k}: {v}")
+        return 0
+    if args.out is None or not (args.jsonl or args.text or args.parquet):
+        parser.error("packing needs --out and at least one of --jsonl / --text / --parquet (or use --verify DIR)")
+    try:
+        out = run_pack(args)
+    except (ValueError, ImportError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
