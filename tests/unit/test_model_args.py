@@ -12,13 +12,6 @@ from torchtitan_loom.models.loom import LoomModelArgs, LoomTransformer, loom_fla
 from torchtitan_loom.protocols import ModelProtocol, TrainSpec, get_train_spec, register_train_spec
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: one thread is fastest and avoids OpenMP oversubscription on shared CI cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def meta_model(args: LoomModelArgs) -> LoomTransformer:

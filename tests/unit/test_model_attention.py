@@ -11,13 +11,6 @@ from torchtitan_loom.models.loom.attention import (
     GatedAttention, apply_rope, attend, build_attention_mask, document_cu_seqlens, rope_cos_sin)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: one thread is fastest and avoids OpenMP oversubscription on shared CI cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def debug_model(**changes) -> LoomTransformer:

@@ -8,13 +8,6 @@ from torchtitan_loom.models.loom.looping_residual import Memory, ema_write, empt
 from torchtitan_loom.models.loom.model import inject_gain, residual_gain
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: one thread is fastest and avoids OpenMP oversubscription on shared CI cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 GAMMA_TABLE = {  # H: (L=10, L=15), spec §4.3
     1: (0.158114, 0.129099), 3: (0.052705, 0.043033), 6: (0.026352, 0.021517),

@@ -10,13 +10,6 @@ from torchtitan_loom.models.loom import loom_flavors
 from torchtitan_loom.models.loom.moe import LoomMoE, capacity_plan, expert_capacity, route
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: one thread is fastest and avoids OpenMP oversubscription on shared CI cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def small_moe(**changes) -> LoomMoE:
