@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan_loom.components.data import build_eval_loader, build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops
@@ -26,6 +28,7 @@ from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import validate
 from torchtitan_loom.distributed import utils as dist_utils
+from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import get_train_spec
 
 SPIKE_EXIT_CODE = 2
@@ -64,16 +67,30 @@ class Trainer:
         self.compute_dtype = _DTYPES[t.mixed_precision_param]
         self.reduce_dtype = _DTYPES[t.mixed_precision_reduce]
 
+        # Degrees and meshes first: every divisibility rule was already checked by validate().
+        self.parallel_dims = ParallelDims.from_config(cfg.parallelism, info.world_size,
+                                                      num_experts=model_args.num_routed_experts)
+        self.parallel_dims.build_meshes(self.device.type)
+        # FSDP's MixedPrecisionPolicy casts the parameters; autocast would only add casts on top.
+        self.use_autocast = self.compute_dtype != torch.float32 and not self.parallel_dims.fsdp_enabled
+
         # Model: meta → (converters) → parallelize → materialise → layout-independent init.
         self.spec = get_train_spec(cfg.model.name)
         with torch.device("meta"):
             model = self.spec.model_cls(model_args)
+        self.float8 = build_float8_converter(cfg.float8, t.device)  # None unless float8.enable
+        if self.float8 is not None:
+            self.log(self.float8.convert(model).summary(self.float8.plan))
         if self.spec.parallelize_fn is not None:
-            model = self.spec.parallelize_fn(model, info, cfg)
+            model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights()
         self.model = model.train()
+        # Tensorwise float8 scale precompute: only when FSDP sharded the float8 weights.
+        self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(model)
+        if self.float8_precompute:
+            self.log("float8: FSDP shards the float8 weights; their scales are precomputed after each optimizer step")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_loops = model.num_loops
         self.segments = segments(self.num_loops, t.bp_segment_len)
@@ -93,16 +110,28 @@ class Trainer:
         self.vocab_size = model_args.vocab_size
         self.dataloader = build_train_loader(data_path, seq_len=t.seq_len, vocab_size=model_args.vocab_size,
                                              global_batch_rows=t.global_batch_size, dp_rank=info.rank,
-                                             dp_world=info.world_size)
+                                             dp_world=self.parallel_dims.dp)  # every rank is a dp rank
         self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.tb_folder, rank=info.rank,
                                      log_rank=cfg.metrics.log_rank)
-        self.flops_per_token = model.flops_per_token(t.seq_len)
+        # The head runs once per segment, so it counts once per segment (see the model docstring).
+        self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
         self.peak_flops = peak_flops(self.device)
         self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {counts['total']:,} parameters "
                  f"({counts['active']:,} active per token), H={self.num_loops}, segments={self.segments}, "
                  f"world={info.world_size}, device={self.device}, compute dtype={t.mixed_precision_param}, "
                  f"data={data_path}")
+        if info.world_size > 1:
+            self.log("parallelism: " + "; ".join(line.strip() for line in self.parallel_dims.describe().splitlines())
+                     + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}")
+        # Built last, once everything it saves exists; resumes (or warm-starts) right away.
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
+            states={"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader,
+                    "spike_guard": self.spike_guard, "train_state": self.state},
+            model_args=model_args, model_name=cfg.model.name, flavor=cfg.model.flavor, config_toml=to_toml(cfg),
+            total_steps=t.steps, device=self.device, rank=info.rank, world_size=info.world_size, log=self.log)
+        self.checkpointer.load()
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str) -> None:
@@ -110,8 +139,9 @@ class Trainer:
             print(f"[torchtitan_loom] {msg}", flush=True)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 compute on any layout (a single process included); fp32 runs are plain."""
-        if self.compute_dtype == torch.float32:
+        """bf16 autocast without FSDP (a single process included); under FSDP its MixedPrecisionPolicy
+        computes with bf16 parameters instead; fp32 runs are plain."""
+        if not self.use_autocast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
@@ -152,6 +182,8 @@ class Trainer:
                     counts_LHE = torch.zeros(L, self.num_loops, out.counts_LTE.shape[-1], dtype=torch.int64,
                                              device=self.device)
                 counts_LHE[:, a - 1:b] += out.counts_LTE
+            # Sums what FSDP did not reduce: every gradient of a replicated model, or only the
+            # replicated routers under FSDP (its reduce-scatter already summed the rest).
             dist_utils.reduce_gradients(self.params, self.reduce_dtype)
             # One host sync per segment: the guard needs the segment's global token-mean loss.
             seg_loss = dist_utils.all_reduce(ce_total.reshape(1)).item() / denom
@@ -165,6 +197,8 @@ class Trainer:
                 break
             grad_norm = dist_utils.clip_grad_norm(self.params, self.cfg.training.max_norm)
             self.optimizer.step()
+            if self.float8_precompute:
+                self.float8.post_optimizer_hook(self.model)
             self.spike_guard.accept(j, seg_loss)
         # Expert-bias update once per global step, loads summed over loops, micro-batches and
         # ranks; discarded when a segment was skipped (§5.2).
@@ -213,6 +247,7 @@ class Trainer:
     def train(self) -> int:
         cfg, t = self.cfg, self.cfg.training
         data_iter = iter(self.dataloader)
+        self.checkpointer.restore_rng()  # the resumed RNG stream, untouched by anything built since
         tokens_per_step = t.global_batch_size * t.seq_len
         last_time, last_step = time.perf_counter(), self.state.step
         exit_code = 0
@@ -242,7 +277,13 @@ class Trainer:
                 if cfg.spike_guard.abort_on_spike:
                     self._write_spike_abort(step, out["skip_reason"])
                     exit_code = SPIKE_EXIT_CODE
+                    self.checkpointer.after_step(step, last=True)
                     break
+            stop = self.checkpointer.after_step(step, last=step == t.steps)  # saves; preemption → stop
+            if stop:
+                self.log(stop)
+                break
+        self.checkpointer.close()
         self.metrics.close()
         return exit_code
 
@@ -264,27 +305,41 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--check-config"]
     try:
         cfg = load_config(argv)
-        model_args = validate(cfg, dist_utils.world_size_from_env())
+        world_size = cfg.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
+        model_args = validate(cfg, world_size)
     except ConfigError as exc:
         for line in str(exc).splitlines():
             print(f"config error: {line}", file=sys.stderr)
         return 2
     if check_only:  # run_train.sh checks the config for the whole world before starting ranks
         return 0
+    if cfg.parallelism.dry_run:  # the layout for world_size ranks, in this one process
+        from torchtitan_loom.distributed.dry_run import dry_run
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(dry_run(cfg, model_args, world_size))
+        return 0
     info = dist_utils.init_distributed(cfg.training.device)
+    finished = False
     try:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        if info.rank == 0:
-            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
-                fh.write(to_toml(cfg))
         if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
             print(to_toml(cfg))
-        trainer = Trainer(cfg, model_args, info)
+        try:
+            trainer = Trainer(cfg, model_args, info)
+        except CheckpointError as exc:  # the checkpoint to resume does not fit this run
+            for line in str(exc).splitlines():
+                print(f"checkpoint error: {line}", file=sys.stderr)
+            return 2
+        if info.rank == 0:  # written after the resume succeeded, so a refused one leaves the run as it was
+            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
+                fh.write(to_toml(cfg))
         code = trainer.train()
         trainer.log(f"done: {trainer.state.step} steps, exit code {code}")
+        finished = True
         return code
     finally:
-        dist_utils.destroy_distributed()
+        dist_utils.destroy_distributed(wait_for_all=finished)
 
 
 if __name__ == "__main__":

@@ -56,16 +56,26 @@ def test_two_ranks_match_one_rank(tmp_path, tiny_pack):
               "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
               "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--eval.interval", "3",
               "--eval.tokens", "500"]
-    losses = []
-    for ngpu in ("1", "2"):
-        dump = tmp_path / f"w{ngpu}"
-        # One thread per rank in both runs: CPU matmul blocking (and so rounding) depends on threads.
-        proc = run_train(common + ["--job.dump_folder", str(dump)], {"NGPU": ngpu, "OMP_NUM_THREADS": "1"})
+    runs = {}
+    for name, ngpu, extra in (("single", "1", []), ("replicas", "2", ["--parallelism.dp_replicate", "2"]),
+                              ("fsdp", "2", [])):
+        dump = tmp_path / name
+        # One thread per rank in every run: CPU matmul blocking (and so rounding) depends on threads.
+        proc = run_train(common + extra + ["--job.dump_folder", str(dump)], {"NGPU": ngpu, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        losses.append([(r["loss"], r.get("eval_loss")) for r in read_jsonl(dump / "metrics.jsonl")])
-    # Same micro-batches, same summation order (two addends commute exactly): bitwise equal.
-    assert losses[0] == losses[1]
-    assert losses[0][-1][1] is not None
+        runs[name] = [(r["loss"], r.get("eval_loss")) for r in read_jsonl(dump / "metrics.jsonl")]
+    assert runs["single"][-1][1] is not None
+    # Plain replicas: same micro-batches, gradients summed by one all-reduce of two addends, which
+    # commute exactly -> bitwise equal.
+    assert runs["replicas"] == runs["single"]
+    # FSDP2 reduce-scatters shards, which may sum in another order: step 1 (before any update) must
+    # agree to fp32 rounding; later steps pass through AdamW, whose first updates are ~lr*sign(g)
+    # and can amplify 1e-7 differences to ~1e-4. (Measured here: bitwise equal, 2026-11-29.)
+    (l1, _), (f1, _) = runs["single"][0], runs["fsdp"][0]
+    assert f1 == pytest.approx(l1, rel=1e-6)
+    for (l, e), (f, g) in zip(runs["single"], runs["fsdp"]):
+        assert f == pytest.approx(l, rel=1e-3)
+        assert (e is None and g is None) or g == pytest.approx(e, rel=1e-3)
 
 
 def test_spike_abort_exits_2_with_message(tmp_path, tiny_pack):

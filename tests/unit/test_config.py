@@ -90,10 +90,10 @@ def test_toml_type_and_key_errors(tmp_path):
     (["--training.seq_len", "4096"], 1, "training.seq_len = 4096: the model flavor 'debug' supports at most"),
     (["--data.path", "/definitely/missing"], 1, "data.path: no such directory '/definitely/missing'"),
     (["--model.flavor", "huge"], 1, "model.flavor: unknown flavor 'huge' of 'loom'; valid: debug"),
-    (["--parallelism.ep", "2"], 1, "parallelism.ep = 2: not supported yet"),
-    (["--compile.enable"], 1, "compile.enable = True: not supported yet"),
-    (["--float8.enable"], 1, "float8.enable = True: not supported yet"),
-    (["--checkpoint.enable"], 1, "checkpoint.enable = True: not supported yet"),
+    (["--parallelism.ep", "2"], 1, "parallelism.ep = 2: must divide dp_shard = 1"),
+    (["--parallelism.tp", "2"], 1, "parallelism.tp = 2: tensor parallel is not supported"),
+    (["--float8.enable", "--training.device", "cpu"], 1, "float8.enable = true on CPU needs float8.emulate = true"),
+    (["--checkpoint.enable", "--checkpoint.interval", "0"], 1, "checkpoint.interval = 0: must be ≥ 1"),
 ])
 def test_validation_errors(argv, world, expected):
     with pytest.raises(ConfigError) as exc:

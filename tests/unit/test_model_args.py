@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from torchtitan_loom.models.loom import LoomModelArgs, LoomTransformer, loom_flavors
+from torchtitan_loom.models.loom import LoomModelArgs, LoomTransformer, loom_flavors, parallelize_loom
 from torchtitan_loom.protocols import ModelProtocol, TrainSpec, get_train_spec, register_train_spec
 
 
@@ -41,7 +41,7 @@ def test_spec_fields_and_protocol():
     spec = get_train_spec("loom")
     assert spec.name == "loom" and spec.model_cls is LoomTransformer
     assert set(spec.model_args) == {"debug", "loom_329m", "loom_1p7b"}
-    assert spec.parallelize_fn is None  # filled by the parallelism issue
+    assert spec.parallelize_fn is parallelize_loom
     assert isinstance(meta_model(spec.model_args["debug"]), ModelProtocol)
 
 

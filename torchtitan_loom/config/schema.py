@@ -21,9 +21,6 @@ def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, pendi
     return field(default=default, metadata=meta)
 
 
-_PAR = "the parallelism issue (#5)"
-_CKPT = "the checkpoint issue (#6)"
-_F8 = "the float8 issue (#7)"
 
 
 @dataclass
@@ -132,47 +129,86 @@ class Metrics:
 
 @dataclass
 class Checkpoint:
-    enable: bool = opt(False, "Save and resume DCP checkpoints under <dump_folder>/<folder>.", pending=_CKPT)
-    folder: str = opt("checkpoint", "Checkpoint sub-folder of job.dump_folder.", pending=_CKPT)
-    interval: int = opt(500, "Save every N steps.", pending=_CKPT)
-    keep_latest_k: int = opt(2, "Periodic checkpoints kept (0 keeps all).", pending=_CKPT)
-    snapshot_interval: int = opt(0, "Immutable snapshot every N steps; 0 disables.", pending=_CKPT)
-    snapshot_keep: int = opt(2, "Snapshots kept (0 keeps all).", pending=_CKPT)
-    load_step: int = opt(-1, "Resume from this step; -1 = the newest complete checkpoint.", pending=_CKPT)
-    initial_load_path: str = opt("", "Model-only warm start from this checkpoint directory.", pending=_CKPT)
-    async_mode: str = opt("disabled", "Asynchronous save.", choices=("disabled", "async"), pending=_CKPT)
+    enable: bool = opt(False, "Save DCP checkpoints under <dump_folder>/<folder> and resume from the newest "
+                              "complete one there at start (any world size).")
+    folder: str = opt("checkpoint", "Checkpoint sub-folder of job.dump_folder.")
+    interval: int = opt(500, "Save step-N/ every N steps (and always at the last step).")
+    keep_latest_k: int = opt(2, "Periodic step-N/ checkpoints kept (0 keeps all); the newest complete one "
+                                "is never deleted.")
+    snapshot_interval: int = opt(0, "Also save an immutable snapshots/step-N/ every N steps; 0 disables.")
+    snapshot_keep: int = opt(2, "Snapshots kept (0 keeps all).")
+    load_step: int = opt(-1, "Resume from this step (a complete step-N/ or snapshots/step-N/ of this run); "
+                             "-1 = the newest complete checkpoint.")
+    initial_load_path: str = opt("", "Model-only warm start from this checkpoint directory (or a checkpoint "
+                                     "folder: its newest complete one), used when this run has no checkpoint "
+                                     "yet; optimizer, schedule, data and step start fresh.")
+    async_mode: str = opt("disabled", "async: stage to CPU memory, then write in a background thread over "
+                                      "its own gloo group while training continues.",
+                          choices=("disabled", "async"))
+    save_on_signal: bool = opt(True, "On SIGTERM or SIGUSR1: finish the current step, save, exit 0.")
+    exit_after_step: int = opt(0, "Save and exit 0 after this global step (job chains under a time "
+                                  "limit; the next launch resumes); 0 = off.")
 
 
 @dataclass
 class Parallelism:
-    dp_replicate: int = opt(1, "Replicated data-parallel degree (HSDP outer axis).", pending=_PAR)
-    dp_shard: int = opt(-1, "FSDP degree; -1 = every remaining rank. Until FSDP lands, ranks replicate "
-                            "the model and all-reduce gradients.")
-    ep: int = opt(1, "Expert-parallel degree, carved from dp_shard.", pending=_PAR)
-    tp: int = opt(1, "Tensor parallel: not supported.", pending="no issue (unsupported)")
-    cp: int = opt(1, "Context parallel: not supported.", pending="no issue (unsupported)")
-    pp: int = opt(1, "Pipeline parallel: not supported.", pending="no issue (unsupported)")
-    fsdp_reshard_after_forward: str = opt("default", "FSDP2 reshard_after_forward policy.",
-                                          choices=("default", "always", "never"), pending=_PAR)
-    dry_run: bool = opt(False, "Validate the config and print the layout, then exit.", pending=_PAR)
+    dp_replicate: int = opt(1, "Replicated data-parallel degree: HSDP's outer axis when dp_shard > 1, plain "
+                               "replicas (gradients all-reduced) when dp_shard = 1. dp_replicate × dp_shard "
+                               "= world size.")
+    dp_shard: int = opt(-1, "FSDP2 degree (parameters, gradients and optimizer state sharded over these ranks); "
+                            "-1 = world size / dp_replicate. 1 = no FSDP.")
+    ep: int = opt(1, "Expert-parallel degree: routed experts split over ep ranks carved from dp_shard (must "
+                     "divide dp_shard and the routed-expert count); tokens go to their experts' owners.")
+    tp: int = opt(1, "Tensor parallel degree: not supported, must be 1.")
+    cp: int = opt(1, "Context parallel degree: not supported, must be 1.")
+    pp: int = opt(1, "Pipeline parallel degree: not supported, must be 1.")
+    fsdp_reshard_after_forward: str = opt(
+        "default", "Free gathered parameters after forward (always) or keep them until backward (never). "
+                   "default = never: each block runs K times per forward, so 'always' re-gathers it per loop.",
+        choices=("default", "always", "never"))
+    dry_run: bool = opt(False, "Validate the config, print the mesh layout, batch split and per-rank parameter "
+                               "shards and memory for the world size, then exit 0 without training (one "
+                               "process, fake process group).")
+    dry_run_world_size: int = opt(0, "World size the dry run lays out; 0 = the launcher's WORLD_SIZE.")
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = opt("none", "Recompute activations per block, per loop or per segment.",
-                    choices=("none", "block", "loop", "segment"), pending=_PAR)
+    mode: str = opt("none", "Recompute activations in backward: per block call (block), per loop (loop) or "
+                            "per backprop segment of K loops (segment); routing decisions are saved, never "
+                            "recomputed differently.", choices=("none", "block", "loop", "segment"))
 
 
 @dataclass
 class Compile:
-    enable: bool = opt(False, "torch.compile each block (one graph serves every loop).", pending=_PAR)
+    enable: bool = opt(False, "torch.compile each block; one graph serves every loop (no per-loop recompile).")
+    backend: str = opt("inductor", "torch.compile backend (aot_eager / eager: tracing without code generation, "
+                                   "for debugging).", choices=("inductor", "aot_eager", "eager"))
 
 
 @dataclass
 class Float8:
-    enable: bool = opt(False, "Float8 training through torchao.", pending=_F8)
-    recipe: str = opt("tensorwise", "Scaling recipe.", choices=("tensorwise", "rowwise"), pending=_F8)
-    emulate: bool = opt(False, "Emulate float8 (CPU / pre-SM89).", pending=_F8)
+    enable: bool = opt(False, "Float8 training through torchao (components/float8.py): attention wqkv/wo and "
+                              "the shared experts become Float8Linear; routers, embedding and output head never "
+                              "convert. Needs torchao and a CUDA GPU of compute capability 8.9+, or emulate.")
+    recipe: str = opt("tensorwise", "Scaling of the dense linears: tensorwise (one dynamic scale per tensor; "
+                                    "allows the FSDP float8 all-gather) or rowwise (one per row, power-of-2 "
+                                    "scales; communication stays high precision).", choices=("tensorwise", "rowwise"))
+    emulate: bool = opt(False, "Emulate the float8 GEMMs (quantise, then multiply in high precision): required "
+                               "on CPU and below SM89; for tests, not speed.")
+    experts: bool = opt(False, "Also run the routed experts' grouped GEMMs in low precision "
+                               "(torchao.prototype.moe_training); each expert's token group is zero-padded to "
+                               "the kernel's alignment (16 fp8, 32 MXFP8) and the padding dropped after.")
+    experts_recipe: str = opt("auto", "Routed-expert kernel: fp8_rowwise (SM90, triton), mxfp8 (SM100; emulated "
+                                      "anywhere with emulate); auto = mxfp8 when emulating or on SM100, "
+                                      "fp8_rowwise on SM90.", choices=("auto", "fp8_rowwise", "mxfp8"))
+    enable_fsdp_float8_all_gather: bool = opt(False, "tensorwise only: FSDP all-gathers the Float8Linear weights "
+                                                     "in float8 (half the bytes of bf16); no effect without FSDP.")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "With the float8 all-gather: compute every weight's scale after each optimizer step in one "
+               "all-reduce, instead of per weight in forward. Applied only when FSDP shards the model.")
+    filter_fqns: list[str] = opt([], "Module-name substrings whose linears / routed experts stay high precision "
+                                     "(comma-separated), on top of the routers, embedding and head.")
 
 
 @dataclass
@@ -206,9 +242,9 @@ SECTION_DOCS = {
     "data": "Packed-document corpus (LOOM_SPEC §8, §14).",
     "eval": "Held-out evaluation: full H loops plus the loss after every loop.",
     "metrics": "Console, metrics.jsonl and TensorBoard.",
-    "checkpoint": "DCP checkpoints (issue #6).",
-    "parallelism": "Data/expert parallel degrees (issue #5).",
-    "activation_checkpoint": "Activation recomputation (issue #5).",
-    "compile": "torch.compile (issue #5).",
+    "checkpoint": "DCP checkpoints: periodic + snapshots, atomic, resume at any world size, preemption.",
+    "parallelism": "Data parallel (FSDP2 / HSDP) and expert parallel degrees; dry run.",
+    "activation_checkpoint": "Activation recomputation per block, loop or segment.",
+    "compile": "torch.compile per block.",
     "float8": "Float8 training via torchao (issue #7).",
 }

@@ -69,23 +69,98 @@ def _pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
         return None
 
 
+def _float8_errors(cfg: JobConfig) -> list[str]:
+    """[float8]: torchao present, recipes known, the device able to run them (or emulate)."""
+    if not cfg.float8.enable:
+        return []
+    from torchtitan_loom.components.float8 import float8_problems
+
+    plan, errors = float8_problems(cfg.float8, cfg.training.device)
+    if cfg.float8.experts and cfg.parallelism.ep > 1:
+        errors.append(f"float8.experts = true with parallelism.ep = {cfg.parallelism.ep}: float8 routed experts "
+                      f"are not supported with expert parallelism yet; set float8.experts = false or ep = 1")
+    if plan is not None and plan.experts_kernel == "mxfp8_emulated" and cfg.compile.enable:
+        # Measured (torch 2.13, torchao 0.18, CPU): inductor fails compiling its backward.
+        errors.append("compile.enable = true with emulated float8 experts (float8.emulate + float8.experts): "
+                      "torch.compile fails on torchao's emulated MXFP8 grouped GEMM; set compile.enable = false "
+                      "or float8.experts = false (emulated dense float8 compiles)")
+    return errors
+
+
+def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
+    """[checkpoint]: ranges, keys that need enable, and a checkpoint to load that fits the model."""
+    c, errors = cfg.checkpoint, []
+    if c.interval < 1:
+        errors.append(f"checkpoint.interval = {c.interval}: must be ≥ 1")
+    for key in ("keep_latest_k", "snapshot_interval", "snapshot_keep", "exit_after_step"):
+        if getattr(c, key) < 0:
+            errors.append(f"checkpoint.{key} = {getattr(c, key)}: must be ≥ 0")
+    if c.load_step == 0 or c.load_step < -1:
+        errors.append(f"checkpoint.load_step = {c.load_step}: must be -1 (the newest complete checkpoint) "
+                      f"or a saved step ≥ 1")
+    if not c.folder or os.path.isabs(c.folder):
+        errors.append(f"checkpoint.folder = {c.folder!r}: must be a non-empty path relative to job.dump_folder")
+    if not c.enable:
+        for key, default in (("load_step", -1), ("initial_load_path", ""), ("exit_after_step", 0)):
+            if getattr(c, key) != default:
+                errors.append(f"checkpoint.{key} = {getattr(c, key)!r} needs checkpoint.enable = true")
+    if errors or args is None or not c.enable:
+        return errors
+
+    def expected_shapes() -> dict[str, tuple[int, ...]]:
+        # The configured model on the meta device: shapes without memory or a process group.
+        import torch
+
+        from torchtitan_loom.protocols import get_train_spec
+
+        with torch.device("meta"):
+            model = get_train_spec(cfg.model.name).model_cls(args)
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    from torchtitan_loom.components.checkpoint.resolve import config_errors
+
+    return config_errors(cfg, args, expected_shapes)
+
+
 def dp_degree(cfg: JobConfig, world_size: int) -> int:
-    """Data-parallel ranks: every rank is a data-parallel rank until other axes exist."""
+    """Data-parallel ranks: every rank is one (dp_replicate × dp_shard = world; ep ranks are FSDP ranks)."""
     return world_size
+
+
+def _parallelism_errors(cfg: JobConfig, world_size: int, args: Any) -> list[str]:
+    """[parallelism], [activation_checkpoint], [compile]: every divisibility rule, one message each."""
+    from torchtitan_loom.distributed.parallel_dims import parallelism_problems
+
+    par = cfg.parallelism
+    num_experts = args.num_routed_experts if args is not None else None
+    errors = parallelism_problems(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, ep=par.ep, tp=par.tp,
+                                  cp=par.cp, pp=par.pp, world_size=world_size, num_experts=num_experts)
+    if par.dry_run_world_size < 0:
+        errors.append(f"parallelism.dry_run_world_size = {par.dry_run_world_size}: must be ≥ 0 (0 = WORLD_SIZE)")
+    if par.dry_run_world_size and not par.dry_run:
+        errors.append("parallelism.dry_run_world_size needs parallelism.dry_run = true")
+    if errors or args is None or par.ep == 1:
+        return errors
+    # Fewer routed experts than FSDP ranks: FSDP shards each expert's rows (Shard(1)), which must be even.
+    dp_shard = world_size // par.dp_replicate if par.dp_shard == -1 else par.dp_shard
+    efsdp = dp_shard // par.ep
+    E, D, I = args.num_routed_experts, args.dim, args.expert_intermediate_size
+    if E // par.ep < efsdp and (2 * I % efsdp or D % efsdp):
+        errors.append(f"parallelism.ep = {par.ep}: with {E // par.ep} experts per ep rank and dp_shard / ep = "
+                      f"{efsdp} FSDP ranks per expert group, FSDP splits expert rows, which needs "
+                      f"model dim {D} and 2 × expert width {2 * I} divisible by {efsdp}; use a larger ep")
+    return errors
 
 
 def validate(cfg: JobConfig, world_size: int) -> Any:
     """Check everything that can be checked up front; return the resolved model args."""
     errors = _pending_errors(cfg)
-    t, par = cfg.training, cfg.parallelism
+    t = cfg.training
     for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
         if getattr(t, key) < 1:
             errors.append(f"training.{key} = {getattr(t, key)}: must be ≥ 1")
     if t.bp_segment_len < 0:
         errors.append(f"training.bp_segment_len = {t.bp_segment_len}: must be ≥ 0 (0 = all loops in one segment)")
-    if par.dp_shard not in (-1, world_size // max(par.dp_replicate, 1)):
-        errors.append(f"parallelism.dp_shard = {par.dp_shard}: with {world_size} ranks use -1 or "
-                      f"{world_size // max(par.dp_replicate, 1)} (dp_replicate × dp_shard = world size)")
     dp = dp_degree(cfg, world_size)
     if t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (dp * t.micro_batch_size):
         errors.append(f"training.global_batch_size = {t.global_batch_size}: must be divisible by data-parallel "
@@ -126,6 +201,9 @@ def validate(cfg: JobConfig, world_size: int) -> Any:
             if max_len is not None and t.seq_len > max_len - 1:
                 errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at most "
                               f"{max_len} tokens, so seq_len must be ≤ {max_len - 1}")
+    errors += _parallelism_errors(cfg, world_size, args)
+    errors += _float8_errors(cfg)
+    errors += _checkpoint_errors(cfg, args if not errors else None)
     if errors:
         raise ConfigError("\n".join(errors))
     return args

@@ -1,9 +1,10 @@
-"""Process-group init, small reductions, data-parallel gradient reduction and clipping.
+"""Process-group init, determinism, small reductions, gradient reduction and clipping across meshes.
 
-Until FSDP2 lands (issue #5), several ranks each hold the whole model (the layout-independent init
-makes the replicas identical without a broadcast) and sum their gradients with one all-reduce per
-tensor; because the loss is already divided by the GLOBAL valid-token count, the sum is the mean
-gradient whatever the world size.
+Gradients live in three forms: FSDP-sharded DTensors (FSDP2 reduce-scatters them itself, summed,
+never averaged), replicated DTensors (the per-loop routers under FSDP, see
+models/loom/parallelize.py) and plain tensors (a replicated model without FSDP). Because the loss is
+already divided by the GLOBAL valid-token count, every reduction here is a SUM over the
+data-parallel ranks: the result is the mean gradient whatever the world size.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,16 @@ def init_distributed(requested_device: str, timeout_s: float = 300.0) -> DistInf
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(wait_for_all: bool = True) -> None:
+    """Tear down the process group; after a normal finish, first wait for every rank.
+
+    Rank 0 hosts the rendezvous store: a rank that leaves while another is still in its last
+    collective can tear that rank's connections down mid-call (seen as SIGABRT at exit on gloo).
+    After an error the barrier is skipped, since the other ranks may never reach it.
+    """
     if dist.is_initialized():
+        if wait_for_all and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -73,37 +83,83 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
-def reduce_gradients(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype) -> None:
-    """Sum gradients over data-parallel ranks in ``reduce_dtype`` (interim DP, see module doc).
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own piece: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
-    Every rank runs the same segment, so the same parameters have gradients everywhere (per-loop
-    routers outside the segment have None on all ranks and are skipped consistently).
+
+def _is_replicated(t: torch.Tensor) -> bool:
+    return not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)
+
+
+def _copies(t: torch.Tensor, world: int) -> int:
+    """How many ranks of the world hold the same local piece as this rank (its replication)."""
+    if not isinstance(t, DTensor):
+        return world
+    # Shard and FSDP's _StridedShard (EP + FSDP on one dim) both split; Replicate does not.
+    sharded = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                        if not (p.is_replicate() or p.is_partial()))
+    return world // sharded
+
+
+def reduce_gradients(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype,
+                     group: dist.ProcessGroup | None = None) -> None:
+    """Sum over the data-parallel ranks every gradient that FSDP does not reduce, in ``reduce_dtype``.
+
+    Plain gradients (no FSDP: every rank holds the whole model) are summed over ``group`` (default:
+    all ranks, which are all data-parallel ranks); replicated DTensor gradients (the routers under
+    FSDP) over their mesh; FSDP-sharded gradients are skipped, FSDP summed them already. One
+    all-reduce per (group, dtype) bucket. Every rank runs the same segment, so the same parameters
+    have gradients everywhere (routers outside the segment are None on all ranks and skipped).
     """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
+    buckets: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is None:
+        if p.grad is None or not _is_replicated(p.grad):
             continue
-        g = p.grad if p.grad.dtype == reduce_dtype else p.grad.to(reduce_dtype)
-        dist.all_reduce(g)
-        if g is not p.grad:
-            p.grad.copy_(g)
+        if isinstance(p.grad, DTensor):
+            mesh = p.grad.device_mesh
+            groups = tuple(mesh.get_group(i) for i in range(mesh.ndim) if mesh.size(i) > 1)
+        else:
+            groups = (group,)
+        buckets.setdefault((groups, p.grad.dtype, p.grad.device), []).append(_local(p.grad))
+    for (groups, _, _), grads in buckets.items():
+        flat = torch.cat([g.reshape(-1).to(reduce_dtype) for g in grads])
+        for g in groups:
+            dist.all_reduce(flat, group=g)
+        torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def grads_finite(params: list[torch.nn.Parameter]) -> bool:
-    """True when every local gradient is finite, agreed by all ranks (one host sync)."""
-    flags = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
+    """True when every gradient is finite on every rank (each rank checks its local pieces; one host sync)."""
+    flags = [torch.isfinite(_local(p.grad)).all() for p in params if p.grad is not None]
     bad = torch.stack([~f for f in flags]).any().float() if flags else torch.zeros(())
     return all_reduce(bad.reshape(1), op="max").item() == 0.0
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of the existing gradients, clipped in place to max_norm (≤ 0: no clip)."""
+    """Global L2 norm of the existing gradients, clipped in place to max_norm (≤ 0: no clip).
+
+    Correct for any mix of meshes: each rank sums the squares of its local pieces, each divided
+    by the number of ranks holding that same piece (1 for a shard owned once, the world size for a
+    plain replicated gradient), and one all-reduce over all ranks adds them up. The gradients are
+    then scaled through their local tensors (a foreach kernel cannot mix DTensors of different
+    meshes). Same rule as torch.nn.utils.clip_grads_with_norm_: scale = min(1, max_norm / (norm + 1e-6)).
+    """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local = [_local(g) for g in grads]
+    # fp64 accumulation: the total then rounds to the same fp32 value for any sharding.
+    norms_G = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64))
+    copies_G = torch.tensor([_copies(g, world) for g in grads], dtype=torch.float64, device=norms_G.device)
+    total_sq = all_reduce((norms_G.square() / copies_G).sum().reshape(1))
+    total = total_sq.sqrt().float().reshape(())
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for dtype in {g.dtype for g in local}:
+            torch._foreach_mul_([g for g in local if g.dtype == dtype], scale.to(dtype))
     value = total.item()
     return value if math.isfinite(value) else float("nan")

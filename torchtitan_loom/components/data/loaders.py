@@ -105,7 +105,9 @@ class TrainLoader(StatefulDataLoader):
     def __init__(self, stream: GlobalBatchStream, num_workers: int = 0):
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch.set_vital here
             warnings.filterwarnings("ignore", message=".*set_vital.*")
-            super().__init__(stream, batch_size=None, num_workers=num_workers)
+            # Its own generator: starting an iterator draws a worker base seed, which must not
+            # advance torch's global RNG (checkpointed; a resumed run starts a new iterator).
+            super().__init__(stream, batch_size=None, num_workers=num_workers, generator=torch.Generator())
         self._position = (0, 0)
 
     def __iter__(self):

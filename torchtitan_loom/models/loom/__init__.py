@@ -2,6 +2,7 @@
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.model import LoomTransformer
+from torchtitan_loom.models.loom.parallelize import parallelize_loom
 from torchtitan_loom.protocols import TrainSpec, register_train_spec
 
 _LOOM_SIZES = dict(vocab_size=49152, num_loops=9, max_seq_len=1023)
@@ -24,7 +25,7 @@ for _args in loom_flavors.values():
 
 register_train_spec(
     "loom",
-    TrainSpec(name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=None),
+    TrainSpec(name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom),
 )
 
-__all__ = ["LoomModelArgs", "LoomTransformer", "loom_flavors"]
+__all__ = ["LoomModelArgs", "LoomTransformer", "loom_flavors", "parallelize_loom"]

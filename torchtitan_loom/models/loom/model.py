@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +57,10 @@ class LoomTransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList([LoomBlock(args) for _ in range(args.n_layers)])
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # The one seam for code outside the model math (activation checkpointing): scope ("block",
+        # "loop" or "segment" = the loops of one forward call) -> wrapper(fn, *args) that must
+        # return fn(*args). Empty = plain calls. Set by distributed/activation_checkpoint.py.
+        self.region_wrappers: dict[str, Callable[..., Any]] = {}
 
     @property
     def num_loops(self) -> int:
@@ -96,29 +101,46 @@ class LoomTransformer(nn.Module):
         attn_mask = build_attention_mask(args.attn_backend, doc_ids_BS)
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
 
-        counts_per_loop, z_terms = [], []
-        for t in range(loop_start, loop_end + 1):
-            if t >= 2 and args.embed_inject_mode == "loop_start_mix_soft":
-                g = inject_gain(t, args)
-                z_BSD = (1.0 - g) * z_BSD + g * e_BSD
-            l_mem = empty_memory(z_BSD)
-            counts_per_layer = []
-            for layer in self.layers:
-                # Picked here, outside the block, so the block sees the router as a plain tensor.
-                router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
-                z_BSD, l_mem, h_mem, kept_E, z_sq = layer(z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem)
-                counts_per_layer.append(kept_E)
-                z_terms.append(z_sq)
-            counts_per_loop.append(torch.stack(counts_per_layer))
-            z_BSD = rms_norm(z_BSD, args.norm_eps)
-
-        counts_LTE = torch.stack(counts_per_loop, dim=1)
+        z_BSD, h_mem, counts_LTE, z_sq_X = self._region(
+            "segment", self._run_loops, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma)
         if args.router_z_loss_coef > 0:
-            aux_loss = args.router_z_loss_coef * torch.stack(z_terms).sum()
+            aux_loss = args.router_z_loss_coef * z_sq_X.sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
         logits_BSV = self.output(z_BSD).float()
         return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), counts_LTE, aux_loss)
+
+    def _region(self, scope: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
+        """fn(*fn_args), through the wrapper registered for `scope` if any (see region_wrappers)."""
+        wrapper = self.region_wrappers.get(scope)
+        return fn(*fn_args) if wrapper is None else wrapper(fn, *fn_args)
+
+    def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma):
+        """Loops [loop_start, loop_end]: (z, H memory, counts [L, T, E], z-loss terms [L*T])."""
+        counts_per_loop, z_terms = [], []
+        for t in range(loop_start, loop_end + 1):
+            z_BSD, h_mem, counts_LE, z_sq_L = self._region(
+                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma)
+            counts_per_loop.append(counts_LE)
+            z_terms.append(z_sq_L)
+        return z_BSD, h_mem, torch.stack(counts_per_loop, dim=1), torch.cat(z_terms)
+
+    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma):
+        """Loop t (1-based): injection, the L blocks, the final RMSNorm -> (z, H memory, counts [L, E], z-loss [L])."""
+        args = self.args
+        if t >= 2 and args.embed_inject_mode == "loop_start_mix_soft":
+            g = inject_gain(t, args)
+            z_BSD = (1.0 - g) * z_BSD + g * e_BSD
+        l_mem = empty_memory(z_BSD)
+        counts_per_layer, z_terms = [], []
+        for layer in self.layers:
+            # Picked here, outside the block, so the block sees the router as a plain tensor.
+            router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
+            z_BSD, l_mem, h_mem, kept_E, z_sq = self._region(
+                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem)
+            counts_per_layer.append(kept_E)
+            z_terms.append(z_sq)
+        return rms_norm(z_BSD, args.norm_eps), h_mem, torch.stack(counts_per_layer), torch.stack(z_terms)
 
     def _check_inputs(self, tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry) -> None:
         # Shape and range checks only: value checks would need a host sync.

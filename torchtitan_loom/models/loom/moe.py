@@ -112,15 +112,31 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Apply expert e to the rows of its group; rows are grouped by expert, group sizes counts_E."""
-        D, I = self.w2.shape[1], self.w2.shape[2]
-        if self.impl == "grouped" and grouped_mm_usable(x_AD, D, I):
-            offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group ends, stays on device
-            h_A2I = torch._grouped_mm(x_AD, self.w13.transpose(-2, -1), offs=offsets_E)
-            gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate_AI) * up_AI, self.w2.transpose(-2, -1), offs=offsets_E)
-        # Per-expert loop (reference / fallback). Host sync: Python needs the group sizes to slice.
-        chunks = x_AD.split(counts_E.tolist())
-        return torch.cat([swiglu(chunk, self.w13[e], self.w2[e]) for e, chunk in enumerate(chunks)])
+        return run_experts(x_AD, counts_E, self.w13, self.w2, self.impl)
+
+
+def run_experts(
+    x_AD: torch.Tensor,
+    counts_E: torch.Tensor,
+    w13_E2ID: torch.Tensor,
+    w2_EDI: torch.Tensor,
+    impl: str,
+    sizes_E: list[int] | None = None,
+) -> torch.Tensor:
+    """SwiGLU expert e on the rows of group e (rows grouped by expert, group sizes counts_E).
+
+    `sizes_E` = counts_E as Python ints when the caller already has them on the host (expert
+    parallel does), so the per-expert loop does not synchronise a second time.
+    """
+    D, I = w2_EDI.shape[1], w2_EDI.shape[2]
+    if impl == "grouped" and grouped_mm_usable(x_AD, D, I):
+        offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group ends, stays on device
+        h_A2I = torch._grouped_mm(x_AD, w13_E2ID.transpose(-2, -1), offs=offsets_E)
+        gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate_AI) * up_AI, w2_EDI.transpose(-2, -1), offs=offsets_E)
+    # Per-expert loop (reference / fallback). Host sync: Python needs the group sizes to slice.
+    chunks = x_AD.split(counts_E.tolist() if sizes_E is None else sizes_E)
+    return torch.cat([swiglu(chunk, w13_E2ID[e], w2_EDI[e]) for e, chunk in enumerate(chunks)])
 
 
 class SharedExpert(nn.Module):
@@ -132,7 +148,10 @@ class SharedExpert(nn.Module):
         self.w2 = nn.Linear(inter, dim, bias=False)
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return swiglu(x_ND, self.w13.weight, self.w2.weight)
+        # swiglu() through the Linear modules (same math as swiglu(x, w13.weight, w2.weight)), so
+        # a module swap such as float8's Float8Linear takes effect.
+        gate_NI, up_NI = self.w13(x_ND).chunk(2, dim=-1)
+        return self.w2(F.silu(gate_NI) * up_NI)
 
 
 class LoomMoE(nn.Module):

@@ -1,0 +1,247 @@
+"""Training throughput of a preset for {bf16, float8 tensorwise, float8 rowwise} x {compile off, on}
+x {activation checkpointing none, loop}: tokens/s, achieved TFLOP/s, MFU, peak memory.
+
+Each cell builds the real Trainer in this process (config -> validate -> Trainer) and times
+`Trainer.train_step` on a synthetic byte-level pack written once per sequence length, after
+warm-up steps (compilation happens there). A cell whose config the trainer rejects is reported
+"unsupported" with the validator's message (e.g. compile or AC before they land), a cell that
+fails while running "error", and a cell past --time-budget-s "skipped". Results are rewritten
+after every cell, so a crash keeps the cells before it:
+
+    <out>/throughput_<preset>.json   meta + one record per cell
+    <out>/throughput_<preset>.md     the Markdown table
+
+    python benchmarks/throughput.py --preset loom_329m --steps 20 --out outputs/bench \\
+        --training.global_batch_size 16 --training.micro_batch_size 8
+    python benchmarks/throughput.py --cpu --preset debug --steps 5 --warmup 2 --out outputs/bench_cpu
+
+Arguments after the options are config overrides (--section.key value), applied to every cell.
+--cpu runs on the CPU with float8 emulated (correctness smoke test; emulation is slower than bf16).
+FLOPs per token are the model's own count (`flops_per_token(seq_len, head_calls=segments)`), the
+same for every precision; MFU is against the device's dense bf16 peak (null on CPU), also for
+float8 cells, so float8 MFU reads as "bf16-equivalent".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torchtitan_loom.components.metrics import memory_stats, peak_flops  # noqa: E402
+from torchtitan_loom.config import ConfigError, load_config  # noqa: E402
+from torchtitan_loom.config.validate import validate  # noqa: E402
+from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E402
+from torchtitan_loom.train import Trainer  # noqa: E402
+
+PRESET_FILES = {"debug": "debug_model.toml", "loom_329m": "loom_329m.toml", "loom_1p7b": "loom_1p7b.toml"}
+PRECISIONS = {
+    "bf16": [],
+    "float8_tensorwise": ["--float8.enable", "--float8.recipe", "tensorwise"],
+    "float8_rowwise": ["--float8.enable", "--float8.recipe", "rowwise"],
+}
+COMPILE = {"off": [], "on": ["--compile.enable", "true"]}
+AC = {"none": [], "loop": ["--activation_checkpoint.mode", "loop"]}
+_GIB = float(1 << 30)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Unknown --section.key value pairs are config overrides.")
+    p.add_argument("--preset", default="debug", choices=sorted(PRESET_FILES))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per cell")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--precisions", default=",".join(PRECISIONS), help=f"subset of {','.join(PRECISIONS)}")
+    p.add_argument("--compile", default="off,on", help="subset of off,on")
+    p.add_argument("--ac", default="none,loop", help="subset of none,loop")
+    p.add_argument("--float8-experts", default="on", choices=("on", "off"),
+                   help="float8 cells also convert the routed experts (default on)")
+    p.add_argument("--cpu", action="store_true", help="run on CPU, float8 emulated")
+    p.add_argument("--time-budget-s", type=float, default=0.0, help="skip cells starting after this (0: none)")
+    p.add_argument("--out", default="outputs/bench", help="output folder")
+    args, overrides = p.parse_known_args(argv)
+    for name, table in (("precisions", PRECISIONS), ("compile", COMPILE), ("ac", AC)):
+        values = [v for v in getattr(args, name).split(",") if v]
+        bad = [v for v in values if v not in table]
+        if bad:
+            p.error(f"--{name}: unknown {bad}; valid: {','.join(table)}")
+        setattr(args, name, values)
+    if any(not o.startswith("--") for o in overrides[:1]):
+        p.error(f"unexpected argument {overrides[0]!r}; config overrides look like --section.key value")
+    return args, overrides
+
+
+def has_override(overrides: list[str], key: str) -> bool:
+    return any(o == f"--{key}" or o.startswith(f"--{key}=") for o in overrides)
+
+
+def bench_pack(out: Path, seq_len: int, tokens_needed: int) -> Path:
+    """A byte-level pack of the bundled generator's documents, records of seq_len+1 tokens."""
+    from torchtitan_loom.components.data.pack_writer import PackWriter
+    from torchtitan_loom.components.tokenizer import ByteTokenizer
+    from torchtitan_loom.tools.synthetic_corpus import generate_documents
+
+    target = max(200_000, int(tokens_needed * 1.3))
+    path = out / f"bench-pack-s{seq_len + 1}-{target}"
+    if (path / "metadata.json").exists():
+        return path
+    tok = ByteTokenizer()
+    info = {"vocab_size": tok.vocab_size, "name_or_path": tok.name_or_path, "eos_token_id": tok.eos_id}
+    with PackWriter(path, info, seq_len + 1) as w:
+        for doc in generate_documents(seed=0, target_bytes=target):
+            w.add_document(tok.encode_array(doc))
+        w.finish(epochs=1, holdout_tokens=max(1, target // 100), seed=0)
+    return path
+
+
+def cell_argv(args: argparse.Namespace, overrides: list[str], precision: str, compile_: str, ac: str,
+              dump: Path) -> list[str]:
+    """The trainer argv of one cell: preset file, benchmark defaults, user overrides, cell flags."""
+    argv = ["--job.config_file", str(ROOT / "train_configs" / PRESET_FILES[args.preset]),
+            "--job.dump_folder", str(dump), "--metrics.enable_tensorboard", "false", "--eval.interval", "0",
+            "--checkpoint.enable", "false", "--spike_guard.enable", "false",
+            "--training.mixed_precision_param", "bfloat16", "--training.steps", str(args.warmup + args.steps)]
+    if args.cpu:
+        argv += ["--training.device", "cpu"]
+    argv += overrides + PRECISIONS[precision] + COMPILE[compile_] + AC[ac]
+    if precision != "bf16":
+        argv += ["--float8.experts", "true" if args.float8_experts == "on" else "false"]
+        if args.cpu:
+            argv += ["--float8.emulate", "true"]
+    return argv
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_cell(argv: list[str], steps: int, warmup: int) -> dict[str, Any]:
+    """Train `warmup` + `steps` steps of the config `argv`; the record of the timed steps."""
+    try:
+        cfg = load_config(argv)
+        model_args = validate(cfg, 1)
+    except ConfigError as exc:
+        return {"status": "unsupported", "reason": " / ".join(str(exc).splitlines())}
+    device = pick_device(cfg.training.device)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, model_args, info)
+        batches = iter(trainer.dataloader)
+        for _ in range(warmup):
+            trainer.train_step(next(batches))
+        _sync(device)
+        memory_stats(device)  # CUDA: resets the peak, so the record covers the timed steps only
+        start = time.perf_counter()
+        losses = [trainer.train_step(next(batches))["seg_losses"][-1] for _ in range(steps)]
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        t = cfg.training
+        tokens_per_s = steps * t.global_batch_size * t.seq_len / elapsed
+        flops_per_token = trainer.model.flops_per_token(t.seq_len, head_calls=len(trainer.segments))
+        peak = peak_flops(device)
+        mem = memory_stats(device)
+        return {"status": "ok", "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
+                "mfu": 100.0 * tokens_per_s * flops_per_token / peak if peak else None,
+                "peak_memory_gib": mem.get("memory_max_allocated_gib", mem.get("memory_max_rss_gib")),
+                "memory_kind": "cuda max allocated" if device.type == "cuda" else "process max RSS",
+                "step_time_s": elapsed / steps, "flops_per_token": flops_per_token,
+                "final_loss": losses[-1], "losses": losses}
+    except Exception as exc:  # noqa: BLE001 - a failing cell is a result, the matrix goes on
+        return {"status": "error", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                "traceback": traceback.format_exc(limit=8)}
+    finally:
+        del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if any(a.startswith("--compile.enable") for a in argv):
+            torch._dynamo.reset()
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(meta: dict[str, Any], cells: list[dict[str, Any]]) -> str:
+    lines = [f"Preset `{meta['preset']}` on {meta['device_name']}: global batch {meta['global_batch_size']} x "
+             f"seq {meta['seq_len']}, {meta['steps']} timed steps after {meta['warmup']} warm-up; torch "
+             f"{meta['torch']}, torchao {meta['torchao']}.", "",
+             "| precision | compile | AC | status | tokens/s | TFLOP/s | MFU % | peak mem GiB | final loss |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for c in cells:
+        status = c["status"] if c["status"] == "ok" else f"{c['status']}: {c.get('reason', '')}"
+        lines.append(f"| {c['precision']} | {c['compile']} | {c['ac']} | {status} "
+                     f"| {_fmt(c.get('tokens_per_s'), ',.0f')} "
+                     f"| {_fmt(c.get('tflops'), '.3f')} | {_fmt(c.get('mfu'), '.1f')} "
+                     f"| {_fmt(c.get('peak_memory_gib'), '.2f')} | {_fmt(c.get('final_loss'), '.4f')} |")
+    lines += ["", f"Command: `{meta['command']}`", ""]
+    return "\n".join(lines)
+
+
+def device_meta(cpu: bool) -> dict[str, Any]:
+    if not cpu and torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        return {"device_name": torch.cuda.get_device_name(), "capability": f"SM{cap[0]}{cap[1]}"}
+    return {"device_name": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)",
+            "capability": None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    probe = load_config(["--job.config_file", str(ROOT / "train_configs" / PRESET_FILES[args.preset]), *overrides])
+    t = probe.training
+    if not has_override(overrides, "data.path"):
+        need = (args.warmup + args.steps) * t.global_batch_size * (t.seq_len + 1)
+        overrides = [*overrides, "--data.path", str(bench_pack(out, t.seq_len, need))]
+    try:
+        import torchao
+        torchao_version = torchao.__version__
+    except ImportError:
+        torchao_version = None
+    meta = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup, "global_batch_size": t.global_batch_size,
+            "micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len, "overrides": overrides,
+            "torch": torch.__version__, "torchao": torchao_version, "cpu_mode": args.cpu,
+            "command": " ".join(["python", "benchmarks/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+            "mfu_note": "MFU against the dense bf16 peak for every precision", **device_meta(args.cpu)}
+    json_path, md_path = out / f"throughput_{args.preset}.json", out / f"throughput_{args.preset}.md"
+    cells: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    # Order: AC none before loop, compile off before on, so a time budget cuts the least telling cells.
+    for ac in args.ac:
+        for compile_ in args.compile:
+            for precision in args.precisions:
+                name = f"{precision}-compile_{compile_}-ac_{ac}"
+                cell = {"precision": precision, "compile": compile_, "ac": ac}
+                if args.time_budget_s and time.perf_counter() - started > args.time_budget_s:
+                    cell.update(status="skipped", reason=f"time budget {args.time_budget_s:.0f} s used")
+                else:
+                    print(f"[throughput] {args.preset} {name} ...", flush=True)
+                    cell.update(run_cell(cell_argv(args, overrides, precision, compile_, ac, out / "cells" / name),
+                                         args.steps, args.warmup))
+                result = f"{cell['tokens_per_s']:,.0f} tok/s" if cell["status"] == "ok" else cell.get("reason", "")
+                print(f"[throughput] {name}: {cell['status']} {result}", flush=True)
+                cells.append(cell)
+                json_path.write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
+                md_path.write_text(markdown(meta, cells))
+    print(markdown(meta, cells))
+    return 0 if all(c["status"] != "error" for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

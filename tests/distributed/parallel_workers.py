@@ -1,0 +1,83 @@
+"""Rank side of test_parallel_parity.py: train the debug model under several layouts in ONE launch.
+
+Each case is a list of config overrides on top of the shared base; every rank builds the real
+Trainer (ParallelDims -> parallelize_loom -> init) on the existing gloo process group and runs the
+segmented steps. Rank 0 writes one JSON record per case, which the test compares with a single
+process run of the same base config: losses per segment, grad norms, expert bias, kept counts,
+initial weights (max |difference| from the plain single-process init) and AdamW step counts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan_loom.config import load_config
+from torchtitan_loom.config.validate import validate
+from torchtitan_loom.distributed.utils import DistInfo
+from torchtitan_loom.train import Trainer
+
+
+def record_run(trainer: Trainer, steps: int) -> dict:
+    """The comparable facts of `steps` train steps of `trainer` (every rank calls it)."""
+    data = iter(trainer.dataloader)
+    losses, norms, counts = [], [], []
+    for _ in range(steps):
+        out = trainer.train_step(next(data))
+        losses.append(out["seg_losses"])
+        norms.append(out["grad_norm"])
+        counts.append(out["counts_LHE"].tolist())
+    opt_steps = {}
+    for name, p in trainer.model.named_parameters():
+        state = trainer.optimizer.state.get(p, {})
+        kind = "router" if ".moe.routers." in name else "other"
+        opt_steps.setdefault(kind, set()).add(int(state["step"]) if "step" in state else 0)
+    return {"seg_losses": losses, "grad_norms": norms,
+            "expert_bias": [m.expert_bias.tolist() for m in trainer.model.moe_layers()],
+            "counts": counts[-1], "counts_by_step": counts,
+            "adam_steps": {k: sorted(v) for k, v in opt_steps.items()}}
+
+
+def init_difference(trainer: Trainer) -> float:
+    """max |initial weight - single-process init| over all parameters (full tensors gathered)."""
+    reference_model = trainer.spec.model_cls(trainer.model_args)
+    reference_model.init_weights()
+    reference = dict(reference_model.named_parameters())
+    worst = 0.0
+    for name, p in trainer.model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        worst = max(worst, (full.detach() - reference[name].detach()).abs().max().item())
+    return worst
+
+
+def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
+    """Entry point of a spawned rank: run every case of the spec file, rank 0 writes results."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        with open(spec_path) as fh:
+            spec = json.load(fh)
+        info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+        for case in spec["cases"]:
+            argv = spec["base"] + case["argv"] + ["--job.dump_folder", os.path.join(spec["out"], case["name"])]
+            cfg = load_config(argv)
+            trainer = Trainer(cfg, validate(cfg, world), info)
+            start = time.perf_counter()
+            result = {"init_diff": init_difference(trainer), **record_run(trainer, case["steps"])}
+            result["seconds"] = time.perf_counter() - start
+            if rank == 0:
+                with open(os.path.join(spec["out"], case["name"] + ".json"), "w") as fh:
+                    json.dump(result, fh)
+            torch._dynamo.reset()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

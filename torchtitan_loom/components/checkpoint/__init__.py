@@ -1,0 +1,13 @@
+"""Checkpoints on torch.distributed.checkpoint: atomic saves, snapshots, resume at any world size.
+
+    layout.py      the folder on disk: step-N/, snapshots/, temporaries, marker, pruning, index
+    state.py       what is saved (model, optimizer, RNG) and the model-compatibility checks
+    resolve.py     which checkpoint a run loads; the up-front config check used by validate.py
+    preemption.py  SIGTERM/SIGUSR1 → finish the step, save, exit 0
+    manager.py     CheckpointManager: the save policy, sync/async save, load
+"""
+
+from torchtitan_loom.components.checkpoint.manager import CheckpointManager
+from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
+
+__all__ = ["CheckpointError", "CheckpointManager", "load_full"]

@@ -1,0 +1,255 @@
+"""The checkpoint folder on disk: names, completeness, atomic commit, pruning, index.
+
+Pure filesystem code (no tensors, no process groups), so config validation and the export tool
+can use it before anything else exists. Layout under ``<job.dump_folder>/<checkpoint.folder>/``::
+
+    step-<N>/                 periodic checkpoints (every checkpoint.interval, the final step,
+                              preemption saves); the newest keep_latest_k are kept
+    snapshots/step-<N>/       immutable snapshots every checkpoint.snapshot_interval; newest
+                              snapshot_keep kept
+    .tmp-step-<N>/            a save in progress (or one that died): never loaded
+    index.json, LAYOUT.md     what is where (rewritten after every commit)
+
+A checkpoint directory is complete when it holds DCP's ``.metadata`` AND the ``COMPLETE`` marker.
+The marker is written by rank 0 only after every rank finished writing, then the temporary
+directory is renamed to its final name; so a torn save is either a ``.tmp-`` directory or a
+``step-N`` directory without the marker, and both are skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+
+MARKER = "COMPLETE"
+DCP_METADATA = ".metadata"
+SNAPSHOT_DIR = "snapshots"
+TMP_PREFIX = ".tmp-"
+INDEX = "index.json"
+LAYOUT_MD = "LAYOUT.md"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_RE = re.compile(r"^\.tmp-step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint directory found on disk."""
+
+    step: int
+    kind: str  # "periodic" or "snapshot"
+    path: str
+
+
+@dataclass
+class Scan:
+    """Complete checkpoints (oldest first) and directories that must not be loaded."""
+
+    complete: list[Entry] = field(default_factory=list)
+    incomplete: list[Entry] = field(default_factory=list)
+
+    def newest(self) -> Entry | None:
+        """The complete checkpoint of the highest step (None when there is none)."""
+        return self.complete[-1] if self.complete else None
+
+    def find(self, step: int) -> Entry | None:
+        """The complete checkpoint of ``step`` (periodic preferred over snapshot)."""
+        hits = [e for e in self.complete if e.step == step]
+        return min(hits, key=lambda e: e.kind != "periodic") if hits else None
+
+    def of_kind(self, kind: str) -> list[Entry]:
+        """Complete checkpoints of one kind ("periodic" or "snapshot"), oldest first."""
+        return [e for e in self.complete if e.kind == kind]
+
+
+def step_name(step: int) -> str:
+    """``step-N``: the directory name of a checkpoint of global step N."""
+    return f"step-{step}"
+
+
+def final_dir(root: str, step: int, kind: str) -> str:
+    """Where the committed checkpoint of ``step`` lives."""
+    base = os.path.join(root, SNAPSHOT_DIR) if kind == "snapshot" else root
+    return os.path.join(base, step_name(step))
+
+
+def temp_dir(root: str, step: int, kind: str) -> str:
+    """Where a save of ``step`` is written before its commit."""
+    base = os.path.join(root, SNAPSHOT_DIR) if kind == "snapshot" else root
+    return os.path.join(base, TMP_PREFIX + step_name(step))
+
+
+def is_complete(path: str) -> bool:
+    """True when DCP's metadata and the completion marker are both there."""
+    return os.path.isfile(os.path.join(path, MARKER)) and os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+def scan(root: str) -> Scan:
+    """Every checkpoint directory under ``root``, split into complete and incomplete."""
+    result = Scan()
+    for kind, base in (("periodic", root), ("snapshot", os.path.join(root, SNAPSHOT_DIR))):
+        if not os.path.isdir(base):
+            continue
+        for name in os.listdir(base):
+            path = os.path.join(base, name)
+            if not os.path.isdir(path):
+                continue
+            m, t = _STEP_RE.match(name), _TMP_RE.match(name)
+            if m:
+                entry = Entry(int(m.group(1)), kind, path)
+                (result.complete if is_complete(path) else result.incomplete).append(entry)
+            elif t:
+                result.incomplete.append(Entry(int(t.group(1)), kind, path))
+    order = {"periodic": 0, "snapshot": 1}
+    result.complete.sort(key=lambda e: (e.step, -order[e.kind]))
+    result.incomplete.sort(key=lambda e: (e.step, order[e.kind]))
+    return result
+
+
+def incomplete_warning(entries: list[Entry]) -> str | None:
+    """One line naming every directory that is skipped because it lacks the completion marker."""
+    if not entries:
+        return None
+    names = ", ".join(e.path for e in entries)
+    return (f"skipping incomplete checkpoint directories (no {MARKER} marker: a save that did not "
+            f"finish): {names}")
+
+
+def read_json(path: str) -> dict | None:
+    """The JSON object at ``path``, or None when it is missing or unreadable."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write JSON atomically (temp file, fsync, rename)."""
+    tmp = path + ".partial"
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: str, final: str, marker: dict) -> None:
+    """Mark ``tmp`` complete and move it to ``final`` (replacing an older save of the same step).
+
+    Call only after every rank finished writing into ``tmp``.
+    """
+    write_json(os.path.join(tmp, MARKER), marker)
+    _fsync_dir(tmp)
+    trash = None
+    if os.path.exists(final):  # e.g. a run resumed from an earlier step reaches this step again
+        trash = os.path.join(os.path.dirname(final), f"{TMP_PREFIX}trash-{os.path.basename(final)}-{os.getpid()}")
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    if trash:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def clone(src: str, tmp: str, final: str, marker: dict) -> None:
+    """Commit a copy of the complete checkpoint ``src`` at ``final`` (hard links where possible:
+    DCP files are never modified after their save, and a link survives pruning of ``src``)."""
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    for name in os.listdir(src):
+        if name == MARKER:
+            continue
+        s, d = os.path.join(src, name), os.path.join(tmp, name)
+        if os.path.isdir(s):
+            shutil.copytree(s, d)
+            continue
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+    commit(tmp, final, marker)
+
+
+def prune(root: str, keep_latest_k: int, snapshot_keep: int, keep_paths: set[str] = frozenset()) -> list[str]:
+    """Delete old complete checkpoints beyond the keep counts (0 keeps all) and torn temporaries
+    older than the newest complete checkpoint. The newest complete checkpoint and ``keep_paths``
+    are never deleted. Returns the deleted paths."""
+    found = scan(root)
+    newest = found.newest()
+    protect = set(keep_paths) | ({newest.path} if newest else set())
+    doomed: list[str] = []
+    for kind, keep in (("periodic", keep_latest_k), ("snapshot", snapshot_keep)):
+        entries = found.of_kind(kind)
+        if keep > 0:
+            doomed += [e.path for e in entries[:-keep] if e.path not in protect]
+    if newest is not None:
+        doomed += [e.path for e in found.incomplete
+                   if os.path.basename(e.path).startswith(TMP_PREFIX) and e.step < newest.step]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
+    """Rewrite index.json (machine-readable) and LAYOUT.md (for people) from what is on disk."""
+    found = scan(root)
+    rel = lambda e: os.path.relpath(e.path, root)  # noqa: E731 - a one-line formatter
+    newest = found.newest()
+    final = found.find(final_step) if final_step is not None else None
+    index = {
+        "format": 1,
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "latest": rel(newest) if newest else None,
+        "final": rel(final) if final else None,
+        "periodic": [{"step": e.step, "path": rel(e)} for e in found.of_kind("periodic")],
+        "snapshots": [{"step": e.step, "path": rel(e)} for e in found.of_kind("snapshot")],
+        "incomplete": [rel(e) for e in found.incomplete],
+        "policy": policy,
+    }
+    write_json(os.path.join(root, INDEX), index)
+    lines = [
+        "# Checkpoints of this run",
+        "",
+        "Written by torchtitan_loom (components/checkpoint); index.json holds the same in JSON.",
+        "",
+        f"- `step-<N>/`: periodic checkpoints, every {policy.get('interval')} steps plus the final step and "
+        f"preemption saves; the newest {policy.get('keep_latest_k') or 'all'} kept.",
+        f"- `snapshots/step-<N>/`: immutable snapshots every {policy.get('snapshot_interval') or '-'} steps; "
+        f"the newest {policy.get('snapshot_keep') or 'all'} kept.",
+        "- `.tmp-step-<N>/`: a save in progress or one that died; never loaded.",
+        "",
+        "Each checkpoint is a torch.distributed.checkpoint (DCP) directory: model, optimizer (keyed by",
+        "parameter name, so it loads at any world size), lr schedule, data cursor (global), spike-guard",
+        "state, RNG, train step; plus `config.toml` (the resolved config), `model_args.json`,",
+        f"`meta.json` and the `{MARKER}` marker written after every rank finished.",
+        "",
+        f"Newest complete: `{index['latest']}`" + (f"; final: `{index['final']}`" if index["final"] else ""),
+        "",
+        "| step | kind | path |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {e.step} | {e.kind} | `{rel(e)}` |" for e in found.complete]
+    if found.incomplete:
+        lines += ["", "Incomplete (ignored): " + ", ".join(f"`{rel(e)}`" for e in found.incomplete)]
+    tmp = os.path.join(root, LAYOUT_MD + ".partial")
+    with open(tmp, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    os.replace(tmp, os.path.join(root, LAYOUT_MD))

@@ -1,0 +1,301 @@
+"""CheckpointManager: when to save, the atomic save itself (sync or async), and resume.
+
+The trainer builds it once everything Stateful exists, calls ``load()`` before its loop,
+``after_step(step, last=...)`` after every global step and ``close()`` at the end. See layout.py
+for the folder, state.py for what is saved, resolve.py for which checkpoint is loaded.
+
+Saved: "model" and "optimizer" (state.py), every object of ``states`` under its name (lr
+schedule, data loader, spike guard, train state; each a state_dict/load_state_dict object) and
+"rng". All of it is world-size independent: tensors by parameter name with global shapes, the
+data cursor is global, the rest is replicated (DCP writes one copy).
+
+RNG: the LOOM step draws no random numbers (no dropout; routing and capacity are
+deterministic; the init uses its own per-parameter generators), so RNG does not shape the
+trajectory today. Every rank seeds torch identically, so the saved RNG is one stream (torch's
+CPU generator, plus the current CUDA generator on GPUs) restored on every rank; per-rank streams
+are not kept, which is what makes it loadable at another world size.
+
+Async (``checkpoint.async_mode = "async"``): ``dcp.async_save`` copies the state to CPU memory
+before it returns (so the next optimizer step cannot race the staging) and writes in a background
+thread over its own gloo group (a save on the default group while training runs collectives on
+it aborts gloo). At most one save is in flight; rank 0 commits it (marker + rename) once its
+future is done, which DCP reports only after every rank's data and the metadata are written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from torchtitan_loom.components.checkpoint import layout, resolve
+from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.checkpoint.preemption import PreemptionWatcher
+
+
+@dataclass
+class _Pending:
+    future: Any
+    step: int
+    kind: str
+    snapshot_too: bool
+    started: float
+
+
+class CheckpointManager:
+    """Owns the run's checkpoint folder. A disabled manager (``cfg.enable`` false) does nothing.
+
+    Args:
+        cfg: the ``[checkpoint]`` config section.
+        dump_folder: ``job.dump_folder``; checkpoints go to ``<dump_folder>/<cfg.folder>``.
+        model, optimizer: saved through torch's DCP state-dict API (reshardable).
+        states: name → object with ``state_dict()`` / ``load_state_dict()``, saved under its name.
+        model_args, model_name, flavor: written next to each checkpoint and checked on load.
+        config_toml: the resolved config, saved as ``config.toml`` in each checkpoint.
+        total_steps: ``training.steps`` (the step whose checkpoint index.json calls "final").
+    """
+
+    def __init__(self, cfg: Any, *, dump_folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 states: dict[str, Any], model_args: Any, model_name: str, flavor: str, config_toml: str,
+                 total_steps: int, device: torch.device, rank: int = 0, world_size: int = 1,
+                 log: Callable[[str], None] = print) -> None:
+        self.cfg, self.enabled = cfg, bool(cfg.enable)
+        self.root = resolve.checkpoint_root(dump_folder, cfg.folder)
+        self.model, self.optimizer, self.states = model, optimizer, dict(states)
+        self.model_args, self.model_name, self.flavor = model_args, model_name, flavor
+        self.config_toml, self.total_steps = config_toml, total_steps
+        self.device, self.rank, self.world_size = torch.device(device), rank, world_size
+        self._log = log
+        self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self._pending: _Pending | None = None
+        self._rng_to_restore: dict[str, torch.Tensor] | None = None
+        self._pg = None
+        if self.enabled and cfg.async_mode == "async" and self._distributed:
+            self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
+        self.watcher = PreemptionWatcher(self.enabled and cfg.save_on_signal, self.device)
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _barrier(self) -> None:
+        if self._distributed:
+            dist.barrier()
+
+    def _policy(self) -> dict[str, Any]:
+        c = self.cfg
+        return {"interval": c.interval, "keep_latest_k": c.keep_latest_k, "snapshot_interval": c.snapshot_interval,
+                "snapshot_keep": c.snapshot_keep, "async_mode": c.async_mode}
+
+    def _collect(self) -> dict[str, Any]:
+        """The state to save (tensors alias live ones; DCP or its stager copies them)."""
+        sd: dict[str, Any] = {"model": ckstate.model_state(self.model),
+                              "optimizer": ckstate.optimizer_state(self.model, self.optimizer)}
+        for name, obj in self.states.items():
+            sd[name] = obj.state_dict()
+        sd["rng"] = ckstate.rng_state(self.device)
+        return sd
+
+    def _write_sidecars(self, tmp: str, step: int) -> None:
+        """Rank 0: the human/tool-readable files next to the DCP data."""
+        with open(os.path.join(tmp, "config.toml"), "w") as fh:
+            fh.write(self.config_toml)
+        layout.write_json(os.path.join(tmp, resolve.MODEL_ARGS_FILE),
+                          {"name": self.model_name, "flavor": self.flavor,
+                           "args": dataclasses.asdict(self.model_args)})
+        ts = self.states.get("train_state")
+        layout.write_json(os.path.join(tmp, "meta.json"),
+                          {"step": step, "world_size": self.world_size, "torch": torch.__version__,
+                           "train_state": ts.state_dict() if ts is not None else None})
+
+    # ---------------------------------------------------------------------------------- save path
+    def after_step(self, step: int, *, last: bool = False) -> str | None:
+        """Save what the policy asks for after global step ``step``; ``last``: no step follows in
+        this process. Returns a message when the run must stop now (preemption signal or
+        ``exit_after_step``), after the save."""
+        if not self.enabled:
+            return None
+        self._poll()
+        c = self.cfg
+        signum = self.watcher.requested()
+        stop = None
+        if signum:
+            stop = f"received {signal.Signals(signum).name}: stopped after step {step}"
+        elif c.exit_after_step and step == c.exit_after_step and not last:
+            stop = f"checkpoint.exit_after_step = {step} reached"
+        periodic = bool(last or stop or step % c.interval == 0)
+        snapshot = bool(c.snapshot_interval and step % c.snapshot_interval == 0)
+        if periodic or snapshot:
+            self.save(step, periodic=periodic, snapshot=snapshot)
+        if stop:
+            self.wait()
+            where = layout.final_dir(self.root, step, "periodic")
+            stop += f", saved {where}; exiting 0, relaunch the same command to resume"
+        return stop
+
+    def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
+        """Save global step ``step`` as a periodic checkpoint and/or a snapshot (atomic)."""
+        self.wait()  # one save in flight at most
+        kind = "periodic" if periodic else "snapshot"
+        tmp = layout.temp_dir(self.root, step, kind)
+        if self.rank == 0:
+            if os.path.exists(tmp):  # left by a save of this step that died
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+            self._write_sidecars(tmp, step)
+        self._barrier()  # the directory exists (and is clean) before any rank writes into it
+        started = time.perf_counter()
+        sd = self._collect()
+        no_dist = not self._distributed
+        if self.cfg.async_mode == "async":
+            with ckstate.single_process_quiet():
+                future = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._pg, no_dist=no_dist)
+            if not isinstance(future, Future):  # AsyncSaveResponse: make staging finish now too
+                future.staging_completion.result()
+                future = future.upload_completion
+            self._pending = _Pending(future, step, kind, periodic and snapshot, started)
+            return
+        with ckstate.single_process_quiet():
+            dcp.save(sd, checkpoint_id=tmp, no_dist=no_dist)
+        self._barrier()  # every rank finished writing
+        if self.rank == 0:
+            self._commit(step, kind, periodic and snapshot, started)
+        self._barrier()  # committed before anyone goes on (or exits)
+
+    def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
+        """Rank 0: marker + rename, the snapshot copy, pruning, index."""
+        marker = {"step": step, "kind": kind, "world_size": self.world_size,
+                  "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        final = layout.final_dir(self.root, step, kind)
+        layout.commit(layout.temp_dir(self.root, step, kind), final, marker)
+        where = [final]
+        if snapshot_too:
+            snap = layout.final_dir(self.root, step, "snapshot")
+            os.makedirs(os.path.dirname(snap), exist_ok=True)
+            layout.clone(final, layout.temp_dir(self.root, step, "snapshot"), snap, dict(marker, kind="snapshot"))
+            where.append(snap)
+        c = self.cfg
+        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)
+        layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+        msg = f"checkpoint step {step} saved to {', '.join(where)} in {time.perf_counter() - started:.1f} s"
+        if deleted:
+            msg += f"; pruned {', '.join(os.path.relpath(p, self.root) for p in deleted)}"
+        self._log(msg)
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the in-flight async save (if any) is written and committed."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        p.future.result()  # re-raises a failed save
+        if self.rank == 0:
+            self._commit(p.step, p.kind, p.snapshot_too, p.started)
+
+    def close(self) -> None:
+        """Finish any in-flight save and restore the signal handlers."""
+        if self.enabled:
+            self.wait()
+        self.watcher.close()
+
+    # ---------------------------------------------------------------------------------- load path
+    def _decide(self) -> tuple[resolve.LoadChoice | None, list[layout.Entry], str | None]:
+        """Rank 0 picks the checkpoint; every rank gets the same answer (or the same error)."""
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                choice, found = resolve.choose(self.root, self.cfg.load_step, self.cfg.initial_load_path)
+                payload = [(choice, found.incomplete, None)]
+            except ValueError as exc:
+                payload = [(None, [], str(exc))]
+        if self._distributed:
+            dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def load(self) -> int | None:
+        """Resume (or warm-start) as configured; returns the step resumed from, else None."""
+        if not self.enabled:
+            return None
+        try:
+            return self._load()
+        except BaseException:
+            self.watcher.close()  # the trainer will not reach close(); leave the handlers as found
+            raise
+
+    def _load(self) -> int | None:
+        choice, incomplete, error = self._decide()
+        if error:
+            raise ckstate.CheckpointError(error)
+        warning = layout.incomplete_warning(incomplete)
+        if warning:
+            self._log("warning: " + warning)
+        if choice is None:
+            self._log(f"no checkpoint in {self.root}: starting from scratch")
+            return None
+        started = time.perf_counter()
+        meta = ckstate.read_metadata(choice.path)
+        lines = resolve.compat_errors(choice.path, self.model_name, self.flavor, self.model_args,
+                                      ckstate.model_shapes(self.model), resume=not choice.model_only)
+        if lines:
+            raise ckstate.CheckpointError(resolve.explain(choice.path, choice.step, lines,
+                                                          resume=not choice.model_only))
+        if choice.model_only:
+            self._load_model_only(choice.path)
+            self._log(f"warm start: model weights from {choice.path} (optimizer, schedule, data and step "
+                      f"start fresh) in {time.perf_counter() - started:.1f} s")
+            return None
+        self._load_full(choice.path, meta)
+        saved = layout.read_json(os.path.join(choice.path, "meta.json")) or {}
+        ws = saved.get("world_size")
+        moved = f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
+        self._log(f"resumed from {choice.path} (step {choice.step}{moved}) "
+                  f"in {time.perf_counter() - started:.1f} s")
+        return choice.step
+
+    def _load_model_only(self, path: str) -> None:
+        sd = {"model": ckstate.model_state(self.model)}
+        with ckstate.single_process_quiet():
+            dcp.load(sd, checkpoint_id=path, no_dist=not self._distributed)
+        ckstate.set_model_state(self.model, sd["model"])
+
+    def _load_full(self, path: str, meta: dict[str, Any]) -> None:
+        keys = set(meta)
+        opt = ckstate.OptimizerLoad(self.model, self.optimizer, keys, "optimizer.")
+        sd: dict[str, Any] = {"model": ckstate.model_state(self.model), "optimizer": opt.template()}
+        for name, obj in self.states.items():
+            # Keys a newer version added are left at their defaults (load_state_dict handles them).
+            tmpl = {k: v for k, v in obj.state_dict().items()
+                    if f"{name}.{k}" in keys or any(x.startswith(f"{name}.{k}.") for x in keys)}
+            if not tmpl:
+                raise ckstate.CheckpointError(f"checkpoint {path} holds no '{name}' state")
+            sd[name] = tmpl
+        sd["rng"] = {k: v for k, v in ckstate.rng_state(self.device).items() if f"rng.{k}" in keys}
+        with ckstate.single_process_quiet():
+            dcp.load(sd, checkpoint_id=path, no_dist=not self._distributed)
+        ckstate.set_model_state(self.model, sd["model"])
+        opt.apply(sd["optimizer"])
+        for name, obj in self.states.items():
+            try:
+                obj.load_state_dict(sd[name])
+            except (ValueError, KeyError) as exc:  # e.g. the data loader refuses another global batch size
+                raise ckstate.CheckpointError(f"checkpoint {path}: cannot restore '{name}': {exc}") from None
+        self._rng_to_restore = sd["rng"]
+
+    def restore_rng(self) -> None:
+        """Apply the loaded RNG state. The trainer calls this right before its loop, so nothing
+        between the load and the first step (building iterators, say) can advance the stream."""
+        if self._rng_to_restore is not None:
+            ckstate.set_rng_state(self._rng_to_restore, self.device)
+            self._rng_to_restore = None

@@ -1,0 +1,134 @@
+"""Which checkpoint a run loads, and whether it fits the configured model (checked up front).
+
+Order: ``checkpoint.load_step N`` (must exist, complete) > the newest complete checkpoint of the
+run's folder > ``checkpoint.initial_load_path`` (model-only warm start) > nothing (fresh start).
+``config/validate.py`` calls ``config_errors`` before any process starts, so a checkpoint of a
+different model fails with one message and nothing on disk is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from torchtitan_loom.components.checkpoint import layout
+
+MODEL_ARGS_FILE = "model_args.json"
+_MAX_LINES = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadChoice:
+    """The checkpoint directory to load, its step, and whether only the model is taken."""
+
+    path: str
+    step: int | None  # None for a warm start from a directory outside the run
+    model_only: bool
+
+
+def checkpoint_root(dump_folder: str, folder: str) -> str:
+    """``<job.dump_folder>/<checkpoint.folder>``."""
+    return os.path.join(dump_folder, folder)
+
+
+def choose(root: str, load_step: int, initial_load_path: str) -> tuple[LoadChoice | None, layout.Scan]:
+    """The checkpoint to load (or None) and the scan it came from. Raises ValueError with a
+    user-facing message when ``load_step`` or ``initial_load_path`` point at nothing usable."""
+    found = layout.scan(root)
+    if load_step >= 0:
+        entry = found.find(load_step)
+        if entry is None:
+            have = ", ".join(str(e.step) for e in found.complete) or "none"
+            torn = [e.path for e in found.incomplete if e.step == load_step]
+            extra = f" ({torn[0]} is incomplete)" if torn else ""
+            raise ValueError(f"checkpoint.load_step = {load_step}: no complete checkpoint of that step in "
+                             f"{root}{extra}; complete steps: {have}")
+        return LoadChoice(entry.path, entry.step, model_only=False), found
+    newest = found.newest()
+    if newest is not None:
+        return LoadChoice(newest.path, newest.step, model_only=False), found
+    if initial_load_path:
+        return LoadChoice(warm_start_dir(initial_load_path), None, model_only=True), found
+    return None, found
+
+
+def warm_start_dir(path: str) -> str:
+    """A DCP checkpoint directory, or a checkpoint folder whose newest complete one is used."""
+    if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
+        marker_expected = os.path.isfile(os.path.join(path, "meta.json"))
+        if marker_expected and not layout.is_complete(path):
+            raise ValueError(f"checkpoint.initial_load_path = '{path}': incomplete checkpoint (no "
+                             f"{layout.MARKER} marker: its save did not finish)")
+        return path
+    newest = layout.scan(path).newest() if os.path.isdir(path) else None
+    if newest is None:
+        raise ValueError(f"checkpoint.initial_load_path = '{path}': not a DCP checkpoint directory (no "
+                         f".metadata) and no complete step-N checkpoint inside")
+    return newest.path
+
+
+def read_model_args(path: str) -> dict[str, Any] | None:
+    """{"name", "flavor", "args"} saved next to the checkpoint, or None for a foreign checkpoint."""
+    return layout.read_json(os.path.join(path, MODEL_ARGS_FILE))
+
+
+def compat_errors(path: str, model_name: str, flavor: str, args: Any, expected_shapes: dict[str, tuple[int, ...]],
+                  *, resume: bool) -> list[str]:
+    """Lines describing why the checkpoint at ``path`` cannot be loaded into this model ([] = fits).
+
+    Shapes always have to match. A resume also needs the same model args, apart from the few that
+    may change mid-run (state.RESUMABLE_ARG_CHANGES); a model-only warm start needs only shapes.
+    """
+    from torchtitan_loom.components.checkpoint import state  # torch-heavy; only when a checkpoint exists
+
+    lines: list[str] = []
+    saved = read_model_args(path)
+    if saved is not None and resume:
+        if saved.get("name") != model_name:
+            lines.append(f"model.name: checkpoint {saved.get('name')!r}, config {model_name!r}")
+        if saved.get("flavor") != flavor:
+            lines.append(f"model.flavor: checkpoint {saved.get('flavor')!r}, config {flavor!r}")
+        lines += ["model." + d for d in state.args_differences(saved.get("args", {}), args,
+                                                               ignore=state.RESUMABLE_ARG_CHANGES)]
+    shapes = state.shape_mismatches(expected_shapes, state.tensor_shapes(state.read_metadata(path), "model."))
+    if shapes:
+        lines.append(f"{len(shapes)} model tensors differ:")
+        lines += ["  " + s for s in shapes[:_MAX_LINES]]
+        if len(shapes) > _MAX_LINES:
+            lines.append(f"  ... and {len(shapes) - _MAX_LINES} more")
+    return lines
+
+
+def explain(path: str, step: int | None, lines: list[str], *, resume: bool) -> str:
+    """The full error message for ``compat_errors`` lines."""
+    what = f"step {step}" if step is not None else "warm start"
+    hint = ("resume with the checkpoint's model settings, or start a new run in another job.dump_folder "
+            "(checkpoint.initial_load_path warm-starts a model whose tensor shapes match)"
+            if resume else "checkpoint.initial_load_path needs a checkpoint of a model with the same tensor shapes")
+    return "\n".join([f"checkpoint {path} ({what}) does not fit the configured model:"] +
+                     ["  " + s for s in lines] + [hint])
+
+
+def config_errors(cfg: Any, args: Any, expected_shapes_fn) -> list[str]:
+    """Checkpoint problems of a JobConfig, found before anything starts (called by validate.py).
+
+    ``expected_shapes_fn()`` gives the configured model's state-dict shapes; it is only called
+    when a checkpoint is going to be loaded.
+    """
+    ck = cfg.checkpoint
+    if not ck.enable:
+        return []
+    root = checkpoint_root(cfg.job.dump_folder, ck.folder)
+    try:
+        choice, _ = choose(root, ck.load_step, ck.initial_load_path)
+    except ValueError as exc:
+        return [str(exc)]
+    if choice is None:
+        return []
+    try:
+        lines = compat_errors(choice.path, cfg.model.name, cfg.model.flavor, args, expected_shapes_fn(),
+                              resume=not choice.model_only)
+    except Exception as exc:  # a corrupt .metadata can raise anything unpickling does
+        return [f"checkpoint {choice.path}: unreadable DCP metadata ({type(exc).__name__}: {exc})"]
+    return [explain(choice.path, choice.step, lines, resume=not choice.model_only)] if lines else []

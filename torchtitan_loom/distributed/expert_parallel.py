@@ -1,0 +1,149 @@
+"""Expert parallelism: routed-expert weights sharded over the `ep` mesh, tokens sent to their owners.
+
+`apply_expert_parallel(model, ep_mesh)` replaces every layer's `moe.experts` (RoutedExperts) with
+an `ExpertParallelExperts` that has the same forward signature and meaning, so LoomMoE does not
+change. Its w13 [E, 2I, D] and w2 [E, D, I] become DTensors `Shard(0)` over the 1-D ep mesh: ep
+rank j owns the contiguous experts [j*E/ep, (j+1)*E/ep) ("block j"). Parameter names stay
+`layers.{l}.moe.experts.w13` / `.w2`, so checkpoints and the init rules match any layout.
+
+Dispatch protocol of one MoE call (rows x_AD already grouped by expert ascending, counts_E):
+  1. counts exchange: one all_to_all of counts_E (E/ep entries to each rank) gives
+     recv_WL[s, e] = rows that source rank s holds for my local expert e.
+  2. THE host sync (the only one): counts_E and recv_WL are copied to the host together with one
+     `.tolist()` in `_split_sizes`; they give the send splits (rows per destination block), the
+     receive splits (rows per source) and the local group sizes (the per-expert loop needs them).
+  3. dispatch: all_to_all_single (autograd) sends block j of x_AD to rank j. The received rows are
+     source-major (for each source, its rows per local expert); one gather regroups them
+     local-expert-major (for each local expert, its rows from every source in rank order).
+  4. the local experts run on the regrouped rows with the model's own math
+     (`models.loom.moe.run_experts`, grouped GEMM or the per-expert loop).
+  5. combine: the inverse gather restores source-major order, and a second all_to_all_single
+     returns every row to its source in its original position, so out_AD lines up with x_AD.
+Backward is the same two all_to_alls in reverse (autograd through the functional collectives).
+Weight gradients land on the local shards: the forward uses `to_local()` of the DTensor params.
+
+Capacity keep/drop (LOOM_SPEC §14) is decided by LoomMoE on the LOCAL tokens before step 1: dropped
+assignments are dispatched with gate weight 0 like in the single-process model, so expert
+parallelism never changes which assignments survive, only where the expert math runs.
+
+Backends: the same collectives (all_to_all_single with uneven, possibly empty splits) run on nccl
+and on gloo, so there is one code path for both.
+
+Legend: A assignment rows of this rank (N*K), D model dim, I expert width, E routed experts,
+W ep ranks, L local experts (E/W), R rows received by this rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from torchtitan_loom.models.loom.moe import RoutedExperts, run_experts
+
+
+class ExpertParallelExperts(nn.Module):
+    """RoutedExperts with w13/w2 sharded `Shard(0)` over a 1-D ep mesh; same forward contract."""
+
+    def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh):
+        super().__init__()
+        self.impl = experts.impl
+        self.ep_mesh = ep_mesh
+        # src_data_rank=None: each rank keeps its own slice, no communication. The model's init is
+        # layout-independent (the same full tensor everywhere), and on meta there is no data at all.
+        for name in ("w13", "w2"):
+            full = getattr(experts, name)
+            shard = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            self.register_parameter(name, nn.Parameter(shard, requires_grad=full.requires_grad))
+
+    def extra_repr(self) -> str:
+        E, W = self.w13.shape[0], self.ep_mesh.size()
+        return f"experts={E}, local_experts={E // W}, ep={W}, impl={self.impl}"
+
+    def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert (group sizes counts_E, int64 [E]) -> expert outputs, same order."""
+        group = self.ep_mesh.get_group()
+        W = self.ep_mesh.size()
+        E = counts_E.numel()
+        L = E // W
+
+        # 1. counts exchange: the E/W counts for block j go to rank j.
+        recv_WL = funcol.all_to_all_single(counts_E.contiguous(), None, None, group).view(W, L)
+        # 2. the one host sync of this call.
+        send_splits, recv_splits, local_sizes_L = _split_sizes(counts_E, recv_WL)
+
+        # 3. dispatch and regroup by local expert.
+        recv_RD = funcol.all_to_all_single_autograd(x_AD.contiguous(), recv_splits, send_splits, group)
+        order_R, back_R = _local_expert_order(recv_WL, sum(recv_splits))
+        # 4. local experts on their rows (weights: this rank's shards, autograd reaches the DTensors).
+        y_RD = run_experts(
+            recv_RD[order_R], recv_WL.sum(0), self.w13.to_local(), self.w2.to_local(), self.impl, local_sizes_L
+        )
+        # 5. back to source-major order, then home.
+        return funcol.all_to_all_single_autograd(y_RD[back_R].contiguous(), send_splits, recv_splits, group)
+
+
+def _split_sizes(counts_E: torch.Tensor, recv_WL: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """(send splits [W], receive splits [W], local group sizes [L]) from ONE device-to-host copy."""
+    W, L = recv_WL.shape
+    host = torch.cat([counts_E, recv_WL.reshape(-1)]).tolist()  # the host sync of the MoE call
+    sent, received = host[: W * L], host[W * L :]
+    send_splits = [sum(sent[j * L : (j + 1) * L]) for j in range(W)]
+    recv_splits = [sum(received[s * L : (s + 1) * L]) for s in range(W)]
+    local_sizes_L = [sum(received[s * L + e] for s in range(W)) for e in range(L)]
+    return send_splits, recv_splits, local_sizes_L
+
+
+def _local_expert_order(recv_WL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather indices between the received (source-major) and the local-expert-major row orders.
+
+    Returns (order_R, back_R): grouped = received[order_R] and received = grouped[back_R]. Built
+    with tensor ops on the device; `num_rows` (known on the host) sizes the result without a sync.
+    """
+    W, L = recv_WL.shape
+    sizes_S = recv_WL.reshape(-1)  # segments (source s, local expert e) in received order
+    src_start_S = torch.cumsum(sizes_S, 0) - sizes_S
+    # Segment (s, e) starts, in the grouped order (e outer, s inner), at this offset:
+    sizes_by_expert = recv_WL.t().reshape(-1)
+    dst_start_S = (torch.cumsum(sizes_by_expert, 0) - sizes_by_expert).view(L, W).t().reshape(-1)
+    segment_R = torch.repeat_interleave(
+        torch.arange(W * L, device=recv_WL.device), sizes_S, output_size=num_rows
+    )
+    rows_R = torch.arange(num_rows, device=recv_WL.device)
+    back_R = dst_start_S[segment_R] + (rows_R - src_start_S[segment_R])  # received row i -> grouped slot
+    order_R = torch.empty_like(back_R).scatter_(0, back_R, rows_R)
+    return order_R, back_R
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+    """Shard every layer's routed experts over the 1-D `ep_mesh` (in place); returns the model.
+
+    Works on a meta-device model (then `to_empty` + `init_weights` fill each rank's shard) and on
+    a materialised one. Raises ValueError when the mesh is not 1-D or its size does not divide the
+    routed-expert count.
+    """
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"apply_expert_parallel needs a 1-D ep mesh, got {ep_mesh.ndim} dims {ep_mesh.mesh_dim_names}")
+    ep = ep_mesh.size()
+    for index, moe in enumerate(model.moe_layers()):
+        experts = moe.experts
+        if isinstance(experts, ExpertParallelExperts):
+            raise ValueError(f"expert parallelism is already applied to layer {index}")
+        if not isinstance(experts, RoutedExperts):
+            raise ValueError(
+                f"layer {index}: moe.experts is {type(experts).__name__}; expert parallelism supports the "
+                "plain RoutedExperts only (not yet composed with float8 grouped experts)"
+            )
+        num_experts = experts.w13.shape[0]
+        if num_experts % ep != 0:
+            raise ValueError(
+                f"parallelism.ep={ep} must divide num_routed_experts={num_experts}; "
+                f"valid degrees: {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}"
+            )
+        moe.experts = ExpertParallelExperts(experts, ep_mesh)
+    return model
+
+
+__all__ = ["ExpertParallelExperts", "apply_expert_parallel"]

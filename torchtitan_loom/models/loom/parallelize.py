@@ -1,0 +1,125 @@
+"""parallelize_loom: native PyTorch parallelism applied to the LOOM model from outside, in the
+TorchTitan order EP -> activation checkpointing -> torch.compile -> FSDP2. None of it changes the
+math (the parity tests in tests/distributed/ prove it); the model file holds no parallel code.
+
+Choices made for the looped model (each block runs H times per forward, K per segment):
+
+- Routers stay out of FSDP: replicated DTensors on the ``dp`` mesh, fp32, their gradients summed
+  by ``distributed.utils.reduce_gradients``. The model picks ``routers[t-1]`` outside the block
+  and passes it in as a tensor (one compiled graph serves every loop); were the routers in the
+  block's FSDP unit, that argument would be read before FSDP unshards the block (a sharded
+  DTensor in loop 1), and its gradient would reach the parameter only after the block's
+  post-backward hook has reduce-scattered, so loop ``a``'s router of each segment would never be
+  reduced (measured). Cost: L·H·E·D replicated fp32 values (5.2M for loom_1p7b) and one small
+  all-reduce per segment. A forward pre-hook on each block turns the DTensor into its local tensor.
+- ``reshard_after_forward`` "default" = False ("never"): a block's parameters are all-gathered
+  once per forward instead of once per loop (measured, README "Parallelism").
+- FSDP's gradient division is off and its reductions are plain sums (gloo has no pre-multiplied
+  sum), because the loss is already divided by the global valid-token count.
+- ``cast_forward_inputs=False``: the Looping-Residual memories, the carry and the RoPE tables stay
+  fp32 as the spec's precision notes require; parameters are cast to ``param_dtype`` by FSDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_loom.distributed.parallel_dims import ParallelDims
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+RESHARD_AFTER_FORWARD = {"default": False, "never": False, "always": True}
+
+
+def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+    """Apply EP, AC, compile and FSDP2 as configured (in place, on the meta-device model); returns it.
+
+    The caller materialises afterwards (``to_empty`` + ``init_weights``, layout-independent).
+    """
+    cfg = job_config
+    if parallel_dims.ep_enabled:
+        from torchtitan_loom.distributed.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
+    if cfg.activation_checkpoint.mode != "none":
+        apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, save_routing=not cfg.compile.enable)
+    if cfg.compile.enable:
+        # Expert-parallel dispatch needs host-side split sizes: a graph break by design.
+        apply_compile(model, backend=cfg.compile.backend, fullgraph=not parallel_dims.ep_enabled)
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(model, parallel_dims, param_dtype=DTYPES[cfg.training.mixed_precision_param],
+                   reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+                   reshard_after_forward=RESHARD_AFTER_FORWARD[cfg.parallelism.fsdp_reshard_after_forward])
+    return model
+
+
+def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True) -> None:
+    """torch.compile each block in place (FQNs unchanged). The loop-dependent inputs (router
+    weight, gamma, memories) are tensors, so one graph serves every loop: at most 3 variants, from
+    requires_grad of the fresh memories, never one per loop."""
+    for layer in model.layers:
+        layer.compile(backend=backend, fullgraph=fullgraph)
+
+
+def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, *, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+    """FSDP2 units: [routed experts on efsdp when ep > 1], each block, the embedding, the head, the root.
+
+    Dense parameters shard on the ``fsdp`` mesh (HSDP when dp_replicate > 1); routed experts,
+    already ``Shard(0)`` over ``ep``, shard on ``efsdp`` (= dp_shard / ep ranks).
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    dense_mesh = parallel_dims.get_mesh("fsdp")
+    routers = replicate_routers(model, parallel_dims.get_mesh("dp"))
+    common = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for layer in model.layers:
+        if parallel_dims.ep_enabled:
+            experts = layer.moe.experts
+            fully_shard(experts, mesh=parallel_dims.get_mesh("efsdp"),
+                        shard_placement_fn=expert_shard_placement(experts, parallel_dims.dp_shard_mod_ep), **common)
+        fully_shard(layer, mesh=dense_mesh, ignored_params=routers, **common)
+        layer.register_forward_pre_hook(_local_tensor_args)
+    fully_shard(model.tok_embeddings, mesh=dense_mesh, **common)
+    fully_shard(model.output, mesh=dense_mesh, **common)
+    fully_shard(model, mesh=dense_mesh, mp_policy=mp, ignored_params=routers)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def replicate_routers(model: nn.Module, dp_mesh: Any) -> set[nn.Parameter]:
+    """Turn every router into a DTensor replicated over the data-parallel mesh (in place).
+
+    DTensors, not plain tensors, because one foreach AdamW cannot mix the two. Works on meta.
+    """
+    routers = set()
+    for moe in model.moe_layers():
+        for i, weight in enumerate(moe.routers):
+            replicated = distribute_tensor(weight.detach(), dp_mesh, [Replicate()], src_data_rank=None)
+            moe.routers[i] = nn.Parameter(replicated, requires_grad=weight.requires_grad)
+            routers.add(moe.routers[i])
+    return routers
+
+
+def expert_shard_placement(experts: nn.Module, efsdp_degree: int):
+    """FSDP placement of the routed experts: Shard(0) over the local experts when there are at
+    least as many as efsdp ranks, else Shard(1) (rows of each expert) so no rank holds only padding."""
+    local_experts = _local(experts.w13).shape[0]
+    placement = Shard(0) if local_experts >= efsdp_degree else Shard(1)
+    return lambda param: placement
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_tensor_args(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook of a block: the replicated router arrives as a DTensor; the block computes
+    on plain tensors (gradients flow back to the DTensor through to_local)."""
+    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)

@@ -1,0 +1,193 @@
+"""Export a checkpoint's model for inference or another framework: one consolidated file + args.
+
+    python -m torchtitan_loom.tools.export CKPT OUT [--dtype fp32|bf16] [--verify]
+
+CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder or a run's
+dump folder (the newest complete checkpoint inside is used). OUT receives:
+
+    model.safetensors   every model tensor at its full shape, keyed by parameter name
+                        (``model.pt``, a plain torch state dict, when safetensors is not installed)
+    model_args.json     {"name", "flavor", "args", "dtype", "step", "source", "file"}
+    config.toml         the run's resolved config, when the checkpoint has it
+
+Only the model is exported (no optimizer: about a third of the checkpoint). ``--dtype bf16``
+casts the parameters; buffers (the expert bias, which decides routing) stay fp32. ``--verify``
+reads the written file back and compares every tensor bit for bit with the DCP source (cast the
+same way). The checkpoint is read without a process group, so any world size's checkpoint works
+on one CPU process. ``load_exported_model(OUT)`` rebuilds the model from the export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
+from torchtitan_loom.components.checkpoint.state import load_full
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported, or an export that does not match its source."""
+
+
+def find_checkpoint(path: str) -> str:
+    """The complete DCP checkpoint directory that ``path`` names (see module doc)."""
+    if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
+        if os.path.isfile(os.path.join(path, "meta.json")) and not layout.is_complete(path):
+            raise ExportError(f"{path}: incomplete checkpoint (no {layout.MARKER} marker: its save did not finish)")
+        return path
+    for root in (path, os.path.join(path, "checkpoint")):
+        newest = layout.scan(root).newest() if os.path.isdir(root) else None
+        if newest is not None:
+            return newest.path
+    raise ExportError(f"{path}: not a checkpoint directory (no .metadata) and no complete step-N checkpoint "
+                      f"under it or under {os.path.join(path, 'checkpoint')}")
+
+
+def _model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
+    """(TrainSpec, model args) from a model_args.json payload."""
+    import torchtitan_loom.models  # noqa: F401 - registers the model specs
+    from torchtitan_loom.protocols import get_train_spec
+
+    spec = get_train_spec(info["name"])
+    args_cls = type(spec.model_args.get(info.get("flavor")) or next(iter(spec.model_args.values())))
+    known = {f.name for f in dataclasses.fields(args_cls)}
+    return spec, args_cls(**{k: v for k, v in info["args"].items() if k in known})
+
+
+def _buffer_names(spec: Any, args: Any) -> set[str]:
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return {name for name, _ in model.named_buffers()}
+
+
+def cast_for_export(sd: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: set[str]) -> dict[str, torch.Tensor]:
+    """Floating tensors to ``dtype`` except ``keep_fp32``; contiguous and unshared (safetensors' rule)."""
+    out = {}
+    for name, t in sd.items():
+        if torch.is_floating_point(t) and name not in keep_fp32:
+            t = t.to(dtype)
+        out[name] = t.contiguous().clone()
+    return out
+
+
+def _checkpoint_model(ckpt: str) -> dict[str, torch.Tensor]:
+    sd = load_full(ckpt, prefix="model.")
+    bad = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))
+    if bad:
+        raise ExportError(f"{ckpt}: non-tensor model entries {bad[:5]}")
+    return sd
+
+
+def export(ckpt: str, out: str, dtype: str = "fp32") -> str:
+    """Write the export of ``ckpt`` into ``out``; returns the model file's path."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    ckpt = find_checkpoint(ckpt)
+    info = read_model_args(ckpt)
+    if info is None:
+        raise ExportError(f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be exported")
+    spec, args = _model_spec(info)
+    tensors = cast_for_export(_checkpoint_model(ckpt), DTYPES[dtype], _buffer_names(spec, args))
+    os.makedirs(out, exist_ok=True)
+    try:
+        from safetensors.torch import save_file
+    except ImportError:  # optional dependency (pip install torchtitan_loom[export])
+        save_file = None
+    name = "model.safetensors" if save_file is not None else "model.pt"
+    path, tmp = os.path.join(out, name), os.path.join(out, name + ".partial")
+    if save_file is not None:
+        save_file(tensors, tmp, metadata={"format": "pt", "dtype": dtype})
+    else:
+        torch.save(tensors, tmp)
+    os.replace(tmp, path)
+    meta = layout.read_json(os.path.join(ckpt, "meta.json")) or {}
+    layout.write_json(os.path.join(out, MODEL_ARGS_FILE),
+                      {"name": info["name"], "flavor": info.get("flavor"), "args": dataclasses.asdict(args),
+                       "dtype": dtype, "step": meta.get("step"), "source": os.path.abspath(ckpt), "file": name})
+    if os.path.isfile(os.path.join(ckpt, "config.toml")):
+        shutil.copyfile(os.path.join(ckpt, "config.toml"), os.path.join(out, "config.toml"))
+    return path
+
+
+def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(model_args.json payload, tensors) of an export directory."""
+    info = layout.read_json(os.path.join(out, MODEL_ARGS_FILE))
+    if info is None:
+        raise ExportError(f"{out}: no {MODEL_ARGS_FILE}; not an export directory")
+    path = os.path.join(out, info["file"])
+    if info["file"].endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return info, load_file(path)
+    return info, torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def verify(ckpt: str, out: str) -> int:
+    """Compare every exported tensor bit for bit with the DCP source; returns how many matched."""
+    ckpt = find_checkpoint(ckpt)
+    info, exported = read_export(out)
+    spec, args = _model_spec(info)
+    expected = cast_for_export(_checkpoint_model(ckpt), DTYPES[info["dtype"]], _buffer_names(spec, args))
+    problems = [f"{k}: missing from the export" for k in sorted(expected.keys() - exported.keys())]
+    problems += [f"{k}: not in the checkpoint" for k in sorted(exported.keys() - expected.keys())]
+    for k in sorted(expected.keys() & exported.keys()):
+        a, b = expected[k], exported[k]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            problems.append(f"{k}: export {b.dtype} {list(b.shape)}, checkpoint {a.dtype} {list(a.shape)}")
+        elif not torch.equal(_bits(a), _bits(b)):
+            problems.append(f"{k}: values differ")
+    if problems:
+        raise ExportError(f"verification of {out} against {ckpt} failed:\n  " + "\n  ".join(problems[:20]))
+    return len(expected)
+
+
+def load_exported_model(out: str, device: str | torch.device = "cpu") -> nn.Module:
+    """The model rebuilt from an export (fp32 parameters holding the exported values), in eval mode."""
+    info, tensors = read_export(out)
+    spec, args = _model_spec(info)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()  # fills non-persistent buffers (e.g. RoPE tables); weights are replaced
+    model.load_state_dict(tensors, strict=True)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns 0, or 2 with one ``export error:`` message."""
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.export",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("ckpt", help="checkpoint directory (step-N), checkpoint folder or run dump folder")
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="parameter dtype of the export")
+    parser.add_argument("--verify", action="store_true", help="re-read the export and compare it bit for bit")
+    ns = parser.parse_args(argv)
+    try:
+        path = export(ns.ckpt, ns.out, ns.dtype)
+        print(f"exported {find_checkpoint(ns.ckpt)} → {path} ({ns.dtype})")
+        if ns.verify:
+            print(f"verified: {verify(ns.ckpt, ns.out)} tensors bit-identical to the checkpoint")
+    except (ExportError, OSError) as exc:
+        print(f"export error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
