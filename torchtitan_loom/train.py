@@ -162,8 +162,9 @@ class Trainer:
         denom = max(n_valid, 1.0)
         num_dp = self.info.world_size
         carries: list[Any] = [None] * len(micro)
-        L = sum(1 for _ in self.model.moe_layers())
-        counts_LHE: torch.Tensor | None = None
+        args = self.model_args
+        counts_LHE = torch.zeros(args.n_layers, self.num_loops, args.num_routed_experts, dtype=torch.int64,
+                                 device=self.device)
         seg_losses: list[float] = []
         grad_norm, skip_reason = float("nan"), None
         for j, (a, b) in enumerate(self.segments):
@@ -178,9 +179,6 @@ class Trainer:
                 loss.backward()
                 carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
-                if counts_LHE is None:
-                    counts_LHE = torch.zeros(L, self.num_loops, out.counts_LTE.shape[-1], dtype=torch.int64,
-                                             device=self.device)
                 counts_LHE[:, a - 1:b] += out.counts_LTE
             # Sums what FSDP did not reduce: every gradient of a replicated model, or only the
             # replicated routers under FSDP (its reduce-scatter already summed the rest).

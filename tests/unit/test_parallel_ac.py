@@ -17,13 +17,6 @@ from torchtitan_loom.train import Trainer
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on 2 shared cores: one intra-op thread avoids OpenMP spin-waits (several × faster)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def one_step(pack_dir, tmp_path, mode):

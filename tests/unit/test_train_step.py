@@ -1,6 +1,5 @@
 """The segmented train step (LOOM_SPEC §6 + §14) on the debug model, checked against autograd by hand."""
 
-import pytest
 import torch
 
 from torchtitan_loom.components.loss import token_ce_sum

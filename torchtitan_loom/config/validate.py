@@ -122,11 +122,6 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
     return config_errors(cfg, args, expected_shapes)
 
 
-def dp_degree(cfg: JobConfig, world_size: int) -> int:
-    """Data-parallel ranks: every rank is one (dp_replicate × dp_shard = world; ep ranks are FSDP ranks)."""
-    return world_size
-
-
 def _parallelism_errors(cfg: JobConfig, world_size: int, args: Any) -> list[str]:
     """[parallelism], [activation_checkpoint], [compile]: every divisibility rule, one message each."""
     from torchtitan_loom.distributed.parallel_dims import parallelism_problems
@@ -161,7 +156,7 @@ def validate(cfg: JobConfig, world_size: int) -> Any:
             errors.append(f"training.{key} = {getattr(t, key)}: must be ≥ 1")
     if t.bp_segment_len < 0:
         errors.append(f"training.bp_segment_len = {t.bp_segment_len}: must be ≥ 0 (0 = all loops in one segment)")
-    dp = dp_degree(cfg, world_size)
+    dp = world_size  # every rank is a data-parallel rank (dp_replicate × dp_shard = world; ep is carved from dp_shard)
     if t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (dp * t.micro_batch_size):
         errors.append(f"training.global_batch_size = {t.global_batch_size}: must be divisible by data-parallel "
                       f"ranks × micro_batch_size = {dp} × {t.micro_batch_size}")
