@@ -82,7 +82,9 @@ def attention_branch(sd: dict, cfg: dict, l: int, h_BSD: Tensor, pos_BS: Tensor,
         K = rope(K, pos_BS[b], cfg["rope_theta"])
         attn = torch.zeros(S, nh, hd, dtype=h_BSD.dtype)
         for doc in doc_BS[b].unique().tolist():
-            # positions of this document in sequence order; doc -1 (padding) is treated the same way
+            if doc == -1:  # padding rows get zero attention output (§4.4 step 4)
+                continue
+            # positions of this document in sequence order
             idx = (doc_BS[b] == doc).nonzero().flatten()
             n = idx.numel()
             causal = torch.ones(n, n, dtype=torch.bool).tril()

@@ -47,7 +47,7 @@ def test_rope_scores_depend_only_on_relative_position_and_keep_dtype():
 
 def test_sdpa_mask_is_same_document_and_causal():
     doc = torch.tensor([[0, 0, 1, 1, 1, -1], [2, 2, 2, 2, 2, 2]])
-    mask = build_attention_mask("sdpa", doc)
+    mask = build_attention_mask("sdpa", doc).kernel
     assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
     for b in range(2):
         for i in range(6):
@@ -65,10 +65,10 @@ def test_gqa_query_head_h_uses_kv_head_h_div_group():
     B, S, H, K, d = 1, 5, 4, 2, 8
     q, k, v = torch.randn(B, S, H, d), torch.randn(B, S, K, d), torch.randn(B, S, K, d)
     mask = build_attention_mask("sdpa", torch.zeros(B, S, dtype=torch.long))
-    out = attend("sdpa", q, k, v, mask)
+    out = attend("sdpa", q, k, v, mask.kernel)
     v2 = v.clone()
     v2[:, :, 1] += 1.0  # touch kv head 1 only
-    out2 = attend("sdpa", q, k, v2, mask)
+    out2 = attend("sdpa", q, k, v2, mask.kernel)
     assert torch.equal(out[:, :, :2], out2[:, :, :2]) and not torch.equal(out[:, :, 2:], out2[:, :, 2:])
 
 
@@ -89,7 +89,7 @@ def test_output_gate_and_fused_projection_order():
     # with gate logits 0, head 1 output is exactly half of the ungated attention
     qr = apply_rope(q.view(1, 4, 2, 64), *rope)
     kr = apply_rope(k.view(1, 4, 1, 64), *rope)
-    plain = attend("sdpa", qr, kr, v.view(1, 4, 1, 64), mask)
+    plain = attend("sdpa", qr, kr, v.view(1, 4, 1, 64), mask.kernel)
     gated = torch.cat([torch.sigmoid(gate[..., :64]).view(1, 4, 1, 64) * plain[:, :, :1], 0.5 * plain[:, :, 1:]], 2)
     torch.testing.assert_close(expected_half, attn.wo(gated.reshape(1, 4, 128)), rtol=0, atol=1e-6)
     assert not torch.allclose(base, expected_half)
@@ -149,3 +149,43 @@ def test_flash_attn_backend_without_the_package_says_what_to_do():
     tokens, positions, doc = _row_with_two_docs(2)
     with pytest.raises(ImportError, match="attn_backend='flash_attn' needs the flash-attn package"):
         model(tokens, positions, doc)
+
+
+def _padded_batch():
+    """Row 0: two documents + 3 padding slots; row 1: padding only (doc id -1 everywhere)."""
+    doc = torch.tensor([[0, 0, 0, 1, 1, -1, -1, -1], [-1] * 8])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0], [0] * 8])
+    return positions, doc
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_padding_queries_get_exactly_zero_attention_output(backend):
+    # LOOM_SPEC §4.4 step 4: padding rows get zero output, with no NaN even for a fully padded row.
+    from torchtitan_loom.models.loom.args import LoomModelArgs
+
+    args = LoomModelArgs(vocab_size=512, n_layers=1, expert_intermediate_size=64, dim=128, n_heads=2, n_kv_heads=1, attn_backend=backend)
+    attn = GatedAttention(args)
+    positions, doc = _padded_batch()
+    h = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = attn(h, rope_cos_sin(positions, 64, 1e4), build_attention_mask(backend, doc))
+    assert torch.isfinite(out).all()
+    assert out[doc == -1].abs().max().item() == 0.0
+    assert out[doc != -1].abs().min().item() > 0.0
+    # Real tokens are unchanged by whatever sits in the padding slots.
+    h2 = h.clone()
+    h2[doc == -1] = torch.randn(int((doc == -1).sum()), 128)
+    with torch.no_grad():
+        out2 = attn(h2, rope_cos_sin(positions, 64, 1e4), build_attention_mask(backend, doc))
+    torch.testing.assert_close(out2[doc != -1], out[doc != -1], rtol=0, atol=0)
+
+
+def test_padding_output_has_finite_zero_gradients():
+    from torchtitan_loom.models.loom.args import LoomModelArgs
+
+    attn = GatedAttention(LoomModelArgs(vocab_size=512, n_layers=1, expert_intermediate_size=64, dim=128, n_heads=2, n_kv_heads=1))
+    positions, doc = _padded_batch()
+    h = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    attn(h, rope_cos_sin(positions, 64, 1e4), build_attention_mask("sdpa", doc)).sum().backward()
+    assert torch.isfinite(h.grad).all()
+    assert h.grad[1].abs().max().item() == 0.0  # a fully padded row influences nothing

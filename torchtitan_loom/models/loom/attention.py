@@ -7,7 +7,10 @@ Three interchangeable kernels compute the same math, chosen by `LoomModelArgs.at
 A mask is built once per forward by `build_attention_mask` and reused by every layer and loop.
 
 A position attends to position j of the same row iff doc_ids are equal and j <= i. Documents are
-contiguous runs in a row (the data contract); the varlen backend relies on that.
+contiguous runs in a row (the data contract); the varlen backend relies on that. Padding (doc id
+-1) gets an exactly-zero attention output (LOOM_SPEC §4.4 step 4): the kernels let padding attend
+among itself, which keeps every softmax row non-empty (no NaN, also for a fully padded row), and
+`GatedAttention` then selects 0 for those queries, so nothing of padding reaches the stream.
 GQA convention: query head h uses kv head h // (n_heads // n_kv_heads) (as flash-attn and
 torch's enable_gqa do).
 
@@ -17,7 +20,7 @@ Legend: B batch rows, S sequence length, D model dim, H query heads, K kv heads,
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,13 +56,29 @@ def apply_rope(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tenso
 
 # ---------------------------------------------------------------- masks
 
+PAD_DOC_ID = -1  # the data contract's doc id of padding slots
 
-def build_attention_mask(backend: str, doc_ids_BS: torch.Tensor) -> Any:
-    """Backend-specific document-causal mask for one forward (reused by all layers and loops).
 
-    sdpa -> bool [B, 1, S, S] (True = may attend); flex -> BlockMask;
+class AttentionMask(NamedTuple):
+    """What every layer and loop of one forward needs to mask attention."""
+
+    kernel: Any
+    """Backend-specific document-causal mask (see build_attention_mask)."""
+    real_BS11: torch.Tensor
+    """bool [B, S, 1, 1]: True for real tokens; padding queries get a zero output."""
+
+
+def build_attention_mask(backend: str, doc_ids_BS: torch.Tensor) -> AttentionMask:
+    """Document-causal mask for one forward (reused by all layers and loops).
+
+    kernel: sdpa -> bool [B, 1, S, S] (True = may attend); flex -> BlockMask;
     flash_attn -> (cu_seqlens int32 [segments+1], max_seqlen int) over the flattened [B*S] tokens.
     """
+    real_BS11 = (doc_ids_BS != PAD_DOC_ID)[:, :, None, None]
+    return AttentionMask(_kernel_mask(backend, doc_ids_BS), real_BS11)
+
+
+def _kernel_mask(backend: str, doc_ids_BS: torch.Tensor) -> Any:
     B, S = doc_ids_BS.shape
     if backend == "sdpa":
         same_doc_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
@@ -151,13 +170,15 @@ class GatedAttention(nn.Module):
         self.wqkv = nn.Linear(args.dim, qkv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Any) -> torch.Tensor:
+    def forward(self, h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
         """Attention branch output a = W_o A (before the residual gain), [B, S, D]."""
         B, S, _ = h_BSD.shape
         H, K, d = self.n_heads, self.n_kv_heads, self.head_dim
         gate, q, k, v = self.wqkv(h_BSD).split([H * d, H * d, K * d, K * d], dim=-1)
         q_BSHd = apply_rope(q.view(B, S, H, d), *rope)
         k_BSKd = apply_rope(k.view(B, S, K, d), *rope)
-        attn_BSHd = attend(self.backend, q_BSHd, k_BSKd, v.view(B, S, K, d), mask)
+        attn_BSHd = attend(self.backend, q_BSHd, k_BSKd, v.view(B, S, K, d), mask.kernel)
+        # where, not a product: an exact 0 for padding queries whatever the kernel gave them.
+        attn_BSHd = torch.where(mask.real_BS11, attn_BSHd, attn_BSHd.new_zeros(()))
         gated_BSHd = torch.sigmoid(gate.view(B, S, H, d)) * attn_BSHd
         return self.wo(gated_BSHd.reshape(B, S, H * d))
