@@ -50,7 +50,7 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from torchtitan_loom.config import load_config
-    from torchtitan_loom.config.validate import validate
+    from torchtitan_loom.config.validate import resolve
     from torchtitan_loom.distributed.utils import DistInfo, pick_device
     from torchtitan_loom.train import Trainer
 
@@ -70,7 +70,7 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
         argv = argv + ["--job.dump_folder", tempfile.mkdtemp(prefix="memory_time_")]
     cfg = load_config(argv)
     device = pick_device(cfg.training.device)
-    trainer = Trainer(cfg, validate(cfg, world), DistInfo(rank, world, rank, device))
+    trainer = Trainer(cfg, resolve(cfg, world), DistInfo(rank, world, device))
     data = iter(trainer.dataloader)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from torchtitan_loom.components.metrics import memory_stats, peak_flops  # noqa: E402
 from torchtitan_loom.config import ConfigError, load_config  # noqa: E402
-from torchtitan_loom.config.validate import validate  # noqa: E402
+from torchtitan_loom.config.validate import resolve  # noqa: E402
 from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E402
 from torchtitan_loom.train import Trainer  # noqa: E402
 
@@ -91,7 +91,7 @@ def bench_pack(out: Path, seq_len: int, tokens_needed: int) -> Path:
     """A byte-level pack of the bundled generator's documents, records of seq_len+1 tokens."""
     from torchtitan_loom.components.data.pack_writer import PackWriter
     from torchtitan_loom.components.tokenizer import ByteTokenizer
-    from torchtitan_loom.tools.synthetic_corpus import generate_documents
+    from torchtitan_loom.components.data.synthetic_corpus import generate_documents
 
     target = max(200_000, int(tokens_needed * 1.3))
     path = out / f"bench-pack-s{seq_len + 1}-{target}"
@@ -132,21 +132,21 @@ def run_cell(argv: list[str], steps: int, warmup: int) -> dict[str, Any]:
     """Train `warmup` + `steps` steps of the config `argv`; the record of the timed steps."""
     try:
         cfg = load_config(argv)
-        model_args = validate(cfg, 1)
+        resolved = resolve(cfg, 1)
     except ConfigError as exc:
         return {"status": "unsupported", "reason": " / ".join(str(exc).splitlines())}
     device = pick_device(cfg.training.device)
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    info = DistInfo(rank=0, world_size=1, device=device)
     trainer = None
     try:
-        trainer = Trainer(cfg, model_args, info)
+        trainer = Trainer(cfg, resolved, info)
         batches = iter(trainer.dataloader)
         for _ in range(warmup):
             trainer.train_step(next(batches))
         _sync(device)
         memory_stats(device)  # CUDA: resets the peak, so the record covers the timed steps only
         start = time.perf_counter()
-        losses = [trainer.train_step(next(batches))["seg_losses"][-1] for _ in range(steps)]
+        losses = [trainer.train_step(next(batches)).seg_losses[-1] for _ in range(steps)]
         _sync(device)
         elapsed = time.perf_counter() - start
         t = cfg.training

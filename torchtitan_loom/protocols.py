@@ -9,7 +9,7 @@ run, E routed experts.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -44,7 +44,18 @@ class ModelOutput(NamedTuple):
 
 @runtime_checkable
 class ModelProtocol(Protocol):
-    """The model surface the trainer uses; nothing about the model's internals."""
+    """Everything the trainer uses of a model, and nothing about its internals.
+
+    The trainer reads no model-specific field: shapes of the step's buffers, FLOPs, the bias update
+    and the activation-checkpoint seam all come through this surface (a second model registered in
+    tests/unit/test_protocol.py trains through the same trainer).
+    """
+
+    args: Any
+    """The typed model args (a frozen dataclass with `validate()`, `init_seed`, `vocab_size`)."""
+    region_wrappers: dict[str, Callable[..., Any]]
+    """The AC seam: scope -> wrapper(fn, *args) that must return fn(*args); empty = plain calls.
+    Scopes are the model's own (LOOM: "block", "loop", "segment"); parameter names never change."""
 
     @property
     def num_loops(self) -> int:
@@ -67,17 +78,32 @@ class ModelProtocol(Protocol):
         """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1."""
         ...
 
-    def moe_layers(self) -> Iterator[nn.Module]:
-        """The MoE modules, one per layer; each has an `expert_bias` buffer [E]."""
+    def expert_counts_shape(self) -> tuple[int, int]:
+        """(L, E) of `ModelOutput.counts_LTE`; (0, 0) for a model without routed experts."""
+        ...
+
+    def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
+        """Apply the once-per-step routing-bias update from loads summed over loops, micro-batches and
+        ranks (LOOM_SPEC §5.2); a no-op for a model without one."""
         ...
 
     def param_counts(self) -> dict[str, int]:
         """{"total": all parameters, "active": parameters used per token}."""
         ...
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token over all loops (forward + backward)."""
+    def flops_per_token(self, seq_len: int, head_calls: int = 1) -> float:
+        """Training FLOPs per token over all loops (forward + backward); the head counted `head_calls`
+        times (once per backprop segment)."""
         ...
+
+
+class Parallelized(NamedTuple):
+    """What a parallelize function hands back to the trainer."""
+
+    model: nn.Module
+    finish_gradients: Callable[[], None]
+    """Called once per segment after backward: sums over the data-parallel ranks every gradient the
+    applied wrappers (FSDP) did not already reduce, so the step need not know which those are."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +114,8 @@ class TrainSpec:
     model_cls: type[nn.Module]
     model_args: Mapping[str, Any]
     """flavor name -> model args (e.g. LoomModelArgs)."""
-    parallelize_fn: Callable[..., nn.Module] | None = None
-    """parallelize(model, parallel_dims, job_config) -> model; filled by the parallelism code."""
+    parallelize_fn: Callable[..., Parallelized] | None = None
+    """parallelize(model, parallel_dims, job_config) -> Parallelized; None = a plain replicated model."""
 
 
 # The registry is the only module-level mutable state in the package: specs register once at

@@ -2,7 +2,8 @@
 
 Read top to bottom: ``Trainer.__init__`` builds everything in TorchTitan order, ``train_step`` is
 LOOM's segmented step (LOOM_SPEC §6 with the §14 decisions), ``evaluate`` runs the held-out loss
-after every loop, ``train`` is the loop, ``main`` turns config errors into exit code 2.
+after every loop, ``train`` loads the checkpoint and runs the loop, ``main`` turns config, data and
+checkpoint errors into exit code 2. The model is reached only through ``protocols.ModelProtocol``.
 
 Legend: B rows, S sequence length, L layers, H loops, T loops of a segment, E routed experts.
 """
@@ -13,26 +14,25 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointError, CheckpointManager
-from torchtitan_loom.components.data import build_eval_loader, build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.data import PackError, build_eval_loader, build_train_loader, bundled_corpus_path
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
-from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops
-from torchtitan_loom.components.optimizer import build_optimizer, update_expert_bias
+from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops, throughput
+from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import Resolved, resolve
 from torchtitan_loom.distributed import utils as dist_utils
-from torchtitan_loom.distributed.parallel_dims import ParallelDims
-from torchtitan_loom.protocols import get_train_spec
+from torchtitan_loom.protocols import ModelProtocol, Parallelized, get_train_spec
 
 SPIKE_EXIT_CODE = 2
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
@@ -58,18 +58,34 @@ class TrainState:
         self.skipped_segments = int(sd.get("skipped_segments", 0))
 
 
+@dataclass
+class StepResult:
+    """What one global step did (``Trainer.train_step``)."""
+
+    seg_losses: list[float]
+    """Global token-mean loss of every segment that ran (a skipped one included, then none after it)."""
+    grad_norm: float | None
+    """Pre-clip gradient norm of the last segment that stepped; None when no segment stepped."""
+    lr: float
+    skip_reason: str | None
+    """Why a segment was skipped (the rest of the step with it), None when every segment stepped."""
+    counts_LHE: torch.Tensor
+    """int64 kept assignments per layer, loop and expert, summed over micro-batches and ranks."""
+    n_valid: float
+    """Valid target tokens of the global batch."""
+
+
 class Trainer:
-    def __init__(self, cfg: JobConfig, model_args: Any, info: dist_utils.DistInfo) -> None:
+    def __init__(self, cfg: JobConfig, resolved: Resolved, info: dist_utils.DistInfo) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
-        self.model_args = model_args
+        self.model_args, self.parallel_dims = resolved
+        model_args = self.model_args
         t = cfg.training
         dist_utils.set_determinism(t.seed, t.deterministic)
-        self.compute_dtype = _DTYPES[t.mixed_precision_param]
-        self.reduce_dtype = _DTYPES[t.mixed_precision_reduce]
+        self.compute_dtype = dist_utils.DTYPES[t.mixed_precision_param]
+        self.reduce_dtype = dist_utils.DTYPES[t.mixed_precision_reduce]
 
-        # Degrees and meshes first: every divisibility rule was already checked by validate().
-        self.parallel_dims = ParallelDims.from_config(cfg.parallelism, info.world_size,
-                                                      num_experts=model_args.num_routed_experts)
+        # Meshes first: resolve() checked every degree (ParallelDims) before any process group existed.
         self.parallel_dims.build_meshes(self.device.type)
         # FSDP's MixedPrecisionPolicy casts the parameters; autocast would only add casts on top.
         self.use_autocast = self.compute_dtype != torch.float32 and not self.parallel_dims.fsdp_enabled
@@ -82,11 +98,13 @@ class Trainer:
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
         if self.spec.parallelize_fn is not None:
-            model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+            model, self.finish_gradients = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+        else:  # a plain replicated model: every gradient is summed over the ranks
+            self.finish_gradients = lambda: dist_utils.reduce_gradients(self.params, self.reduce_dtype)
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights()
-        self.model = model.train()
+        self.model: ModelProtocol = model.train()
         # Tensorwise float8 scale precompute: only when FSDP sharded the float8 weights.
         self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(model)
         if self.float8_precompute:
@@ -107,10 +125,11 @@ class Trainer:
 
         data_path = cfg.data.path or bundled_corpus_path(cfg.data.cache_dir or None)
         self.data_path = data_path
-        self.vocab_size = model_args.vocab_size
-        self.dataloader = build_train_loader(data_path, seq_len=t.seq_len, vocab_size=model_args.vocab_size,
+        self.vocab_size = model.args.vocab_size
+        self.tokenizer_name = cfg.data.tokenizer or None  # checked against the pack's own record
+        self.dataloader = build_train_loader(data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                              global_batch_rows=t.global_batch_size, dp_rank=info.rank,
-                                             dp_world=self.parallel_dims.dp)  # every rank is a dp rank
+                                             dp_world=self.parallel_dims.dp, tokenizer_name=self.tokenizer_name)
         self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.tb_folder, rank=info.rank,
                                      log_rank=cfg.metrics.log_rank)
@@ -120,18 +139,18 @@ class Trainer:
         self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {counts['total']:,} parameters "
                  f"({counts['active']:,} active per token), H={self.num_loops}, segments={self.segments}, "
                  f"world={info.world_size}, device={self.device}, compute dtype={t.mixed_precision_param}, "
-                 f"data={data_path}")
+                 f"init seed={model.args.init_seed} (training.seed), data={data_path}")
         if info.world_size > 1:
             self.log("parallelism: " + "; ".join(line.strip() for line in self.parallel_dims.describe().splitlines())
                      + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}")
-        # Built last, once everything it saves exists; resumes (or warm-starts) right away.
+        # Built last, once everything it saves exists; train() loads (TorchTitan's order).
+        self.resumed = False
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader,
                     "spike_guard": self.spike_guard, "train_state": self.state},
             model_args=model_args, model_name=cfg.model.name, flavor=cfg.model.flavor, config_toml=to_toml(cfg),
             total_steps=t.steps, device=self.device, rank=info.rank, world_size=info.world_size, log=self.log)
-        self.checkpointer.load()
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str) -> None:
@@ -152,7 +171,7 @@ class Trainer:
                 for i in range(0, rows, mb)]
 
     # ---------------------------------------------------------------- the step
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
         """One global step: ⌈H/K⌉ segments, each zero_grad → fwd/bwd per micro-batch → guard → clip → AdamW."""
         micro = self.micro_batches(batch)
         # The divisor of every micro-batch loss: valid targets of the whole GLOBAL batch, so the
@@ -160,13 +179,12 @@ class Trainer:
         n_valid = dist_utils.all_reduce(sum(count_valid(m["labels"]) for m in micro).to(torch.float64)
                                         .reshape(1)).item()
         denom = max(n_valid, 1.0)
-        num_dp = self.info.world_size
+        num_dp = self.parallel_dims.dp
         carries: list[Any] = [None] * len(micro)
-        args = self.model_args
-        counts_LHE = torch.zeros(args.n_layers, self.num_loops, args.num_routed_experts, dtype=torch.int64,
-                                 device=self.device)
+        n_layers, n_experts = self.model.expert_counts_shape()
+        counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
-        grad_norm, skip_reason = float("nan"), None
+        grad_norm, skip_reason = None, None
         for j, (a, b) in enumerate(self.segments):
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -180,9 +198,8 @@ class Trainer:
                 carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
                 counts_LHE[:, a - 1:b] += out.counts_LTE
-            # Sums what FSDP did not reduce: every gradient of a replicated model, or only the
-            # replicated routers under FSDP (its reduce-scatter already summed the rest).
-            dist_utils.reduce_gradients(self.params, self.reduce_dtype)
+            # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
+            self.finish_gradients()
             # One host sync per segment: the guard needs the segment's global token-mean loss.
             seg_loss = dist_utils.all_reduce(ce_total.reshape(1)).item() / denom
             seg_losses.append(seg_loss)
@@ -193,7 +210,7 @@ class Trainer:
                 self.state.skipped_segments += 1
                 skip_reason = f"segment {j + 1} (loops {a}-{b}): {skip_reason}"
                 break
-            grad_norm = dist_utils.clip_grad_norm(self.params, self.cfg.training.max_norm)
+            grad_norm = dist_utils.clip_grad_norm(self.params, self.cfg.training.max_norm)  # pre-clip norm
             self.optimizer.step()
             if self.float8_precompute:
                 self.float8.post_optimizer_hook(self.model)
@@ -202,13 +219,13 @@ class Trainer:
         # ranks; discarded when a segment was skipped (§5.2).
         counts_LHE = dist_utils.all_reduce(counts_LHE)
         if skip_reason is None:
-            update_expert_bias(self.model.moe_layers(), counts_LHE.sum(1), self.model_args.load_balance_bias_lr)
+            self.model.update_expert_bias(counts_LHE.sum(1))
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
         self.state.step += 1
         self.state.tokens_seen += int(n_valid)
-        return {"seg_losses": seg_losses, "grad_norm": grad_norm, "lr": lr, "skip_reason": skip_reason,
-                "counts_LHE": counts_LHE, "n_valid": n_valid}
+        return StepResult(seg_losses=seg_losses, grad_norm=grad_norm, lr=lr, skip_reason=skip_reason,
+                          counts_LHE=counts_LHE, n_valid=n_valid)
 
     # -------------------------------------------------------------------- eval
     @torch.no_grad()
@@ -218,8 +235,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         loader = build_eval_loader(self.data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                    batch_rows=cfg.eval.batch_size or t.global_batch_size, dp_rank=self.info.rank,
-                                   dp_world=self.info.world_size, val_path=cfg.data.val_path or None,
-                                   max_tokens=cfg.eval.tokens)
+                                   dp_world=self.parallel_dims.dp, val_path=cfg.data.val_path or None,
+                                   max_tokens=cfg.eval.tokens, tokenizer_name=self.tokenizer_name)
         self.model.eval()
         ce_H = torch.zeros(self.num_loops, dtype=torch.float64, device=self.device)
         n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -242,10 +259,27 @@ class Trainer:
         return result
 
     # -------------------------------------------------------------------- loop
+    def resume(self) -> None:
+        """Load the checkpoint (if any), make the current config win over its optimizer values
+        (LOOM_SPEC §7.7), and record the config that runs. Raises CheckpointError when it does not fit.
+        ``train()`` calls it unless the caller already did (tests inspect a resumed trainer first)."""
+        cfg = self.cfg
+        self.resumed = True
+        resumed = self.checkpointer.load()
+        if resumed is not None:
+            o = cfg.optimizer
+            for line in apply_config_hyperparameters(self.optimizer, self.lr_scheduler, lr=o.lr, beta1=o.beta1,
+                                                     beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay):
+                self.log(f"resume: the config wins: {line}")
+        if self.info.rank == 0:  # after the resume succeeded, so a refused one leaves the run as it was
+            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
+                fh.write(to_toml(cfg))
+
     def train(self) -> int:
         cfg, t = self.cfg, self.cfg.training
+        if not self.resumed:
+            self.resume()
         data_iter = iter(self.dataloader)
-        self.checkpointer.restore_rng()  # the resumed RNG stream, untouched by anything built since
         tokens_per_step = t.global_batch_size * t.seq_len
         last_time, last_step = time.perf_counter(), self.state.step
         exit_code = 0
@@ -253,27 +287,27 @@ class Trainer:
             out = self.train_step(next(data_iter))
             step = self.state.step
             scalars: dict[str, Any] = {}
-            if step % cfg.metrics.log_freq == 0 or step == t.steps or out["skip_reason"]:
+            if step % cfg.metrics.log_freq == 0 or step == t.steps or out.skip_reason:
                 now = time.perf_counter()
-                tps = tokens_per_step * (step - last_step) / max(now - last_time, 1e-9)
+                rate = throughput(tokens_per_step * (step - last_step), now - last_time, self.flops_per_token,
+                                  self.peak_flops)
                 last_time, last_step = now, step
-                tflops = tps * self.flops_per_token / 1e12
-                scalars = {"loss": out["seg_losses"][-1], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                           "tokens_per_s": tps, "tflops": tflops,
-                           "mfu": (100.0 * tflops * 1e12 / self.peak_flops) if self.peak_flops else None,
-                           "skipped": int(out["skip_reason"] is not None), "tokens_seen": self.state.tokens_seen}
-                scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(out["seg_losses"])})
+                scalars = {"loss": out.seg_losses[-1], "lr": out.lr, "grad_norm": out.grad_norm, **rate,
+                           "skipped": int(out.skip_reason is not None), "tokens_seen": self.state.tokens_seen}
+                scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(out.seg_losses)})
                 scalars.update(memory_stats(self.device))
             if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
                 scalars.update(self.evaluate())
             if scalars:
-                extra = {"expert_load": out["counts_LHE"].tolist()}
+                extra = {"expert_load": out.counts_LHE.tolist()}
+                if out.skip_reason:
+                    extra["skip_reason"] = out.skip_reason
                 self.metrics.log(step, scalars, extra)
                 self.log(format_console_line(step, scalars))
-            if out["skip_reason"]:
-                self.log(f"step {step}: skipped {out['skip_reason']}")
+            if out.skip_reason:
+                self.log(f"step {step}: skipped {out.skip_reason}")
                 if cfg.spike_guard.abort_on_spike:
-                    self._write_spike_abort(step, out["skip_reason"])
+                    self._write_spike_abort(step, out.skip_reason)
                     exit_code = SPIKE_EXIT_CODE
                     self.checkpointer.after_step(step, last=True)
                     break
@@ -304,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         world_size = cfg.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
-        model_args = validate(cfg, world_size)
+        resolved = resolve(cfg, world_size)
     except ConfigError as exc:
         for line in str(exc).splitlines():
             print(f"config error: {line}", file=sys.stderr)
@@ -315,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         from torchtitan_loom.distributed.dry_run import dry_run
 
         if int(os.environ.get("RANK", "0")) == 0:
-            print(dry_run(cfg, model_args, world_size))
+            print(dry_run(cfg, *resolved))
         return 0
     info = dist_utils.init_distributed(cfg.training.device)
     finished = False
@@ -324,15 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
             print(to_toml(cfg))
         try:
-            trainer = Trainer(cfg, model_args, info)
-        except CheckpointError as exc:  # the checkpoint to resume does not fit this run
+            trainer = Trainer(cfg, resolved, info)
+            code = trainer.train()
+        except (CheckpointError, PackError) as exc:  # a checkpoint or a pack that does not fit this run
+            kind = "checkpoint" if isinstance(exc, CheckpointError) else "data"
             for line in str(exc).splitlines():
-                print(f"checkpoint error: {line}", file=sys.stderr)
+                print(f"{kind} error: {line}", file=sys.stderr)
             return 2
-        if info.rank == 0:  # written after the resume succeeded, so a refused one leaves the run as it was
-            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
-                fh.write(to_toml(cfg))
-        code = trainer.train()
         trainer.log(f"done: {trainer.state.step} steps, exit code {code}")
         finished = True
         return code

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
 
@@ -30,9 +30,9 @@ def record_run(trainer: Trainer, steps: int) -> dict:
     losses, norms, counts = [], [], []
     for _ in range(steps):
         out = trainer.train_step(next(data))
-        losses.append(out["seg_losses"])
-        norms.append(out["grad_norm"])
-        counts.append(out["counts_LHE"].tolist())
+        losses.append(out.seg_losses)
+        norms.append(out.grad_norm)
+        counts.append(out.counts_LHE.tolist())
     opt_steps = {}
     for name, p in trainer.model.named_parameters():
         state = trainer.optimizer.state.get(p, {})
@@ -66,11 +66,11 @@ def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
     try:
         with open(spec_path) as fh:
             spec = json.load(fh)
-        info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+        info = DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
         for case in spec["cases"]:
             argv = spec["base"] + case["argv"] + ["--job.dump_folder", os.path.join(spec["out"], case["name"])]
             cfg = load_config(argv)
-            trainer = Trainer(cfg, validate(cfg, world), info)
+            trainer = Trainer(cfg, resolve(cfg, world), info)
             start = time.perf_counter()
             result = {"init_diff": init_difference(trainer), **record_run(trainer, case["steps"])}
             result["seconds"] = time.perf_counter() - start

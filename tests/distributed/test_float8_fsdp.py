@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
 
@@ -33,10 +33,10 @@ def common(pack, dump):
 
 def test_fsdp_float8_all_gather_and_precompute_train_like_one_process(tiny_pack, tmp_path):
     cfg = load_config(common(tiny_pack, tmp_path / "one"))
-    tr = Trainer(cfg, validate(cfg, 1), DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    tr = Trainer(cfg, resolve(cfg, 1), DistInfo(rank=0, world_size=1, device=torch.device("cpu")))
     assert not tr.float8_precompute                                   # no FSDP on one process
     batches = iter(tr.dataloader)
-    ref = [tr.train_step(next(batches))["seg_losses"][-1] for _ in range(3)]
+    ref = [tr.train_step(next(batches)).seg_losses[-1] for _ in range(3)]
 
     dump = tmp_path / "fsdp"
     args = [*common(tiny_pack, dump), "--float8.enable_fsdp_float8_all_gather",

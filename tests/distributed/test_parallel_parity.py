@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
 
@@ -59,7 +59,7 @@ def reference(tiny_pack, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 busy cores: one thread is several times faster than two here
     try:
-        trainer = Trainer(cfg, validate(cfg, 1), DistInfo(rank=0, world_size=1, local_rank=0,
+        trainer = Trainer(cfg, resolve(cfg, 1), DistInfo(rank=0, world_size=1,
                                                           device=torch.device("cpu")))
         return parallel_workers.record_run(trainer, STEPS)
     finally:

@@ -88,11 +88,11 @@ def test_real_float8_training_tracks_bf16(recipe, tiny_pack, tmp_path):
     from torchao.float8.float8_linear import Float8Linear
 
     from torchtitan_loom.config import load_config
-    from torchtitan_loom.config.validate import validate
+    from torchtitan_loom.config.validate import resolve
     from torchtitan_loom.distributed.utils import DistInfo
     from torchtitan_loom.train import Trainer
 
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device(DEVICE, 0))
+    info = DistInfo(rank=0, world_size=1, device=torch.device(DEVICE, 0))
 
     def curve(*extra):
         argv = ["--data.path", str(tiny_pack), "--job.dump_folder", str(tmp_path / "_".join(extra or ["bf16"])),
@@ -102,9 +102,9 @@ def test_real_float8_training_tracks_bf16(recipe, tiny_pack, tmp_path):
                 "--metrics.enable_tensorboard", "false", "--eval.interval", "0", "--spike_guard.enable", "false",
                 *extra]
         cfg = load_config(argv)
-        tr = Trainer(cfg, validate(cfg, 1), info)
+        tr = Trainer(cfg, resolve(cfg, 1), info)
         it = iter(tr.dataloader)
-        return torch.tensor([tr.train_step(next(it))["seg_losses"][-1] for _ in range(10)]), tr
+        return torch.tensor([tr.train_step(next(it)).seg_losses[-1] for _ in range(10)]), tr
 
     ref, _ = curve()
     experts = "true" if expert_kernel() else "false"

@@ -17,7 +17,7 @@ import torch
 
 from torchtitan_loom.components.checkpoint import layout, load_full
 from torchtitan_loom.config import ConfigError, load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import export as export_tool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +126,7 @@ def _ep_layout(world, base):
     for extra in (["--parallelism.dp_shard", "2", "--parallelism.ep", "2"],
                   ["--parallelism.dp_shard", "4", "--parallelism.ep", "2"]):
         try:
-            validate(load_config(base + extra), world)
+            resolve(load_config(base + extra), world)
             return extra
         except ConfigError:
             continue

@@ -13,11 +13,11 @@ from torchtitan_loom.components.checkpoint import CheckpointError, layout
 from torchtitan_loom.components.checkpoint.preemption import PreemptionWatcher
 from torchtitan_loom.components.checkpoint.state import read_metadata
 from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
 
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def make_trainer(pack, dump, *extra, cls=Trainer):
@@ -26,7 +26,9 @@ def make_trainer(pack, dump, *extra, cls=Trainer):
             "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--eval.interval", "0",
             "--metrics.enable_tensorboard", "false", "--checkpoint.enable", *extra]
     cfg = load_config(argv)
-    return cls(cfg, validate(cfg, 1), CPU)
+    trainer = cls(cfg, resolve(cfg, 1), CPU)
+    trainer.resume()  # what train() does first; done here so tests can inspect the resumed state
+    return trainer
 
 
 def run(trainer):
@@ -217,7 +219,7 @@ def test_disabled_manager_does_nothing(tiny_pack, tmp_path):
     cfg = load_config(["--data.path", str(tiny_pack), "--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
                        "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
                        "--training.steps", "1", "--eval.interval", "0", "--metrics.enable_tensorboard", "false"])
-    t = Trainer(cfg, validate(cfg, 1), CPU)
+    t = Trainer(cfg, resolve(cfg, 1), CPU)
     assert t.train() == 0 and not (tmp_path / "checkpoint").exists()
     assert not t.checkpointer.watcher.installed
 
@@ -233,5 +235,5 @@ def test_checkpoint_config_errors(argv, expected, tmp_path):
     from torchtitan_loom.config import ConfigError
 
     with pytest.raises(ConfigError) as exc:
-        validate(load_config(["--job.dump_folder", str(tmp_path), *argv]), 1)
+        resolve(load_config(["--job.dump_folder", str(tmp_path), *argv]), 1)
     assert expected in str(exc.value)

@@ -9,7 +9,7 @@ import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointError, layout
 from torchtitan_loom.config import ConfigError, load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import export as export_tool
 from torchtitan_loom.train import Trainer, main
 
@@ -42,7 +42,7 @@ def snapshot_files(folder):
 def test_other_num_loops_is_one_config_error_listing_fields_and_shapes(trained, tiny_pack):
     dump, _ = trained
     with pytest.raises(ConfigError) as exc:
-        validate(load_config(cli(tiny_pack, dump, "--model.num_loops", "4")), 1)
+        resolve(load_config(cli(tiny_pack, dump, "--model.num_loops", "4")), 1)
     msg = str(exc.value)
     assert msg.startswith(f"checkpoint {dump / 'checkpoint' / 'step-2'} (step 2) does not fit the configured model")
     assert "model.num_loops: checkpoint 3, config 4" in msg
@@ -65,16 +65,17 @@ def test_manager_rejects_mismatched_shapes_even_past_validation(trained, tiny_pa
     # Validation ran for other args; the trainer's own check (by tensor shape) still refuses.
     dump, _ = trained
     cfg = load_config(cli(tiny_pack, tmp_path, "--checkpoint.initial_load_path", str(dump / "checkpoint")))
-    args = validate(cfg, 1).replace(dim=64, n_heads=1)
+    resolved = resolve(cfg, 1)
+    args = resolved._replace(model_args=resolved.model_args.replace(dim=64, n_heads=1))
     with pytest.raises(CheckpointError, match=r"(?s)warm start.*layers.0.attention.wo.weight: "
                                               r"checkpoint \[128, 128\], this model \[64, 64\]"):
-        Trainer(cfg, args, CPU)
+        Trainer(cfg, args, CPU).resume()
 
 
 def test_load_step_that_does_not_exist(trained, tiny_pack):
     dump, _ = trained
     with pytest.raises(ConfigError, match=r"checkpoint.load_step = 7: no complete checkpoint .* complete steps: 1, 2"):
-        validate(load_config(cli(tiny_pack, dump, "--checkpoint.load_step", "7")), 1)
+        resolve(load_config(cli(tiny_pack, dump, "--checkpoint.load_step", "7")), 1)
 
 
 def test_warm_start_loads_only_the_model_then_the_run_resumes_its_own(trained, tiny_pack, tmp_path):

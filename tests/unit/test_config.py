@@ -9,7 +9,7 @@ import pytest
 
 from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
 from torchtitan_loom.config.manager import section_fields, section_types
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,13 +45,13 @@ def test_seed_launcher_ablation_switches_reachable(tmp_path):
     toml = ("[model]\ncycle_residual_scale = false\nembed_inject_mode = \"none\"\nffn_branch_rms = \"none\"\n"
             "num_loops = 6\ncycle_scale_lambda = 0.25\nlooping_residual_beta = 0.7\n[training]\nbp_segment_len = 2\n")
     cfg = load_config(["--job.config_file", write_toml(tmp_path, toml)])
-    args = validate(cfg, 1)
+    args = resolve(cfg, 1).model_args
     assert (args.cycle_residual_scale, args.embed_inject_mode, args.ffn_branch_rms) == (False, "none", "none")
     assert (args.num_loops, args.cycle_scale_lambda, args.looping_residual_beta) == (6, 0.25, 0.7)
     assert cfg.training.bp_segment_len == 2
     cfg = load_config(["--model.embed_inject_mode", "loop_start_mix_soft", "--model.num_loops", "12",
                        "--training.bp_segment_len", "0", "--model.cycle_scale_lambda", "0.5"])
-    args = validate(cfg, 1)
+    args = resolve(cfg, 1).model_args
     assert args.num_loops == 12 and args.embed_inject_mode == "loop_start_mix_soft"
 
 
@@ -97,22 +97,22 @@ def test_toml_type_and_key_errors(tmp_path):
 ])
 def test_validation_errors(argv, world, expected):
     with pytest.raises(ConfigError) as exc:
-        validate(load_config(argv), world)
+        resolve(load_config(argv), world)
     assert str(exc.value).startswith(expected), str(exc.value)
 
 
 def test_model_args_errors_surface_as_config_errors():
     with pytest.raises(ConfigError, match=r"^model: .*num_loops"):
-        validate(load_config(["--model.num_loops", "0"]), 1)
+        resolve(load_config(["--model.num_loops", "0"]), 1)
 
 
 def test_seq_len_checked_against_pack(tmp_path):
     pack = tmp_path / "pack"
     pack.mkdir()
     (pack / "metadata.json").write_text(json.dumps({"max_seq_len": 129}))
-    validate(load_config(["--data.path", str(pack), "--training.seq_len", "128"]), 1)
+    resolve(load_config(["--data.path", str(pack), "--training.seq_len", "128"]), 1)
     with pytest.raises(ConfigError, match=r"records of at most 129 tokens, so seq_len must be ≤ 128"):
-        validate(load_config(["--data.path", str(pack), "--training.seq_len", "129"]), 1)
+        resolve(load_config(["--data.path", str(pack), "--training.seq_len", "129"]), 1)
 
 
 def test_every_field_documented_and_in_help():
@@ -135,7 +135,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 def test_shipped_configs_load_and_validate():
     for name in ("debug_model", "loom_329m", "loom_1p7b"):
         cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / f"{name}.toml"), "--data.path", ""])
-        args = validate(cfg, 1 if name == "debug_model" else 8)
+        args = resolve(cfg, 1 if name == "debug_model" else 8).model_args
         assert args.num_loops == (3 if name == "debug_model" else 9)
 
 

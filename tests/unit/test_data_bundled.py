@@ -8,7 +8,7 @@ import pytest
 
 from torchtitan_loom.components.data import bundled_corpus_path, build_train_loader, open_pack
 from torchtitan_loom.components.data.bundled import ensure_built
-from torchtitan_loom.tools import synthetic_corpus as sc
+from torchtitan_loom.components.data import synthetic_corpus as sc
 
 
 def test_generator_is_deterministic_and_tasks_are_correct():

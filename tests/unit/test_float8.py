@@ -12,7 +12,7 @@ from torch import nn
 from torchtitan_loom.components.float8 import Float8Converter, plan_float8, select_dense, select_experts
 from torchtitan_loom.components.float8_experts import Float8GroupedExperts, padded_layout, swiglu_grouped
 from torchtitan_loom.config import ConfigError, load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.moe import RoutedExperts, run_experts
 from torchtitan_loom.train import main
@@ -156,7 +156,7 @@ def test_emulated_mxfp8_experts_are_close_to_high_precision_but_not_equal():
 def config_errors(*argv):
     cfg = load_config(["--float8.enable", *argv])
     with pytest.raises(ConfigError) as exc:
-        validate(cfg, 1)
+        resolve(cfg, 1)
     return str(exc.value).splitlines()
 
 
@@ -238,7 +238,7 @@ def test_float8_preset_is_loom_1p7b_plus_the_float8_section():
         assert getattr(f8, section) == getattr(base, section), section
     f8 = load_config(["--job.config_file", str(configs / "loom_1p7b_float8.toml"), "--data.path", "",
                       "--float8.emulate", "--training.device", "cpu"])
-    assert validate(f8, 8).num_loops == 9  # valid as shipped once the device can run it
+    assert resolve(f8, 8).model_args.num_loops == 9  # valid as shipped once the device can run it
 
 
 def test_float8_section_is_documented_and_not_pending():

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 LOSS_TOL = 0.06
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 FLOAT8 = ["--float8.enable", "--float8.emulate", "--float8.experts"]
@@ -34,13 +34,13 @@ def make_trainer(pack, dump, *extra, steps=10):
             "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1", "--eval.interval", "0",
             "--spike_guard.enable", "false", *BF16, *extra]
     cfg = load_config(argv)
-    return Trainer(cfg, validate(cfg, 1), CPU)
+    return Trainer(cfg, resolve(cfg, 1), CPU)
 
 
 def loss_curve(pack, dump, *extra, steps=10):
     tr = make_trainer(pack, dump, *extra, steps=steps)
     it = iter(tr.dataloader)
-    return torch.tensor([tr.train_step(next(it))["seg_losses"][-1] for _ in range(steps)]), tr
+    return torch.tensor([tr.train_step(next(it)).seg_losses[-1] for _ in range(steps)]), tr
 
 
 def test_emulated_float8_loss_curve_tracks_bf16(tiny_pack, tmp_path):

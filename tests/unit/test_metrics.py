@@ -1,4 +1,4 @@
-"""Metrics: JSONL lines, TensorBoard event files read back, peak-FLOP table, console line, timer."""
+"""Metrics: JSONL lines, TensorBoard event files read back, peak-FLOP table, console line, throughput."""
 
 import json
 import math
@@ -9,13 +9,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from torchtitan_loom.components.metrics import (
     MetricsLogger,
-    StepTimer,
-    flops_metrics,
     format_console_line,
     memory_stats,
     peak_flops,
     peak_flops_for_name,
     tb_tag,
+    throughput,
 )
 
 
@@ -87,22 +86,12 @@ def test_peak_flops_table():
     assert peak_flops_for_name("NVIDIA GeForce GTX 1080") is None
 
 
-def test_flops_metrics():
-    m = flops_metrics(tokens_per_s=1000.0, flops_per_token=6e9, peak=989e12)
+def test_throughput():
+    m = throughput(tokens=3000.0, seconds=3.0, flops_per_token=6e9, peak=989e12)
+    assert m["tokens_per_s"] == pytest.approx(1000.0, rel=1e-12)
     assert m["tflops"] == pytest.approx(6.0, rel=1e-12)
     assert m["mfu"] == pytest.approx(100 * 6e12 / 989e12, rel=1e-12)
-    assert flops_metrics(1000.0, 6e9, None) == {"tflops": pytest.approx(6.0), "mfu": None}
-
-
-def test_step_timer_with_fake_clock():
-    now = [10.0]
-    timer = StepTimer(clock=lambda: now[0])
-    timer.add_tokens(1000)
-    timer.add_tokens(500)
-    now[0] = 12.0
-    assert timer.tokens_per_s() == 750.0
-    now[0] = 13.0  # new window, no tokens yet
-    assert timer.tokens_per_s() == 0.0
+    assert throughput(1000.0, 1.0, 6e9, None)["mfu"] is None
 
 
 def test_memory_stats_cpu():

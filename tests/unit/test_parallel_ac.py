@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.train import Trainer
 
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
 
@@ -26,7 +26,7 @@ def one_step(pack_dir, tmp_path, mode):
             "--training.bp_segment_len", "3", "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
             "--activation_checkpoint.mode", mode]
     cfg = load_config(argv)
-    trainer = Trainer(cfg, validate(cfg, 1), CPU)
+    trainer = Trainer(cfg, resolve(cfg, 1), CPU)
     out = trainer.train_step(next(iter(trainer.dataloader)))
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -44,10 +44,10 @@ def test_each_mode_trains_exactly_like_no_checkpointing(mode, no_ac, tiny_pack, 
     ref_out, ref_grads, ref_params = no_ac
     # Measured bit-identical (one thread). The tolerance leaves room for backward kernels whose
     # accumulation order varies with threads (seen: 2.5e-8 on segment 3 with 2 busy threads).
-    torch.testing.assert_close(out["seg_losses"], ref_out["seg_losses"], rtol=1e-6, atol=0)
-    assert out["grad_norm"] == pytest.approx(ref_out["grad_norm"], rel=1e-6)
+    torch.testing.assert_close(out.seg_losses, ref_out.seg_losses, rtol=1e-6, atol=0)
+    assert out.grad_norm == pytest.approx(ref_out.grad_norm, rel=1e-6)
     # Counts come from the forward's outputs; the recompute's are discarded, so no double count.
-    assert torch.equal(out["counts_LHE"], ref_out["counts_LHE"])
+    assert torch.equal(out.counts_LHE, ref_out.counts_LHE)
     assert grads.keys() == ref_grads.keys()  # last segment: routers 6..8 only, as without AC
     assert max_relative_difference(grads, ref_grads) <= 1e-5
     assert max_relative_difference(params, ref_params) <= 1e-5

@@ -15,11 +15,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
 
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
@@ -33,7 +33,7 @@ def one_step(pack_dir, tmp_path, *extra):
             "--training.bp_segment_len", "3", "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
             *extra]
     cfg = load_config(argv)
-    trainer = Trainer(cfg, validate(cfg, 1), CPU)
+    trainer = Trainer(cfg, resolve(cfg, 1), CPU)
     out = trainer.train_step(next(iter(trainer.dataloader)))
     return out, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -57,11 +57,11 @@ def test_compiled_blocks_serve_every_loop_and_match_eager(backend, tiny_pack, tm
         # Fused kernels round differently: segment 1 (before any update) agrees tightly (measured
         # 0); later segments follow AdamW steps and a few flipped routing ties (measured 3.1e-5,
         # 6 kept assignments moved).
-        torch.testing.assert_close(out["seg_losses"][0], eager_out["seg_losses"][0], rtol=1e-5, atol=0)
-        torch.testing.assert_close(out["seg_losses"], eager_out["seg_losses"], rtol=1e-3, atol=0)
+        torch.testing.assert_close(out.seg_losses[0], eager_out.seg_losses[0], rtol=1e-5, atol=0)
+        torch.testing.assert_close(out.seg_losses, eager_out.seg_losses, rtol=1e-3, atol=0)
         return
     # aot_eager runs the same aten ops: same routing, same curve.
-    assert torch.equal(out["counts_LHE"], eager_out["counts_LHE"])
-    torch.testing.assert_close(out["seg_losses"], eager_out["seg_losses"], rtol=1e-5, atol=0)
+    assert torch.equal(out.counts_LHE, eager_out.counts_LHE)
+    torch.testing.assert_close(out.seg_losses, eager_out.seg_losses, rtol=1e-5, atol=0)
     for name, p in eager_params.items():
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=name)

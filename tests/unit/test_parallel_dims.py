@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from torchtitan_loom.config import ConfigError, load_config
-from torchtitan_loom.config.validate import _parallelism_errors, resolve_model_args, validate
+from torchtitan_loom.config.validate import _parallelism_errors, resolve_model_args, resolve
 from torchtitan_loom.distributed.parallel_dims import ParallelDims, parallelism_problems
 
 
@@ -80,7 +80,7 @@ def test_each_broken_rule_gives_one_message(kwargs, message):
 ])
 def test_bad_layouts_fail_at_config_time_with_one_message(argv, world, expected):
     with pytest.raises(ConfigError) as exc:
-        validate(load_config(argv), world)
+        resolve(load_config(argv), world)
     assert str(exc.value).startswith(expected) and "\n" not in str(exc.value), str(exc.value)
 
 
@@ -88,8 +88,9 @@ def test_expert_rows_must_split_evenly_when_experts_are_fewer_than_fsdp_ranks():
     cfg = load_config(["--parallelism.ep", "2"])
     args = resolve_model_args(cfg)  # debug: 8 experts, D = 128, expert width 128
     # 32 ranks, ep 2: 4 experts per ep rank over 16 FSDP ranks -> FSDP splits rows (256 and 128).
-    assert _parallelism_errors(cfg, 32, args) == []
-    errors = _parallelism_errors(cfg, 32, dataclasses.replace(args, expert_intermediate_size=4))  # 8 rows / 16
+    dims = ParallelDims.from_config(cfg.parallelism, 32, num_experts=args.num_routed_experts)
+    assert _parallelism_errors(cfg, dims, args) == []
+    errors = _parallelism_errors(cfg, dims, dataclasses.replace(args, expert_intermediate_size=4))  # 8 rows / 16
     assert len(errors) == 1 and "FSDP splits expert rows" in errors[0], errors
 
 

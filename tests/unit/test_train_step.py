@@ -4,11 +4,11 @@ import torch
 
 from torchtitan_loom.components.loss import token_ce_sum
 from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import validate
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer, segments
 
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def make_trainer(pack_dir, tmp_path, *extra):
@@ -18,7 +18,7 @@ def make_trainer(pack_dir, tmp_path, *extra):
             "--spike_guard.enable", "false", "--training.max_norm", "0",
             "--model.load_balance_bias_lr", "0", *extra]
     cfg = load_config(argv)
-    return Trainer(cfg, validate(cfg, 1), CPU)
+    return Trainer(cfg, resolve(cfg, 1), CPU)
 
 
 def batch_of(trainer):
@@ -36,7 +36,7 @@ def test_adam_steps_per_segment_and_per_loop_router(tiny_pack, tmp_path):
     tr = make_trainer(tiny_pack, tmp_path, "--model.num_loops", "9", "--training.bp_segment_len", "3",
                       "--training.global_batch_size", "4", "--training.micro_batch_size", "2")
     out = tr.train_step(batch_of(tr))
-    assert len(out["seg_losses"]) == 3
+    assert len(out.seg_losses) == 3
     names = dict(tr.model.named_parameters())
     steps = {n: int(tr.optimizer.state[p]["step"]) for n, p in names.items() if p in tr.optimizer.state}
     routers = [n for n in names if ".moe.routers." in n]
@@ -109,15 +109,15 @@ def test_expert_bias_update_once_per_step_from_counts(tiny_pack, tmp_path):
                       "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
                       "--model.load_balance_bias_lr", "0.5")
     out = tr.train_step(batch_of(tr))
-    load_LE = out["counts_LHE"].sum(1).double()
+    load_LE = out.counts_LHE.sum(1).double()
     for layer, load_E in zip(tr.model.moe_layers(), load_LE):
         want = 0.5 * torch.sign(load_E.mean() - load_E)
         torch.testing.assert_close(layer.expert_bias.double(), want)
     # Counts cover every loop of every micro-batch: k routed assignments per token before dropping.
     args = tr.model_args
     k = args.top_k - (args.num_shared_experts if args.top_k_includes_shared else 0)
-    assert int(out["counts_LHE"][0].sum()) <= 4 * 32 * k * 3
-    assert (out["counts_LHE"].sum(-1) > 0).all()
+    assert int(out.counts_LHE[0].sum()) <= 4 * 32 * k * 3
+    assert (out.counts_LHE.sum(-1) > 0).all()
 
 
 def test_skipped_segment_discards_bias_update_and_later_segments(tiny_pack, tmp_path):
@@ -125,14 +125,14 @@ def test_skipped_segment_discards_bias_update_and_later_segments(tiny_pack, tmp_
                       "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
                       "--spike_guard.enable", "true", "--model.load_balance_bias_lr", "0.5")
     batch = batch_of(tr)
-    assert tr.train_step(batch)["skip_reason"] is None   # first sight of each segment: accepted
+    assert tr.train_step(batch).skip_reason is None   # first sight of each segment: accepted
     for _ in range(300):                                  # drive segment 1's baseline to ~0
         tr.spike_guard.accept(0, 0.0)
     params = {n: p.clone() for n, p in tr.model.named_parameters()}
     biases = [m.expert_bias.clone() for m in tr.model.moe_layers()]
     out = tr.train_step(batch)
-    assert out["skip_reason"].startswith("segment 1 (loops 1-1)")
-    assert len(out["seg_losses"]) == 1                    # segments 2 and 3 abandoned
+    assert out.skip_reason.startswith("segment 1 (loops 1-1)")
+    assert len(out.seg_losses) == 1                    # segments 2 and 3 abandoned
     for n, p in tr.model.named_parameters():
         assert torch.equal(p, params[n]), n               # no optimizer step at all
     for m, b in zip(tr.model.moe_layers(), biases):

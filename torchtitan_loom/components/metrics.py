@@ -11,9 +11,7 @@ import json
 import os
 import re
 import sys
-import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,15 +56,17 @@ def peak_flops(device: torch.device) -> float | None:
     return flops
 
 
-def flops_metrics(tokens_per_s: float, flops_per_token: float,
-                  peak: float | None) -> dict[str, float | None]:
-    """{"tflops": achieved TFLOP/s, "mfu": percent of ``peak`` (None when peak is None)}.
+def throughput(tokens: float, seconds: float, flops_per_token: float,
+               peak: float | None) -> dict[str, float | None]:
+    """{"tokens_per_s", "tflops" achieved, "mfu" percent of ``peak`` (None without a peak)}.
 
-    ``flops_per_token`` must be the training FLOPs per token (forward + backward) for the work
-    actually done per token; the caller decides that from the model's own count.
+    The one formula of the trainer's log line and of the benchmarks. ``flops_per_token`` is the
+    model's training FLOPs per token (forward + backward) for the work done per token.
     """
+    tokens_per_s = tokens / max(seconds, 1e-9)
     achieved = tokens_per_s * flops_per_token
-    return {"tflops": achieved / 1e12, "mfu": None if not peak else 100.0 * achieved / peak}
+    return {"tokens_per_s": tokens_per_s, "tflops": achieved / 1e12,
+            "mfu": None if not peak else 100.0 * achieved / peak}
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -87,32 +87,6 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     bytes_per_unit = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
     return {"memory_max_rss_gib": max_rss * bytes_per_unit / _GIB}
-
-
-class StepTimer:
-    """Tokens per second of wall-clock time between two ``tokens_per_s()`` calls.
-
-    On GPUs the caller should read it after a synchronising call (e.g. ``loss.item()``) so the
-    time covers the queued work. ``reset()`` restarts the window (e.g. after an eval).
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
-        self.reset()
-
-    def reset(self) -> None:
-        self._start = self._clock()
-        self._tokens = 0
-
-    def add_tokens(self, n: int) -> None:
-        self._tokens += int(n)
-
-    def tokens_per_s(self) -> float:
-        """Rate over the current window, then start a new window."""
-        elapsed = self._clock() - self._start
-        rate = self._tokens / elapsed if elapsed > 0 else 0.0
-        self.reset()
-        return rate
 
 
 def tb_tag(name: str) -> str:

@@ -1,16 +1,11 @@
-"""AdamW (LOOM_SPEC §7.2) and the auxiliary-loss-free expert-bias update (§5.2).
-
-Legend: L MoE layers, E routed experts.
-"""
+"""AdamW (LOOM_SPEC §7.2) and the config-wins rule for its hyper-parameters on resume (§7.7)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
+OPTIMIZER_NAMES = ("AdamW",)
 VALID_IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
 # Device types with fused AdamW kernels in torch 2.11+ (torch checks this lazily at step()).
 FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu", "hpu")
@@ -60,36 +55,26 @@ def _check_fused_supported(params: list[nn.Parameter]) -> None:
             f"{FUSED_DEVICE_TYPES}; found {bad}. Use 'foreach' or 'for-loop'.")
 
 
-@torch.no_grad()
-def update_expert_bias(moe_layers: Iterable[nn.Module], counts_LE: torch.Tensor, lr: float) -> None:
-    """b_l ← b_l + lr·sign(mean_e(load_l) − load_l,e) for every MoE layer l (§5.2).
+def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                                 *, lr: float, beta1: float, beta2: float, eps: float,
+                                 weight_decay: float) -> list[str]:
+    """After a resume, make the current config win over the checkpoint (LOOM_SPEC §7.7).
 
-    ``counts_LE`` are kept-assignment counts already summed by the caller over loops,
-    micro-batches and data-parallel ranks, so every rank applies the same update. The sign is
-    computed exactly in integers: sign(mean − load_e) = sign(Σ_e load − E·load_e), which avoids
-    float rounding of large counts. No-op when ``lr == 0``.
-
-    Each module's ``expert_bias`` buffer [E] is updated in place. FSDP2 leaves buffers as plain
-    tensors; if the buffer is a DTensor it must be replicated, and the update is applied to its
-    local tensor (the full vector on every rank), so all replicas stay identical.
+    A loaded optimizer brings its saved betas, eps and weight decay, and the schedule its saved peak
+    lr (``base_lrs``); each is replaced by the config's value and the lr of the restored schedule
+    position is recomputed. The schedule's shape (steps, ratios) is a closure over the config and
+    is never restored. Returns one line per value that changed.
     """
-    if lr == 0:
-        return
-    layers = list(moe_layers)
-    if counts_LE.dim() != 2 or counts_LE.shape[0] != len(layers):
-        raise ValueError(f"update_expert_bias: counts_LE must be [L={len(layers)}, E], "
-                         f"got shape {tuple(counts_LE.shape)}")
-    counts_LE = counts_LE.to(torch.int64)
-    n_experts = counts_LE.shape[1]
-    sign_LE = torch.sign(counts_LE.sum(dim=1, keepdim=True) - n_experts * counts_LE)
-    for l, layer in enumerate(layers):
-        bias_E = layer.expert_bias
-        if isinstance(bias_E, DTensor):
-            if not all(isinstance(p, Replicate) for p in bias_E.placements):
-                raise ValueError(f"update_expert_bias: layer {l} expert_bias must be replicated, "
-                                 f"got placements {bias_E.placements}")
-            bias_E = bias_E.to_local()
-        if bias_E.shape != (n_experts,):
-            raise ValueError(f"update_expert_bias: layer {l} expert_bias has shape "
-                             f"{tuple(bias_E.shape)}, counts give E={n_experts}")
-        bias_E.add_(sign_LE[l].to(device=bias_E.device, dtype=bias_E.dtype), alpha=lr)
+    changes = []
+    wanted = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
+    saved = {"lr": scheduler.base_lrs[0], "betas": tuple(optimizer.param_groups[0]["betas"]),
+             "eps": optimizer.param_groups[0]["eps"], "weight_decay": optimizer.param_groups[0]["weight_decay"]}
+    for key, value in wanted.items():
+        if saved[key] != value:
+            changes.append(f"optimizer.{key}: checkpoint {saved[key]} -> config {value}")
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(initial_lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                     lr=lr * lr_lambda(scheduler.last_epoch))
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return changes

@@ -188,9 +188,8 @@ def help_text() -> str:
         for key, (tp, f) in section_fields(cls).items():
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             extra = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
-            pending = f" [not supported yet: {f.metadata['pending']}]" if f.metadata.get("pending") else ""
             lines.append(f"  --{sec}.{key}  {type_name(tp)} = {default!r}{extra}")
-            lines.append(f"      {f.metadata.get('doc', '')}{pending}")
+            lines.append(f"      {f.metadata.get('doc', '')}")
         lines.append("")
     return "\n".join(lines)
 

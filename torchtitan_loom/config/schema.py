@@ -1,26 +1,68 @@
 """The one config schema: a dataclass per TOML section, every field typed, defaulted and documented.
 
 The help text of a field lives in its metadata (``doc``); ``--help`` prints it and nothing else
-documents the key. A field may also carry ``choices`` (valid string values) and ``pending`` (the
-issue that implements it: until then any non-default value is rejected as "not supported yet",
-never silently ignored).
+documents the key. A field may also carry ``choices``: the valid string values, always the tuple
+that the implementing module defines (imported below), never a copy. The ``[model]`` override keys
+are generated from the model-args dataclass, with its own field docs and choices.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtitan_loom.components.checkpoint.manager import ASYNC_MODES
+from torchtitan_loom.components.float8 import DENSE_RECIPES, EXPERT_RECIPES
+from torchtitan_loom.components.lr_scheduler import VALID_KINDS as LR_KINDS
+from torchtitan_loom.components.optimizer import OPTIMIZER_NAMES
+from torchtitan_loom.components.optimizer import VALID_IMPLEMENTATIONS as OPTIMIZER_IMPLEMENTATIONS
+from torchtitan_loom.distributed.activation_checkpoint import AC_MODES
+from torchtitan_loom.distributed.utils import DEVICES, DTYPES
+from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
+from torchtitan_loom.models.loom.parallelize import COMPILE_BACKENDS, RESHARD_AFTER_FORWARD
 
-def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, pending: str | None = None):
+
+def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None):
     """A documented config field (``default`` may be a list; it is copied per instance)."""
-    meta = {"doc": doc, "choices": choices, "pending": pending}
+    meta = {"doc": doc, "choices": choices}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (its one documentation)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+# Model args that are not [model] keys: the init seed is training.seed (one seed per run).
+_NOT_MODEL_KEYS = ("init_seed",)
+
+
+def _model_section(args_cls: type) -> type:
+    """[model]: name, flavor, then one optional override per model-args field (None keeps the flavor's)."""
+    docs, hints = attribute_docs(args_cls), typing.get_type_hints(args_cls)
+    fields = [("name", str, opt("loom", "Registered TrainSpec name.")),
+              ("flavor", str, opt("debug", "Size preset of the spec (loom: debug, loom_329m, loom_1p7b)."))]
+    for f in dataclasses.fields(args_cls):
+        if f.name not in _NOT_MODEL_KEYS:
+            fields.append((f.name, hints[f.name] | None,
+                           opt(None, docs.get(f.name, ""), choices=FIELD_CHOICES.get(f.name))))
+    return dataclasses.make_dataclass("Model", fields)
+
+
+Model = _model_section(LoomModelArgs)
 
 
 @dataclass
@@ -32,30 +74,6 @@ class Job:
 
 
 @dataclass
-class Model:
-    name: str = opt("loom", "Registered TrainSpec name.")
-    flavor: str = opt("debug", "Size preset of the spec (loom: debug, loom_329m, loom_1p7b).")
-    num_loops: int | None = opt(None, "H, loops over the L blocks (None: the flavor's; LOOM uses 9).")
-    cycle_residual_scale: bool | None = opt(
-        None, "Residual scale γ = λ/(H√L) on every branch write; false → γ = 1 (seed CYCLE_RESIDUAL_SCALE).")
-    cycle_scale_lambda: float | None = opt(None, "λ of the residual scale and the injection gate (LOOM 0.5).")
-    embed_inject_mode: str | None = opt(
-        None, "Embedding re-injection at loop start (seed EMBED_INJECT_MODE).",
-        choices=("none", "loop_start_mix_soft"))
-    ffn_branch_rms: str | None = opt(
-        None, "RMSNorm on the MoE output before γ (seed FFN_BRANCH_RMS).", choices=("none", "affine"))
-    looping_residual: bool | None = opt(None, "Looping Residual carry on the attention branch; false → x + o.")
-    looping_residual_beta: float | None = opt(None, "β of the Looping Residual EMAs (LOOM 0.5).")
-    router_per_loop: bool | None = opt(None, "One router per loop (true, LOOM) or one per layer.")
-    capacity_factor: float | None = opt(None, "MoE capacity factor per micro-batch call; 0 disables dropping.")
-    router_z_loss_coef: float | None = opt(None, "Router z-loss coefficient (LOOM as run: 0.0).")
-    load_balance_bias_lr: float | None = opt(None, "Aux-loss-free expert-bias step; 0 disables the update.")
-    attn_backend: str | None = opt(None, "Attention kernel (same math).", choices=("sdpa", "flex", "flash_attn"))
-    moe_impl: str | None = opt(None, "Routed-expert GEMM: grouped (torch._grouped_mm) or a per-expert loop.",
-                               choices=("grouped", "loop"))
-
-
-@dataclass
 class Training:
     steps: int = opt(300, "Global steps to train (one global batch each).")
     global_batch_size: int = opt(16, "Rows (sequences of seq_len tokens) per global step, over all ranks.")
@@ -64,28 +82,29 @@ class Training:
     bp_segment_len: int = opt(3, "K loops per backprop segment (seed BP_K); 0 = one segment of all H loops.")
     max_norm: float = opt(1.0, "Gradient clip on the global L2 norm before every optimizer step; ≤ 0 disables.")
     mixed_precision_param: str = opt("bfloat16", "Compute dtype of parameters in forward/backward.",
-                                     choices=("bfloat16", "float32"))
+                                     choices=tuple(DTYPES))
     mixed_precision_reduce: str = opt("float32", "Dtype of gradient reductions across ranks.",
-                                      choices=("bfloat16", "float32"))
-    seed: int = opt(0, "Seed of the layout-independent weight init and of torch RNGs.")
+                                      choices=tuple(DTYPES))
+    seed: int = opt(0, "Seed of torch RNGs and of the layout-independent weight init (it becomes the "
+                               "model args' init_seed; the start line prints it).")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower).")
-    device: str = opt("auto", "auto: cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))
+    device: str = opt("auto", "auto: cuda when available, else cpu.", choices=DEVICES)
 
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer (LOOM: AdamW, one parameter group).", choices=("AdamW",))
+    name: str = opt("AdamW", "Optimizer (LOOM: AdamW, one parameter group).", choices=OPTIMIZER_NAMES)
     lr: float = opt(3e-3, "Peak learning rate.")
     beta1: float = opt(0.9, "AdamW β1.")
     beta2: float = opt(0.95, "AdamW β2.")
     eps: float = opt(1e-8, "AdamW ε.")
     weight_decay: float = opt(0.1, "Decoupled weight decay, on every parameter.")
-    implementation: str = opt("foreach", "AdamW kernel.", choices=("foreach", "fused", "for-loop"))
+    implementation: str = opt("foreach", "AdamW kernel.", choices=OPTIMIZER_IMPLEMENTATIONS)
 
 
 @dataclass
 class LRScheduler:
-    kind: str = opt("wsd", "Schedule: warmup-stable-decay or warmup + cosine.", choices=("wsd", "cosine"))
+    kind: str = opt("wsd", "Schedule: warmup-stable-decay or warmup + cosine.", choices=LR_KINDS)
     warmup_ratio: float = opt(0.1, "Warmup steps as a fraction of training.steps.")
     decay_ratio: float = opt(0.1, "Final linear-decay steps as a fraction of training.steps (wsd).")
     min_ratio: float = opt(0.1, "Final lr as a fraction of the peak.")
@@ -144,7 +163,7 @@ class Checkpoint:
                                      "yet; optimizer, schedule, data and step start fresh.")
     async_mode: str = opt("disabled", "async: stage to CPU memory, then write in a background thread over "
                                       "its own gloo group while training continues.",
-                          choices=("disabled", "async"))
+                          choices=ASYNC_MODES)
     save_on_signal: bool = opt(True, "On SIGTERM or SIGUSR1: finish the current step, save, exit 0.")
     exit_after_step: int = opt(0, "Save and exit 0 after this global step (job chains under a time "
                                   "limit; the next launch resumes); 0 = off.")
@@ -165,7 +184,7 @@ class Parallelism:
     fsdp_reshard_after_forward: str = opt(
         "default", "Free gathered parameters after forward (always) or keep them until backward (never). "
                    "default = never: each block runs K times per forward, so 'always' re-gathers it per loop.",
-        choices=("default", "always", "never"))
+        choices=tuple(RESHARD_AFTER_FORWARD))
     dry_run: bool = opt(False, "Validate the config, print the mesh layout, batch split and per-rank parameter "
                                "shards and memory for the world size, then exit 0 without training (one "
                                "process, fake process group).")
@@ -176,14 +195,14 @@ class Parallelism:
 class ActivationCheckpoint:
     mode: str = opt("none", "Recompute activations in backward: per block call (block), per loop (loop) or "
                             "per backprop segment of K loops (segment); routing decisions are saved, never "
-                            "recomputed differently.", choices=("none", "block", "loop", "segment"))
+                            "recomputed differently.", choices=AC_MODES)
 
 
 @dataclass
 class Compile:
     enable: bool = opt(False, "torch.compile each block; one graph serves every loop (no per-loop recompile).")
     backend: str = opt("inductor", "torch.compile backend (aot_eager / eager: tracing without code generation, "
-                                   "for debugging).", choices=("inductor", "aot_eager", "eager"))
+                                   "for debugging).", choices=COMPILE_BACKENDS)
 
 
 @dataclass
@@ -193,7 +212,7 @@ class Float8:
                               "convert. Needs torchao and a CUDA GPU of compute capability 8.9+, or emulate.")
     recipe: str = opt("tensorwise", "Scaling of the dense linears: tensorwise (one dynamic scale per tensor; "
                                     "allows the FSDP float8 all-gather) or rowwise (one per row, power-of-2 "
-                                    "scales; communication stays high precision).", choices=("tensorwise", "rowwise"))
+                                    "scales; communication stays high precision).", choices=DENSE_RECIPES)
     emulate: bool = opt(False, "Emulate the float8 GEMMs (quantise, then multiply in high precision): required "
                                "on CPU and below SM89; for tests, not speed.")
     experts: bool = opt(False, "Also run the routed experts' grouped GEMMs in low precision "
@@ -201,7 +220,7 @@ class Float8:
                                "the kernel's alignment (16 fp8, 32 MXFP8) and the padding dropped after.")
     experts_recipe: str = opt("auto", "Routed-expert kernel: fp8_rowwise (SM90, triton), mxfp8 (SM100; emulated "
                                       "anywhere with emulate); auto = mxfp8 when emulating or on SM100, "
-                                      "fp8_rowwise on SM90.", choices=("auto", "fp8_rowwise", "mxfp8"))
+                                      "fp8_rowwise on SM90.", choices=EXPERT_RECIPES)
     enable_fsdp_float8_all_gather: bool = opt(False, "tensorwise only: FSDP all-gathers the Float8Linear weights "
                                                      "in float8 (half the bytes of bf16); no effect without FSDP.")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(

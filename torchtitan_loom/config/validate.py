@@ -1,4 +1,6 @@
-"""Cross-field checks of a JobConfig, run before any process group or tensor exists.
+"""Cross-field checks of a JobConfig, run before any process group or tensor exists, and the one
+place that turns a config into what the run is built from: ``resolve(cfg, world_size)`` returns the
+model args and the ParallelDims (every degree the trainer, the loaders and the loss divisor read).
 
 Every problem found is reported (one line each) in a single ConfigError, so a user fixes a config
 in one round trip. The world size comes from the launcher's environment (torchrun's WORLD_SIZE).
@@ -9,10 +11,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
-from torchtitan_loom.config.manager import ConfigError, section_fields, section_types
+from torchtitan_loom.config.manager import ConfigError
 from torchtitan_loom.config.schema import JobConfig
+from torchtitan_loom.distributed.parallel_dims import ParallelDims
+
+
+class Resolved(NamedTuple):
+    """A checked config's model args and parallel degrees."""
+
+    model_args: Any
+    dims: ParallelDims
 
 # Model-section keys that are not LoomModelArgs overrides.
 _MODEL_META_KEYS = ("name", "flavor")
@@ -38,19 +48,6 @@ def resolve_model_args(cfg: JobConfig) -> Any:
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
     return args
-
-
-def _pending_errors(cfg: JobConfig) -> list[str]:
-    errors = []
-    for sec, cls in section_types().items():
-        default = cls()
-        for key, (_, f) in section_fields(cls).items():
-            pending = f.metadata.get("pending")
-            value = getattr(getattr(cfg, sec), key)
-            if pending and value != getattr(default, key):
-                errors.append(f"{sec}.{key} = {value!r}: not supported yet (lands with {pending}); "
-                              f"leave it at {getattr(default, key)!r}")
-    return errors
 
 
 def _pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
@@ -122,23 +119,27 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
     return config_errors(cfg, args, expected_shapes)
 
 
-def _parallelism_errors(cfg: JobConfig, world_size: int, args: Any) -> list[str]:
-    """[parallelism], [activation_checkpoint], [compile]: every divisibility rule, one message each."""
-    from torchtitan_loom.distributed.parallel_dims import parallelism_problems
+def _parallel_dims(cfg: JobConfig, world_size: int, args: Any, errors: list[str]) -> ParallelDims | None:
+    """The degrees (ParallelDims checks every divisibility rule, once), or None with the problems added."""
+    try:
+        return ParallelDims.from_config(cfg.parallelism, world_size,
+                                        num_experts=getattr(args, "num_routed_experts", None))
+    except ValueError as exc:
+        errors.extend(str(exc).splitlines())
+        return None
 
-    par = cfg.parallelism
-    num_experts = args.num_routed_experts if args is not None else None
-    errors = parallelism_problems(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, ep=par.ep, tp=par.tp,
-                                  cp=par.cp, pp=par.pp, world_size=world_size, num_experts=num_experts)
+
+def _parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) -> list[str]:
+    """[parallelism] rules beyond the degrees: the dry run keys, and FSDP splitting expert rows."""
+    par, errors = cfg.parallelism, []
     if par.dry_run_world_size < 0:
         errors.append(f"parallelism.dry_run_world_size = {par.dry_run_world_size}: must be ≥ 0 (0 = WORLD_SIZE)")
     if par.dry_run_world_size and not par.dry_run:
         errors.append("parallelism.dry_run_world_size needs parallelism.dry_run = true")
-    if errors or args is None or par.ep == 1:
+    if errors or args is None or dims is None or dims.ep == 1:
         return errors
     # Fewer routed experts than FSDP ranks: FSDP shards each expert's rows (Shard(1)), which must be even.
-    dp_shard = world_size // par.dp_replicate if par.dp_shard == -1 else par.dp_shard
-    efsdp = dp_shard // par.ep
+    efsdp = dims.dp_shard_mod_ep
     E, D, I = args.num_routed_experts, args.dim, args.expert_intermediate_size
     if E // par.ep < efsdp and (2 * I % efsdp or D % efsdp):
         errors.append(f"parallelism.ep = {par.ep}: with {E // par.ep} experts per ep rank and dp_shard / ep = "
@@ -147,23 +148,30 @@ def _parallelism_errors(cfg: JobConfig, world_size: int, args: Any) -> list[str]
     return errors
 
 
-def validate(cfg: JobConfig, world_size: int) -> Any:
-    """Check everything that can be checked up front; return the resolved model args."""
-    errors = _pending_errors(cfg)
+def resolve(cfg: JobConfig, world_size: int) -> Resolved:
+    """Check everything that can be checked up front; return the model args and the parallel degrees."""
+    errors: list[str] = []
     t = cfg.training
     for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
         if getattr(t, key) < 1:
             errors.append(f"training.{key} = {getattr(t, key)}: must be ≥ 1")
     if t.bp_segment_len < 0:
         errors.append(f"training.bp_segment_len = {t.bp_segment_len}: must be ≥ 0 (0 = all loops in one segment)")
-    dp = world_size  # every rank is a data-parallel rank (dp_replicate × dp_shard = world; ep is carved from dp_shard)
-    if t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (dp * t.micro_batch_size):
-        errors.append(f"training.global_batch_size = {t.global_batch_size}: must be divisible by data-parallel "
-                      f"ranks × micro_batch_size = {dp} × {t.micro_batch_size}")
-    eval_rows = cfg.eval.batch_size or t.global_batch_size
-    if cfg.eval.batch_size < 0 or eval_rows % dp:
-        errors.append(f"eval.batch_size = {cfg.eval.batch_size}: must be ≥ 0 and its rows ({eval_rows}) "
-                      f"divisible by the {dp} data-parallel ranks")
+    args = None
+    try:
+        args = resolve_model_args(cfg)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    dims = _parallel_dims(cfg, world_size, args, errors)
+    if dims is not None:
+        dp = dims.dp
+        if t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (dp * t.micro_batch_size):
+            errors.append(f"training.global_batch_size = {t.global_batch_size}: must be divisible by data-parallel "
+                          f"ranks × micro_batch_size = {dp} × {t.micro_batch_size}")
+        eval_rows = cfg.eval.batch_size or t.global_batch_size
+        if cfg.eval.batch_size < 0 or eval_rows % dp:
+            errors.append(f"eval.batch_size = {cfg.eval.batch_size}: must be ≥ 0 and its rows ({eval_rows}) "
+                          f"divisible by the {dp} data-parallel ranks")
     if cfg.eval.interval < 0 or cfg.eval.tokens < 1:
         errors.append("eval.interval must be ≥ 0 and eval.tokens ≥ 1")
     if cfg.metrics.log_freq < 1:
@@ -182,11 +190,6 @@ def validate(cfg: JobConfig, world_size: int) -> Any:
 
         if not torch.cuda.is_available():
             errors.append("training.device = 'cuda': no CUDA device is visible; use 'cpu' or 'auto'")
-    args = None
-    try:
-        args = resolve_model_args(cfg)
-    except ConfigError as exc:
-        errors.append(str(exc))
     if args is not None and t.seq_len > args.max_seq_len:
         errors.append(f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
                       f"max_seq_len = {args.max_seq_len}")
@@ -196,11 +199,11 @@ def validate(cfg: JobConfig, world_size: int) -> Any:
             if max_len is not None and t.seq_len > max_len - 1:
                 errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at most "
                               f"{max_len} tokens, so seq_len must be ≤ {max_len - 1}")
-    errors += _parallelism_errors(cfg, world_size, args)
+    errors += _parallelism_errors(cfg, dims, args)
     errors += _float8_errors(cfg)
     errors += _checkpoint_errors(cfg, args if not errors else None)
     if errors:
         raise ConfigError("\n".join(errors))
-    return args
+    return Resolved(args, dims)
 
 

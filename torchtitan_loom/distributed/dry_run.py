@@ -23,9 +23,9 @@ _BYTES = {"bfloat16": 2, "float32": 4}
 _GIB = 1024**3
 
 
-def dry_run(cfg: Any, model_args: Any, world_size: int) -> str:
-    """The dry-run report of `cfg` on `world_size` ranks (builds nothing real)."""
-    dims = ParallelDims.from_config(cfg.parallelism, world_size, num_experts=model_args.num_routed_experts)
+def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
+    """The dry-run report of `cfg` on `dims.world_size` ranks (builds nothing real)."""
+    world_size = dims.world_size
     t = cfg.training
     lines = [f"dry run: {cfg.model.name}/{cfg.model.flavor}, H={model_args.num_loops}, K={t.bp_segment_len}, "
              f"world size {world_size}", dims.describe()]
@@ -46,7 +46,7 @@ def dry_run(cfg: Any, model_args: Any, world_size: int) -> str:
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         if spec.parallelize_fn is not None:
-            model = spec.parallelize_fn(model, dims, cfg)
+            model = spec.parallelize_fn(model, dims, cfg).model
         lines += _shard_report(model, dims, cfg)
     finally:
         if fake:

@@ -19,16 +19,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # training.mixed_precision_* values
+
+
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
 
 
 def world_size_from_env() -> int:
@@ -46,14 +45,13 @@ def init_distributed(requested_device: str, timeout_s: float = 300.0) -> DistInf
     """Init nccl (CUDA) or gloo (CPU) when launched with several ranks; never without a timeout."""
     world = world_size_from_env()
     rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(requested_device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    return DistInfo(rank=rank, world_size=world, device=device)
 
 
 def destroy_distributed(wait_for_all: bool = True) -> None:

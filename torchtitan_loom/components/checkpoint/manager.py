@@ -1,6 +1,6 @@
 """CheckpointManager: when to save, the atomic save itself (sync or async), and resume.
 
-The trainer builds it once everything Stateful exists, calls ``load()`` before its loop,
+The trainer builds it once everything Stateful exists, calls ``load()`` at the start of ``train()``,
 ``after_step(step, last=...)`` after every global step and ``close()`` at the end. See layout.py
 for the folder, state.py for what is saved, resolve.py for which checkpoint is loaded.
 
@@ -45,6 +45,9 @@ from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.preemption import PreemptionWatcher
 
 
+ASYNC_MODES = ("disabled", "async")
+
+
 @dataclass
 class _Pending:
     future: Any
@@ -80,7 +83,6 @@ class CheckpointManager:
         self._log = log
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._pending: _Pending | None = None
-        self._rng_to_restore: dict[str, torch.Tensor] | None = None
         self._pg = None
         if self.enabled and cfg.async_mode == "async" and self._distributed:
             self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
@@ -291,11 +293,5 @@ class CheckpointManager:
                 obj.load_state_dict(sd[name])
             except (ValueError, KeyError) as exc:  # e.g. the data loader refuses another global batch size
                 raise ckstate.CheckpointError(f"checkpoint {path}: cannot restore '{name}': {exc}") from None
-        self._rng_to_restore = sd["rng"]
-
-    def restore_rng(self) -> None:
-        """Apply the loaded RNG state. The trainer calls this right before its loop, so nothing
-        between the load and the first step (building iterators, say) can advance the stream."""
-        if self._rng_to_restore is not None:
-            ckstate.set_rng_state(self._rng_to_restore, self.device)
-            self._rng_to_restore = None
+        # The trainer loads right before its loop, so nothing after this can advance the stream.
+        ckstate.set_rng_state(sd["rng"], self.device)

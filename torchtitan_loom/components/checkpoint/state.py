@@ -32,8 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# Wrapper prefixes that torch's state-dict API strips from parameter names (AC, compile, FSDP1).
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 # Model args that may change between save and resume: implementation choices with the same math,
 # the init seed (irrelevant once weights are loaded) and tunables a user may adjust mid-run.
 RESUMABLE_ARG_CHANGES = ("attn_backend", "moe_impl", "init_seed", "max_seq_len", "capacity_factor",
@@ -69,13 +67,6 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return sd
 
 
-def clean_fqn(name: str) -> str:
-    """A parameter name as torch's state-dict API spells it (wrapper prefixes removed)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 class OptimizerLoad:
     """Loads a flattened optimizer state, keeping "no state" for parameters saved without one.
 
@@ -103,7 +94,7 @@ class OptimizerLoad:
         merged.update(loaded)
         set_optimizer_state_dict(self.model, self.optimizer, merged, options=OPTIM_OPTIONS)
         if self.stateless:
-            by_name = {clean_fqn(n): p for n, p in self.model.named_parameters()}
+            by_name = dict(self.model.named_parameters())  # names are canonical (no wrapper prefixes)
             for fqn in self.stateless:
                 self.optimizer.state.pop(by_name[fqn], None)
 

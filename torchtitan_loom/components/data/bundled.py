@@ -51,7 +51,7 @@ def ensure_built(final: Path, build: Callable[[Path], object], verify: Callable[
 def bundled_corpus_path(cache_dir: str | Path | None = None) -> Path:
     """Directory of the bundled synthetic corpus (byte tokenizer, records of 257 tokens, so the
     model trains at seq_len 256), built on first use under `cache_dir`."""
-    from torchtitan_loom.tools import synthetic_corpus as sc  # the generator lives with the tools
+    from torchtitan_loom.components.data import synthetic_corpus as sc
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / sc.CORPUS_NAME

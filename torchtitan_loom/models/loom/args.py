@@ -14,6 +14,9 @@ EMBED_INJECT_MODES = ("none", "loop_start_mix_soft")
 FFN_BRANCH_RMS_MODES = ("none", "affine")
 ATTN_BACKENDS = ("sdpa", "flex", "flash_attn")
 MOE_IMPLS = ("grouped", "loop")
+# field -> its valid values; the config schema's [model] section reads them from here.
+FIELD_CHOICES = {"embed_inject_mode": EMBED_INJECT_MODES, "ffn_branch_rms": FFN_BRANCH_RMS_MODES,
+                 "attn_backend": ATTN_BACKENDS, "moe_impl": MOE_IMPLS}
 
 
 @dataclass(frozen=True, kw_only=True)

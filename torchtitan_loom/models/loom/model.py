@@ -27,12 +27,12 @@ from torch import nn
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import build_attention_mask, rope_cos_sin
 from torchtitan_loom.models.loom.block import LoomBlock, rms_norm
+from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.looping_residual import Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
 from torchtitan_loom.protocols import LoopCarry, ModelOutput
 
 TRUNC_NORMAL_GAIN = 1.014762601732121  # restores the std after the fmod-3 fold (spec §3)
-WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # added by compile / AC wrappers
 
 
 def residual_gain(args: LoomModelArgs) -> float:
@@ -70,6 +70,14 @@ class LoomTransformer(nn.Module):
     def moe_layers(self) -> Iterator[LoomMoE]:
         """The L MoE modules in layer order (each with its `expert_bias` buffer [E])."""
         return (layer.moe for layer in self.layers)
+
+    def expert_counts_shape(self) -> tuple[int, int]:
+        """(L, E) of the counts a forward returns per loop."""
+        return self.args.n_layers, self.args.num_routed_experts
+
+    def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
+        """The sign update of every layer's `expert_bias` at step `load_balance_bias_lr` (spec §5.2)."""
+        update_expert_bias(self.moe_layers(), counts_LE, self.args.load_balance_bias_lr)
 
     # ------------------------------------------------------------------ forward
 
@@ -220,16 +228,10 @@ class LoomTransformer(nn.Module):
         for name, param in self.named_parameters():
             if param.is_meta:
                 raise RuntimeError(f"parameter {name} is on the meta device: call model.to_empty(device=...) first")
-            _copy_full(param, _init_value(canonical_name(name), tuple(param.shape), self.args))
+            # Names are canonical: AC goes through region_wrappers and compile is per block in place.
+            _copy_full(param, _init_value(name, tuple(param.shape), self.args))
         for moe in self.moe_layers():
             moe.expert_bias.zero_()
-
-
-def canonical_name(name: str) -> str:
-    """The parameter name without the segments torch.compile / activation-checkpoint wrappers add."""
-    for segment in WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
 
 
 _ROUTER = re.compile(r"^(layers\.\d+\.moe\.routers\.)\d+$")

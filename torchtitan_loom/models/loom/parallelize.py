@@ -31,17 +31,22 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
+from torchtitan_loom.distributed.utils import DTYPES, reduce_gradients
+from torchtitan_loom.protocols import Parallelized
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 RESHARD_AFTER_FORWARD = {"default": False, "never": False, "always": True}
 
 
-def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
-    """Apply EP, AC, compile and FSDP2 as configured (in place, on the meta-device model); returns it.
+def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> Parallelized:
+    """Apply EP, AC, compile and FSDP2 as configured (in place, on the meta-device model).
 
+    Returns the model and its ``finish_gradients``: without FSDP it sums every gradient over the
+    data-parallel ranks; under FSDP only the replicated routers' (FSDP reduce-scattered the rest).
     The caller materialises afterwards (``to_empty`` + ``init_weights``, layout-independent).
     """
     cfg = job_config
+    reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
     if parallel_dims.ep_enabled:
         from torchtitan_loom.distributed.expert_parallel import apply_expert_parallel
 
@@ -53,9 +58,18 @@ def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: 
         apply_compile(model, backend=cfg.compile.backend, fullgraph=not parallel_dims.ep_enabled)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(model, parallel_dims, param_dtype=DTYPES[cfg.training.mixed_precision_param],
-                   reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+                   reduce_dtype=reduce_dtype,
                    reshard_after_forward=RESHARD_AFTER_FORWARD[cfg.parallelism.fsdp_reshard_after_forward])
-    return model
+
+    def finish_gradients() -> None:
+        # Parameters are looked up per call: materialising the meta model may swap the objects.
+        if parallel_dims.fsdp_enabled:
+            unreduced = [router for moe in model.moe_layers() for router in moe.routers]
+        else:
+            unreduced = [p for p in model.parameters() if p.requires_grad]
+        reduce_gradients(unreduced, reduce_dtype)
+
+    return Parallelized(model, finish_gradients)
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True) -> None:
