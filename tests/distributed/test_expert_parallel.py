@@ -5,18 +5,10 @@ expert-weight grads; grouped and loop impls; capacity dropping; experts and a ra
 exactly one host copy per MoE call, the debug model built on meta == the single-process model on
 each rank's own rows, and the ValueErrors for bad ep meshes."""
 
-import os
-import sys
-import time
-
-import pytest
+import ep_workers  # next to this file (conftest puts it on sys.path for the spawned ranks)
 import torch
-import torch.multiprocessing as mp
 
 from torchtitan_loom.distributed.expert_parallel import _local_expert_order, _split_sizes
-
-sys.path.insert(0, os.path.dirname(__file__))
-import ep_workers  # noqa: E402  (next to this file; the spawned ranks import it by name)
 
 LAUNCH_TIMEOUT_S = 90.0
 
@@ -38,17 +30,6 @@ def test_split_sizes_and_local_expert_order_on_a_hand_built_case():
     assert _local_expert_order(torch.zeros(2, 2, dtype=torch.int64), 0)[0].numel() == 0
 
 
-def test_expert_parallel_on_4_gloo_ranks(tmp_path):
+def test_expert_parallel_on_4_gloo_ranks(tmp_path, launch_ranks):
     world = 4
-    ctx = mp.start_processes(
-        ep_workers.run, args=(world, str(tmp_path / "store")), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"expert-parallel ranks did not finish within {LAUNCH_TIMEOUT_S:.0f} s")
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.kill()
+    launch_ranks(ep_workers.run, world, (world, str(tmp_path / "store")), LAUNCH_TIMEOUT_S, "expert parallel")

@@ -23,20 +23,15 @@ Kept counts must be identical in the first step; expert biases after the 10-step
 
 import json
 import os
-import sys
-import time
 
+import parallel_workers  # next to this file (conftest puts it on sys.path for the spawned ranks)
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
-
-sys.path.insert(0, os.path.dirname(__file__))
-import parallel_workers  # noqa: E402  (next to this file; the spawned ranks import it by name)
 
 STEPS = 10
 SHORT = 3  # further variants: the first steps of the same curve
@@ -66,22 +61,13 @@ def reference(tiny_pack, tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-def launch(world: int, cases: list[dict], pack_dir, tmp_path) -> dict[str, dict]:
+def launch(launch_ranks, world: int, cases: list[dict], pack_dir, tmp_path) -> dict[str, dict]:
     spec = {"base": base_argv(pack_dir), "cases": cases, "out": str(tmp_path)}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    ctx = mp.start_processes(parallel_workers.run, args=(world, str(tmp_path / "store"), str(spec_path)),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{world} ranks did not finish within {LAUNCH_TIMEOUT_S:.0f} s")
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.kill()
+    launch_ranks(parallel_workers.run, world, (world, str(tmp_path / "store"), str(spec_path)), LAUNCH_TIMEOUT_S,
+                 "parallel parity")
     return {c["name"]: json.loads((tmp_path / f"{c['name']}.json").read_text()) for c in cases}
 
 
@@ -109,7 +95,7 @@ def test_reference_is_a_real_curve(reference):
     assert any(n > 1.0 for n in reference["grad_norms"])  # the clip acts at least once
 
 
-def test_two_rank_layouts_match_one_process(reference, tiny_pack, tmp_path):
+def test_two_rank_layouts_match_one_process(reference, tiny_pack, tmp_path, launch_ranks):
     cases = [
         {"name": "fsdp2", "argv": [], "steps": STEPS},
         {"name": "replicate2", "argv": ["--parallelism.dp_replicate", "2"], "steps": STEPS},
@@ -117,7 +103,7 @@ def test_two_rank_layouts_match_one_process(reference, tiny_pack, tmp_path):
         {"name": "fsdp2_compile", "argv": ["--compile.enable", "--compile.backend", "aot_eager"], "steps": SHORT},
         {"name": "fsdp2_bf16", "argv": ["--training.mixed_precision_param", "bfloat16"], "steps": SHORT},
     ]
-    results = launch(2, cases, tiny_pack, tmp_path)
+    results = launch(launch_ranks, 2, cases, tiny_pack, tmp_path)
     for case in cases[:-1]:
         check_layout(case["name"], results[case["name"]], reference)
     # FSDP's MixedPrecisionPolicy (bf16 parameters, fp32 reductions, memories kept fp32): close to
@@ -129,7 +115,7 @@ def test_two_rank_layouts_match_one_process(reference, tiny_pack, tmp_path):
     assert bf16["adam_steps"] == {"router": [SHORT], "other": [3 * SHORT]}
 
 
-def test_four_rank_layouts_match_one_process(reference, tiny_pack, tmp_path):
+def test_four_rank_layouts_match_one_process(reference, tiny_pack, tmp_path, launch_ranks):
     cases = [
         {"name": "fsdp4", "argv": [], "steps": STEPS},
         {"name": "fsdp4_ep2", "argv": ["--parallelism.ep", "2"], "steps": STEPS},
@@ -138,6 +124,6 @@ def test_four_rank_layouts_match_one_process(reference, tiny_pack, tmp_path):
         {"name": "fsdp4_ep2_ac_segment", "argv": ["--parallelism.ep", "2", "--activation_checkpoint.mode", "segment"],
          "steps": SHORT},
     ]
-    results = launch(4, cases, tiny_pack, tmp_path)
+    results = launch(launch_ranks, 4, cases, tiny_pack, tmp_path)
     for case in cases:
         check_layout(case["name"], results[case["name"]], reference)

@@ -1,5 +1,7 @@
 """The segmented train step (LOOM_SPEC §6 + §14) on the debug model, checked against autograd by hand."""
 
+import math
+
 import torch
 
 from torchtitan_loom.components.loss import token_ce_sum
@@ -133,7 +135,21 @@ def test_skipped_segment_discards_bias_update_and_later_segments(tiny_pack, tmp_
     out = tr.train_step(batch)
     assert out.skip_reason.startswith("segment 1 (loops 1-1)")
     assert len(out.seg_losses) == 1                    # segments 2 and 3 abandoned
+    assert out.grad_norm is None                          # no segment stepped: no norm, never a NaN
     for n, p in tr.model.named_parameters():
         assert torch.equal(p, params[n]), n               # no optimizer step at all
     for m, b in zip(tr.model.moe_layers(), biases):
         assert torch.equal(m.expert_bias, b)              # bias update discarded
+
+
+def test_grad_norm_is_that_of_the_last_segment_that_stepped(tiny_pack, tmp_path):
+    tr = make_trainer(tiny_pack, tmp_path, "--model.num_loops", "3", "--training.bp_segment_len", "1",
+                      "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
+                      "--spike_guard.enable", "true")
+    batch = batch_of(tr)
+    tr.train_step(batch)
+    for _ in range(300):                                  # only segment 2's baseline goes to ~0
+        tr.spike_guard.accept(1, 0.0)
+    out = tr.train_step(batch)
+    assert out.skip_reason.startswith("segment 2 (loops 2-2)") and len(out.seg_losses) == 2
+    assert out.grad_norm is not None and math.isfinite(out.grad_norm) and out.grad_norm > 0
