@@ -1,5 +1,6 @@
 """Config system: TOML + CLI overrides + precedence, --help, and one-line errors with exit code 2."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -147,3 +148,23 @@ def test_cli_exit_code_2_and_one_line_per_error():
     proc = subprocess.run([sys.executable, "-m", "torchtitan_loom.train", "--help"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0 and "--training.bp_segment_len" in proc.stdout
+
+
+def test_model_keys_are_generated_from_the_model_args_and_choices_come_from_their_modules():
+    from torchtitan_loom.components import lr_scheduler, optimizer
+    from torchtitan_loom.config.manager import section_fields
+    from torchtitan_loom.config.schema import ActivationCheckpoint, LRScheduler, Model
+    from torchtitan_loom.config.schema import Optimizer as OptimizerSection
+    from torchtitan_loom.distributed import activation_checkpoint
+    from torchtitan_loom.models.loom import args as loom_args
+
+    model_keys = set(section_fields(Model)) - {"name", "flavor"}
+    assert model_keys == {f.name for f in dataclasses.fields(loom_args.LoomModelArgs)} - {"init_seed"}
+    fields = section_fields(Model)
+    assert fields["attn_backend"][1].metadata["choices"] is loom_args.ATTN_BACKENDS
+    assert fields["moe_impl"][1].metadata["choices"] is loom_args.MOE_IMPLS
+    assert "Loops H" in fields["num_loops"][1].metadata["doc"]  # the args field's own docstring
+    assert section_fields(ActivationCheckpoint)["mode"][1].metadata["choices"] is activation_checkpoint.AC_MODES
+    assert section_fields(LRScheduler)["kind"][1].metadata["choices"] is lr_scheduler.VALID_KINDS
+    assert (section_fields(OptimizerSection)["implementation"][1].metadata["choices"]
+            is optimizer.VALID_IMPLEMENTATIONS)
