@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,8 +87,7 @@ class MemorySnapshotter:
         out = os.path.join(self.folder, f"iteration_{step}")
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"rank{self.rank}_memory_snapshot.pickle")
-        with open(path, "wb") as fh:
-            pickle.dump(torch.cuda.memory._snapshot(), fh)
+        torch.cuda.memory._dump_snapshot(path)
         self.log(f"memory snapshot written: {path}")
 
     def close(self) -> None:
