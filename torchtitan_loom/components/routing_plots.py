@@ -79,29 +79,40 @@ def loss_curve_figure(losses_H: Sequence[float], title: str):
     ax.set_xlabel("exit after loop")
     ax.set_ylabel("held-out loss (nats/token)")
     ax.set_xticks(loops)
+    ax.margins(x=0.08, y=0.2)  # room for the value labels
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 
 
 def routing_picture_figure(ids_HSK: np.ndarray, tokens: Sequence[str], num_experts: int, title: str):
-    """One document: for each loop (row block) and token (column), the experts it visits."""
+    """One document: for each loop (a band of rows, one per expert) and token (column), a black
+    cell where the token visits that expert."""
+    from matplotlib.transforms import blended_transform_factory
+
     H, S, _ = ids_HSK.shape
-    grid = np.zeros((H * num_experts, S))
+    E = num_experts
+    grid = np.zeros((H * E, S))
     for t in range(H):
         for s in range(S):
-            grid[t * num_experts + ids_HSK[t, s], s] = 1.0
-    fig = _figure((max(6.0, 0.22 * S + 1.5), max(3.0, 0.09 * H * num_experts + 1.2)))
+            grid[t * E + ids_HSK[t, s], s] = 1.0
+    fig = _figure((max(6.0, 0.22 * S + 1.8), max(3.0, 0.16 * H * E + 1.4)))
     ax = fig.add_subplot(1, 1, 1)
     ax.imshow(grid, aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
     for t in range(1, H):
-        ax.axhline(t * num_experts - 0.5, color="tab:red", linewidth=0.8)
-    ax.set_yticks([t * num_experts + (num_experts - 1) / 2 for t in range(H)],
-                  [f"loop {t + 1}" for t in range(H)])
-    ax.set_xticks(range(S), list(tokens), rotation=90, fontsize=7)
-    ax.set_xlabel("token (input text)")
-    ax.set_ylabel(f"loop; within a band the {num_experts} experts top to bottom")
-    ax.set_title(title, fontsize=10)
+        ax.axhline(t * E - 0.5, color="tab:red", linewidth=1.0)
+    step = max(1, E // 8)  # expert ids on the rows, thinned for many experts
+    rows = [t * E + e for t in range(H) for e in range(0, E, step)]
+    ax.set_yticks(rows, [str(r % E) for r in rows], fontsize=6)
+    to_left = blended_transform_factory(ax.transAxes, ax.transData)
+    for t in range(H):
+        ax.text(-0.045, t * E + (E - 1) / 2, f"loop {t + 1}", transform=to_left, ha="right", va="center",
+                fontsize=9)
+    short = all(len(tok) <= 2 for tok in tokens)
+    ax.set_xticks(range(S), list(tokens), rotation=0 if short else 90, fontsize=8 if short else 7)
+    ax.set_xlabel("token of the document (input text; ␣ = space, ⏎ = newline)")
+    ax.set_ylabel("routed expert id", fontsize=8)
+    ax.set_title(title + " — black = expert chosen", fontsize=10)
     fig.tight_layout()
     return fig
 
