@@ -36,7 +36,7 @@ def row_sizes(config_file: str) -> dict[str, float]:
              "memory_max_allocated_gib": rng.random() * 80, "memory_max_reserved_gib": rng.random() * 80}
     train.update({f"loss_segment_{j + 1}": rng.random() * 3 for j in range(len(segments(H, t.bp_segment_len)))})
     stats = RoutingStats(1, H, E, k)  # only for the names of the eval scalars
-    names = [n for n in _summary_names(stats)]
+    names = _summary_names(stats)
     evals = {"eval_loss": rng.random(), "eval_tokens": cfg.eval.tokens,
              **{f"eval_loss_loop_{i + 1}": rng.random() * 3 for i in range(H)},
              **{n: float(rng.random()) for n in names}}

@@ -115,7 +115,7 @@ def write_report(result: dict[str, Any], info: dict[str, Any], ckpt: str, data: 
     routing: RoutingStats = result["routing"]
     losses, H, E = result["losses"], routing.H, routing.E
     step = info.get("step")
-    lines = [f"# LOOM routing and loop analysis", "",
+    lines = ["# LOOM routing and loop analysis", "",
              f"- checkpoint: `{ckpt}`" + (f" (step {step})" if step is not None else ""),
              f"- model: {info.get('name')}/{info.get('flavor')}: L = {routing.L} layers, H = {H} loops, "
              f"E = {E} routed experts, top-k = {routing.K}",
@@ -138,8 +138,10 @@ def write_report(result: dict[str, Any], info: dict[str, Any], ckpt: str, data: 
               f"uniform), mean over loops; *max/mean*: hottest expert's load ÷ mean load, mean over loops; "
               f"*dead*: experts no token chose in any loop; *dead/loop*: experts unchosen in a loop, mean over loops.", "",
               "| layer | distinct | overlap | entropy | max/mean | dead | dead/loop |", "|---|---|---|---|---|---|---|"]
-    fmt = lambda r: (f"{r['distinct_experts']:.2f} | {r['overlap']:.3f} | {r['load_entropy']:.3f} | "  # noqa: E731
-                     f"{r['load_max_mean']:.2f} | {r['dead_experts']:g} | {r['dead_experts_per_loop']:.2f}")
+    def fmt(r: dict[str, float]) -> str:
+        return (f"{r['distinct_experts']:.2f} | {r['overlap']:.3f} | {r['load_entropy']:.3f} | "
+                f"{r['load_max_mean']:.2f} | {r['dead_experts']:g} | {r['dead_experts_per_loop']:.2f}")
+
     for layer, r in enumerate(rows):
         lines.append(f"| {layer} | {fmt(r)} |")
     lines.append("| **mean** | " + fmt({k[len('routing_'):]: v for k, v in s.items()
@@ -148,10 +150,10 @@ def write_report(result: dict[str, Any], info: dict[str, Any], ckpt: str, data: 
               "| loop | overlap with next | load entropy | max/mean | stream RMS | cos with next |",
               "|---|---|---|---|---|---|"]
     for t in range(1, H + 1):
-        nxt = lambda key: f"{s[f'{key}_loop_{t}']:.3f}" if t < H else "–"  # noqa: E731
-        lines.append(f"| {t} | {nxt('routing_overlap')} | {s[f'routing_load_entropy_loop_{t}']:.3f} | "
-                     f"{s[f'routing_load_max_mean_loop_{t}']:.2f} | {s[f'stream_rms_loop_{t}']:.3f} | "
-                     f"{nxt('stream_cos')} |")
+        overlap, cos = ((f"{s[f'routing_overlap_loop_{t}']:.3f}", f"{s[f'stream_cos_loop_{t}']:.3f}") if t < H
+                        else ("–", "–"))
+        lines.append(f"| {t} | {overlap} | {s[f'routing_load_entropy_loop_{t}']:.3f} | "
+                     f"{s[f'routing_load_max_mean_loop_{t}']:.2f} | {s[f'stream_rms_loop_{t}']:.3f} | {cos} |")
     lines += ["", "The stream is RMS-normalised at the end of every loop, so its RMS stays ≈ 1 by construction; "
               "the cosine shows how much a loop still changes the token's representation.", ""]
 
