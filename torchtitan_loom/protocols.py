@@ -3,7 +3,7 @@ registry (TorchTitan v0.2.2 spirit: a named spec carries the model class, its fl
 parallelize function).
 
 Legend: B batch rows, S sequence length, D model dim, V vocab, L layers, T loops in the range
-run, E routed experts.
+run, E routed experts, K routed top-k.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class ModelOutput(NamedTuple):
     """int64 kept (post-capacity) assignments per layer, per loop of the range, per expert."""
     aux_loss: torch.Tensor
     """Scalar: router_z_loss_coef * sum over layers and loops of the z-loss term (0 when off)."""
+    topk_LTBSK: torch.Tensor | None = None
+    """int64 routed expert ids chosen (top-k, before capacity) per layer, loop, token; only with
+    return_topk=True (analysis / eval), else None so training carries nothing extra."""
 
 
 @runtime_checkable
@@ -74,8 +77,10 @@ class ModelProtocol(Protocol):
         loop_start: int = 1,
         loop_end: int | None = None,
         carry: LoopCarry | None = None,
+        return_topk: bool = False,
     ) -> ModelOutput:
-        """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1."""
+        """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1.
+        return_topk=True also fills ModelOutput.topk_LTBSK."""
         ...
 
     def expert_counts_shape(self) -> tuple[int, int]:

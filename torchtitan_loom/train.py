@@ -26,6 +26,8 @@ from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops, throughput
 from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
+from torchtitan_loom.components.profiling import MemorySnapshotter, maybe_profile
+from torchtitan_loom.components.routing_stats import RoutingStats
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import Resolved, resolve
@@ -228,10 +230,16 @@ class Trainer:
                           counts_LHE=counts_LHE, n_valid=n_valid)
 
     # -------------------------------------------------------------------- eval
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Held-out loss after every loop and the routing-diversity scalars (see evaluate_with_routing)."""
+        return self.evaluate_with_routing()[0]
+
+    @torch.no_grad()
+    def evaluate_with_routing(self) -> tuple[dict[str, float], RoutingStats | None]:
         """Full H loops on the holdout; the loss after every loop comes from running the loops one
-        at a time with the carry, which equals the full forward (tested by the model)."""
+        at a time with the carry, which equals the full forward (tested by the model). The same
+        forwards return the routed expert ids, summed into RoutingStats (valid tokens only; None for a
+        model without routed experts)."""
         cfg, t = self.cfg, self.cfg.training
         loader = build_eval_loader(self.data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                    batch_rows=cfg.eval.batch_size or t.global_batch_size, dp_rank=self.info.rank,
@@ -240,23 +248,50 @@ class Trainer:
         self.model.eval()
         ce_H = torch.zeros(self.num_loops, dtype=torch.float64, device=self.device)
         n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
+        n_layers, n_experts = self.model.expert_counts_shape()
+        routing: RoutingStats | None = None
         for batch in loader:
             for mb in self.micro_batches(batch):
                 carry = None
                 for loop in range(1, self.num_loops + 1):
                     with self.autocast():
-                        out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
-                                         loop_start=loop, loop_end=loop, carry=carry)
+                        out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=loop,
+                                         loop_end=loop, carry=carry, return_topk=n_experts > 0)
                     carry = out.carry
+                    if out.topk_LTBSK is not None:
+                        if routing is None:  # top-k from the ids' own shape: the trainer reads no model field
+                            routing = RoutingStats(n_layers, self.num_loops, n_experts, out.topk_LTBSK.shape[-1],
+                                                   self.device)
+                        if loop == 1:
+                            routing.start_batch(mb["doc_ids"] >= 0)  # padding has doc id -1
+                        routing.add_loop(out.topk_LTBSK[:, 0], carry.z_BSD)
                     ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double()
                 n_tok += count_valid(mb["labels"])
         self.model.train()
         dist_utils.all_reduce(ce_H)
         dist_utils.all_reduce(n_tok)
+        if routing is not None:
+            routing.all_reduce(dist_utils.all_reduce)
         losses = (ce_H / n_tok.clamp(min=1)).tolist()
         result = {"eval_loss": losses[-1], "eval_tokens": int(n_tok.item())}
         result.update({f"eval_loss_loop_{i + 1}": v for i, v in enumerate(losses)})
-        return result
+        if routing is not None:
+            result.update(routing.summary())
+        return result, routing
+
+    def log_eval_images(self, step: int, scalars: dict[str, Any], routing: RoutingStats) -> None:
+        """TensorBoard images of an eval: one loop × expert load heatmap per layer, the loss per loop."""
+        if not (self.cfg.metrics.routing_images and self.metrics.writes_images):
+            return
+        from torchtitan_loom.components.routing_plots import heatmap_image, loss_curve_image
+
+        share_LHE = routing.load_share_LHE().cpu().numpy()
+        for layer, share_HE in enumerate(share_LHE):
+            self.metrics.log_image(f"routing/load_layer_{layer}", heatmap_image(
+                share_HE, f"expert load, layer {layer}, step {step} (eval tokens)"), step)
+        losses = [scalars[f"eval_loss_loop_{t}"] for t in range(1, self.num_loops + 1)]
+        self.metrics.log_image("eval/loss_per_loop", loss_curve_image(
+            losses, f"held-out loss after each loop, step {step}"), step)
 
     # -------------------------------------------------------------------- loop
     def resume(self) -> None:
@@ -283,9 +318,17 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         last_time, last_step = time.perf_counter(), self.state.step
         exit_code = 0
+        tools = contextlib.ExitStack()  # profiler and memory snapshots, closed when the loop ends
+        profiler = tools.enter_context(maybe_profile(cfg.profiling, cfg.job.dump_folder, self.info.rank, self.log,
+                                                     step_offset=self.state.step))
+        snapshots = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.info.rank, self.device, self.log)
+        tools.callback(snapshots.close)
         while self.state.step < t.steps:
             out = self.train_step(next(data_iter))
             step = self.state.step
+            if profiler is not None:
+                profiler.step()
+            snapshots.step(step)
             scalars: dict[str, Any] = {}
             if step % cfg.metrics.log_freq == 0 or step == t.steps or out.skip_reason:
                 now = time.perf_counter()
@@ -296,13 +339,19 @@ class Trainer:
                            "skipped": int(out.skip_reason is not None), "tokens_seen": self.state.tokens_seen}
                 scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(out.seg_losses)})
                 scalars.update(memory_stats(self.device))
+            routing = None
             if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
-                scalars.update(self.evaluate())
+                eval_scalars, routing = self.evaluate_with_routing()
+                scalars.update(eval_scalars)
             if scalars:
-                extra = {"expert_load": out.counts_LHE.tolist()}
+                every = cfg.metrics.expert_load_every
+                with_load = routing is not None if every == 0 else step % every == 0
+                extra = {"expert_load": out.counts_LHE.tolist()} if with_load else {}
                 if out.skip_reason:
                     extra["skip_reason"] = out.skip_reason
                 self.metrics.log(step, scalars, extra)
+                if routing is not None:
+                    self.log_eval_images(step, scalars, routing)
                 self.log(format_console_line(step, scalars))
             if out.skip_reason:
                 self.log(f"step {step}: skipped {out.skip_reason}")
@@ -315,6 +364,7 @@ class Trainer:
             if stop:
                 self.log(stop)
                 break
+        tools.close()
         self.checkpointer.close()
         self.metrics.close()
         return exit_code

@@ -28,8 +28,9 @@ def test_default_run_trains_and_logs(tmp_path):
     rows = read_jsonl(dump / "metrics.jsonl")
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped", "loss_segment_1",
-                "loss_segment_3", "expert_load"):
+                "loss_segment_3"):
         assert key in rows[0], key
+    assert "expert_load" not in rows[0]           # metrics.expert_load_every = 0: eval steps only
     assert rows[0]["mfu"] is None                 # CPU: no peak FLOP/s, MFU left null
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, [r["loss"] for r in rows]
     last = rows[-1]

@@ -34,7 +34,9 @@ def make_trainer(pack, dump, *extra, steps=10):
             "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1", "--eval.interval", "0",
             "--spike_guard.enable", "false", *BF16, *extra]
     cfg = load_config(argv)
-    return Trainer(cfg, resolve(cfg, 1), CPU)
+    trainer = Trainer(cfg, resolve(cfg, 1), CPU)
+    trainer.resume()  # what train() does first; done here so tests can inspect the resumed state
+    return trainer
 
 
 def loss_curve(pack, dump, *extra, steps=10):

@@ -72,6 +72,8 @@ def test_tb_tag_mapping():
     assert tb_tag("loss_segment_1") == "train/loss_segment_1"
     assert tb_tag("eval_loss") == "eval/loss"
     assert tb_tag("eval_loss_loop_3") == "eval/loss_loop_3"
+    assert tb_tag("routing_overlap_loop_2") == "routing/overlap_loop_2"
+    assert tb_tag("stream_cos_loop_1") == "stream/cos_loop_1"
 
 
 def test_peak_flops_table():

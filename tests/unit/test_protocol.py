@@ -54,7 +54,8 @@ class LoopedDenseToy(nn.Module):
         for p in self.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
-    def forward(self, tokens_BS, positions_BS, doc_ids_BS, loop_start=1, loop_end=None, carry=None):
+    def forward(self, tokens_BS, positions_BS, doc_ids_BS, loop_start=1, loop_end=None, carry=None,
+                return_topk=False):
         loop_end = self.num_loops if loop_end is None else loop_end
         z_BSD = self.embed(tokens_BS) if carry is None else carry.z_BSD
         for _ in range(loop_start, loop_end + 1):

@@ -2,7 +2,8 @@
 
 Scalar names used by the trainer (all optional except ``step``): ``loss``, ``loss_segment_j``,
 ``lr``, ``grad_norm``, ``tokens_per_s``, ``tflops``, ``mfu`` (percent), ``skipped``, memory keys
-from ``memory_stats``, ``eval_loss``, ``eval_loss_loop_t``.
+from ``memory_stats``, ``eval_loss``, ``eval_loss_loop_t``, and at eval the routing-diversity and
+stream scalars ``routing_*`` / ``stream_*`` of ``components/routing_stats.py``.
 """
 
 from __future__ import annotations
@@ -90,13 +91,16 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 def tb_tag(name: str) -> str:
-    """TensorBoard tag of a scalar: ``eval_x`` → ``eval/x``, anything else ``x`` → ``train/x``.
+    """TensorBoard tag of a scalar: ``eval_x`` → ``eval/x``, ``routing_x`` → ``routing/x``,
+    ``stream_x`` → ``stream/x``, anything else ``x`` → ``train/x``.
 
     E.g. ``loss`` → ``train/loss``, ``loss_segment_2`` → ``train/loss_segment_2``,
-    ``eval_loss_loop_3`` → ``eval/loss_loop_3``. The prefix groups the charts in the UI.
+    ``eval_loss_loop_3`` → ``eval/loss_loop_3``, ``routing_overlap`` → ``routing/overlap``. The
+    prefix groups the charts in the UI.
     """
-    if name.startswith("eval_"):
-        return "eval/" + name[len("eval_"):]
+    for prefix in ("eval", "routing", "stream"):
+        if name.startswith(prefix + "_"):
+            return prefix + "/" + name[len(prefix) + 1:]
     return "train/" + name
 
 
@@ -146,6 +150,18 @@ class MetricsLogger:
                 if value is not None:
                     self._writer.add_scalar(tb_tag(name), value, global_step=int(step))
             self._writer.flush()
+
+    @property
+    def writes_images(self) -> bool:
+        """Whether log_image writes anything (this rank logs and TensorBoard is on)."""
+        return self._writer is not None
+
+    def log_image(self, tag: str, image_CHW: Any, step: int) -> None:
+        """One uint8 RGB image [3, h, w] to TensorBoard under ``tag`` (no-op without a writer)."""
+        if self._writer is None:
+            return
+        self._writer.add_image(tag, image_CHW, global_step=int(step), dataformats="CHW")
+        self._writer.flush()
 
     def close(self) -> None:
         if self._jsonl is not None:

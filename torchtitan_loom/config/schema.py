@@ -144,6 +144,27 @@ class Metrics:
     enable_tensorboard: bool = opt(True, "Write TensorBoard event files under <dump_folder>/<tb_folder>.")
     tb_folder: str = opt("tb", "TensorBoard sub-folder of job.dump_folder.")
     log_rank: int = opt(0, "The rank that writes logs.")
+    expert_load_every: int = opt(0, "Add the expert_load list ([layer][loop][expert] kept assignments of the step) "
+                                    "to metrics.jsonl at logged steps that are multiples of N; 0 = at eval "
+                                    "steps only (it is L·H·E numbers per row).")
+    routing_images: bool = opt(True, "At every eval, write TensorBoard images: a loop × expert load heatmap "
+                                     "per layer and the eval loss after each loop (matplotlib when installed, "
+                                     "else plain heatmap pixels).")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Write torch.profiler traces (Chrome-trace JSON for Perfetto / "
+                                        "chrome://tracing) per rank under <dump_folder>/<save_traces_folder>/"
+                                        "iteration_<step>/.")
+    save_traces_folder: str = opt("profile_traces", "Trace sub-folder of job.dump_folder.")
+    profile_freq: int = opt(10, "One trace (and one memory snapshot) per this many steps.")
+    profiler_warmup: int = opt(3, "Steps recorded but discarded before the traced ones, in each window.")
+    profiler_active: int = opt(1, "Steps kept in each trace; warmup + active ≤ profile_freq.")
+    enable_memory_snapshot: bool = opt(False, "CUDA only: record the allocator history and dump a snapshot "
+                                              "pickle every profile_freq steps (pytorch.org/memory_viz); on CPU "
+                                              "a message says none is written.")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "Memory-snapshot sub-folder of job.dump_folder.")
 
 
 @dataclass
@@ -241,6 +262,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
@@ -261,6 +283,7 @@ SECTION_DOCS = {
     "data": "Packed-document corpus (LOOM_SPEC §8, §14).",
     "eval": "Held-out evaluation: full H loops plus the loss after every loop.",
     "metrics": "Console, metrics.jsonl and TensorBoard.",
+    "profiling": "torch.profiler traces and CUDA memory snapshots every profile_freq steps.",
     "checkpoint": "DCP checkpoints: periodic + snapshots, atomic, resume at any world size, preemption.",
     "parallelism": "Data parallel (FSDP2 / HSDP) and expert parallel degrees; dry run.",
     "activation_checkpoint": "Activation recomputation per block, loop or segment.",

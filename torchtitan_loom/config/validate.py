@@ -148,6 +148,18 @@ def _parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) ->
     return errors
 
 
+def _profiling_errors(cfg: JobConfig) -> list[str]:
+    from torchtitan_loom.components.profiling import profile_schedule_problems
+
+    p = cfg.profiling
+    errors = profile_schedule_problems(p.profile_freq, p.profiler_warmup, p.profiler_active)
+    for key in ("save_traces_folder", "save_memory_snapshot_folder"):
+        value = getattr(p, key)
+        if not value or os.path.isabs(value):
+            errors.append(f"profiling.{key} = {value!r}: must be a non-empty path relative to job.dump_folder")
+    return errors
+
+
 def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     """Check everything that can be checked up front; return the model args and the parallel degrees."""
     errors: list[str] = []
@@ -178,6 +190,9 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         errors.append(f"metrics.log_freq = {cfg.metrics.log_freq}: must be ≥ 1")
     if not 0 <= cfg.metrics.log_rank < world_size:
         errors.append(f"metrics.log_rank = {cfg.metrics.log_rank}: must be a rank in [0, {world_size})")
+    if cfg.metrics.expert_load_every < 0:
+        errors.append(f"metrics.expert_load_every = {cfg.metrics.expert_load_every}: must be ≥ 0 (0 = eval steps only)")
+    errors += _profiling_errors(cfg)
     if cfg.optimizer.lr <= 0:
         errors.append(f"optimizer.lr = {cfg.optimizer.lr}: must be > 0")
     s = cfg.lr_scheduler

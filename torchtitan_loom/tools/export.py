@@ -169,6 +169,23 @@ def load_exported_model(out: str, device: str | torch.device = "cpu") -> nn.Modu
     return model.eval()
 
 
+def load_checkpoint_model(ckpt: str, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any], str]:
+    """(model in eval mode, model_args.json payload, checkpoint directory) straight from a DCP
+    checkpoint (``ckpt`` as for ``export``), without a process group."""
+    ckpt = find_checkpoint(ckpt)
+    info = read_model_args(ckpt)
+    if info is None:
+        raise ExportError(f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be read")
+    spec, args = _model_spec(info)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()  # fills non-persistent buffers; the weights are replaced below
+    model.load_state_dict(_checkpoint_model(ckpt), strict=True)
+    return model.eval(), info, ckpt
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0, or 2 with one ``export error:`` message."""
     parser = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.export",

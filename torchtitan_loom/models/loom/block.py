@@ -8,7 +8,7 @@
 Everything that depends on the loop (router weight, gamma, the memories) is a tensor argument,
 so one compiled block serves all loops.
 
-Legend: B batch rows, S sequence length, D model dim, E routed experts.
+Legend: B batch rows, S sequence length, D model dim, E routed experts, K routed top-k.
 """
 
 from __future__ import annotations
@@ -46,13 +46,15 @@ class RMSNormAffine(nn.Module):
 
 
 class BlockOutput(NamedTuple):
-    """What a block hands to the next: stream, both memories, kept counts [E], z-loss term."""
+    """What a block hands to the next: stream, both memories, kept counts [E], z-loss term, and
+    the chosen expert ids [B, S, K] when asked (return_topk), else None."""
 
     x_BSD: torch.Tensor
     l_mem: Memory
     h_mem: Memory
     kept_E: torch.Tensor
     z_sq: torch.Tensor
+    expert_BSK: torch.Tensor | None = None
 
 
 class LoomBlock(nn.Module):
@@ -80,6 +82,7 @@ class LoomBlock(nn.Module):
         gamma: torch.Tensor,
         l_mem: Memory,
         h_mem: Memory,
+        return_topk: bool = False,
     ) -> BlockOutput:
         """Run the block once. `gamma` is a 0-d fp32 tensor; `router_w_ED` is this loop's router."""
         o_BSD = gamma * self.attention(rms_norm(x_BSD, self.eps), rope, attn_mask)
@@ -88,10 +91,12 @@ class LoomBlock(nn.Module):
             x_BSD = x_BSD + r_BSD.to(x_BSD.dtype)
         else:
             x_BSD = x_BSD + o_BSD
-        m_BSD, kept_E, z_sq = self.moe(rms_norm(x_BSD, self.eps), router_w_ED)
+        moe_in_BSD = rms_norm(x_BSD, self.eps)
+        m_BSD, kept_E, z_sq = self.moe(moe_in_BSD, router_w_ED)
+        expert_BSK = self.moe.select(moe_in_BSD, router_w_ED) if return_topk else None
         if self.ffn_branch_norm is not None:
             m_BSD = self.ffn_branch_norm(m_BSD)
         x_BSD = x_BSD + gamma * m_BSD
         if self.per_layer_out_norm:
             x_BSD = rms_norm(x_BSD, self.eps)
-        return BlockOutput(x_BSD, l_mem, h_mem, kept_E, z_sq)
+        return BlockOutput(x_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK)

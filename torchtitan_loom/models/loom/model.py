@@ -10,7 +10,7 @@ untied head, layout-independent init (LOOM_SPEC.md §2-§4, §14).
     logits = W_out z
 
 Legend: B batch rows, S sequence length, D model dim, V vocab, L layers, T loops in the range,
-E routed experts.
+E routed experts, K routed top-k.
 """
 
 from __future__ import annotations
@@ -89,11 +89,13 @@ class LoomTransformer(nn.Module):
         loop_start: int = 1,
         loop_end: int | None = None,
         carry: LoopCarry | None = None,
+        return_topk: bool = False,
     ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global; loop_end None = H).
 
         loop_start = 1 starts from the embedding and needs carry=None; loop_start > 1 continues
-        from `carry` (the state after loop_start - 1). See protocols.ModelOutput for the fields.
+        from `carry` (the state after loop_start - 1). return_topk=True also returns the routed
+        expert ids (analysis only). See protocols.ModelOutput for the fields.
         """
         args = self.args
         loop_end = args.num_loops if loop_end is None else loop_end
@@ -109,46 +111,55 @@ class LoomTransformer(nn.Module):
         attn_mask = build_attention_mask(args.attn_backend, doc_ids_BS)
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
 
-        z_BSD, h_mem, counts_LTE, z_sq_X = self._region(
-            "segment", self._run_loops, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma)
+        z_BSD, h_mem, counts_LTE, z_sq_X, topk_LTBSK = self._region(
+            "segment", self._run_loops, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma,
+            return_topk)
         if args.router_z_loss_coef > 0:
             aux_loss = args.router_z_loss_coef * z_sq_X.sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
         logits_BSV = self.output(z_BSD).float()
-        return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), counts_LTE, aux_loss)
+        return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), counts_LTE, aux_loss,
+                           topk_LTBSK)
 
     def _region(self, scope: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
         """fn(*fn_args), through the wrapper registered for `scope` if any (see region_wrappers)."""
         wrapper = self.region_wrappers.get(scope)
         return fn(*fn_args) if wrapper is None else wrapper(fn, *fn_args)
 
-    def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma):
-        """Loops [loop_start, loop_end]: (z, H memory, counts [L, T, E], z-loss terms [L*T])."""
-        counts_per_loop, z_terms = [], []
+    def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False):
+        """Loops [loop_start, loop_end]: (z, H memory, counts [L, T, E], z-loss terms [L*T],
+        expert ids [L, T, B, S, K] or None)."""
+        counts_per_loop, z_terms, topk_per_loop = [], [], []
         for t in range(loop_start, loop_end + 1):
-            z_BSD, h_mem, counts_LE, z_sq_L = self._region(
-                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma)
+            z_BSD, h_mem, counts_LE, z_sq_L, topk_LBSK = self._region(
+                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk)
             counts_per_loop.append(counts_LE)
             z_terms.append(z_sq_L)
-        return z_BSD, h_mem, torch.stack(counts_per_loop, dim=1), torch.cat(z_terms)
+            topk_per_loop.append(topk_LBSK)
+        topk_LTBSK = torch.stack(topk_per_loop, dim=1) if return_topk else None
+        return z_BSD, h_mem, torch.stack(counts_per_loop, dim=1), torch.cat(z_terms), topk_LTBSK
 
-    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma):
-        """Loop t (1-based): injection, the L blocks, the final RMSNorm -> (z, H memory, counts [L, E], z-loss [L])."""
+    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False):
+        """Loop t (1-based): injection, the L blocks, the final RMSNorm -> (z, H memory, counts [L, E],
+        z-loss [L], expert ids [L, B, S, K] or None)."""
         args = self.args
         if t >= 2 and args.embed_inject_mode == "loop_start_mix_soft":
             g = inject_gain(t, args)
             z_BSD = (1.0 - g) * z_BSD + g * e_BSD
         l_mem = empty_memory(z_BSD)
-        counts_per_layer, z_terms = [], []
+        counts_per_layer, z_terms, topk_per_layer = [], [], []
         for layer in self.layers:
             # Picked here, outside the block, so the block sees the router as a plain tensor.
             router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
-            z_BSD, l_mem, h_mem, kept_E, z_sq = self._region(
-                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem)
+            z_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK = self._region(
+                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem, return_topk)
             counts_per_layer.append(kept_E)
             z_terms.append(z_sq)
-        return rms_norm(z_BSD, args.norm_eps), h_mem, torch.stack(counts_per_layer), torch.stack(z_terms)
+            topk_per_layer.append(expert_BSK)
+        topk_LBSK = torch.stack(topk_per_layer) if return_topk else None
+        return (rms_norm(z_BSD, args.norm_eps), h_mem, torch.stack(counts_per_layer), torch.stack(z_terms),
+                topk_LBSK)
 
     def _check_inputs(self, tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry) -> None:
         # Shape and range checks only: value checks would need a host sync.

@@ -169,6 +169,15 @@ class LoomMoE(nn.Module):
         self.experts = RoutedExperts(E, D, I, args.moe_impl)
         self.shared_experts = nn.ModuleList([SharedExpert(D, I) for _ in range(args.num_shared_experts)])
 
+    def select(self, x_BSD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
+        """The top-k expert ids [B, S, K] that forward() routes x to (before capacity dropping).
+
+        Only for analysis: it repeats forward's router matmul, so training never pays for it.
+        """
+        B, S, D = x_BSD.shape
+        _, expert_NK, _ = route(x_BSD.reshape(B * S, D), router_w_ED, self.expert_bias, self.top_k)
+        return expert_NK.view(B, S, self.top_k)
+
     def forward(
         self, x_BSD: torch.Tensor, router_w_ED: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,154 @@
+"""Seeing inside the loops on a tiny in-process run: routing-diversity scalars and heatmap images
+in TensorBoard (read back through the event API), expert_load only at eval steps, profiler traces
+that parse as JSON, and tools.analyze's report on the run's checkpoint."""
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from torchtitan_loom.components import routing_plots
+from torchtitan_loom.components.metrics import MetricsLogger
+from torchtitan_loom.config import load_config
+from torchtitan_loom.config.validate import resolve
+from torchtitan_loom.distributed.utils import DistInfo
+from torchtitan_loom.tools import analyze
+from torchtitan_loom.train import Trainer
+
+CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
+STEPS, EVAL_EVERY = 4, 2
+
+
+@pytest.fixture(scope="module")
+def run(tiny_pack, tmp_path_factory):
+    """4 steps of the debug model (H = 3, L = 2, E = 8), eval at steps 2 and 4, profiling on."""
+    dump = tmp_path_factory.mktemp("obs") / "run"
+    argv = ["--data.path", str(tiny_pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
+            "--training.steps", str(STEPS), "--training.global_batch_size", "4", "--training.micro_batch_size", "4",
+            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
+            "--eval.interval", str(EVAL_EVERY), "--eval.tokens", "400", "--spike_guard.enable", "false",
+            "--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS),
+            "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
+            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
+            "--profiling.enable_memory_snapshot", "true"]
+    cfg = load_config(argv)
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        trainer = Trainer(cfg, resolve(cfg, 1), CPU)
+        assert trainer.train() == 0
+    return dump, trainer, console.getvalue().splitlines()
+
+
+def test_diversity_scalars_and_expert_load_only_at_eval(run):
+    dump, trainer, _ = run
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all("expert_load" not in r for r in rows if "eval_loss" not in r)  # default: eval steps only
+    last = evals[-1]
+    assert len(last["expert_load"]) == 2 and len(last["expert_load"][0]) == 3
+    H, E, k = 3, 8, trainer.model_args.routed_top_k
+    assert k <= last["routing_distinct_experts"] <= min(E, H * k)
+    for t in (1, 2):
+        assert 0.0 <= last[f"routing_overlap_loop_{t}"] <= 1.0
+        assert -1.0 <= last[f"stream_cos_loop_{t}"] <= 1.0
+    for t in (1, 2, 3):
+        assert 0.0 < last[f"routing_load_entropy_loop_{t}"] <= 1.0
+        assert last[f"routing_load_max_mean_loop_{t}"] >= 1.0
+        assert last[f"stream_rms_loop_{t}"] == pytest.approx(1.0, abs=1e-3)  # RMS-normed after every loop
+    assert 0 <= last["routing_dead_experts"] <= E
+    # The eval's diversity equals a direct recomputation on the same checkpointed model.
+    direct, _ = trainer.evaluate_with_routing()
+    assert direct["routing_distinct_experts"] == pytest.approx(last["routing_distinct_experts"])
+
+
+def test_tensorboard_scalars_and_images(run):
+    dump, trainer, _ = run
+    acc = EventAccumulator(str(dump / "tb"), size_guidance={"images": 0})
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    for tag in ("routing/distinct_experts", "routing/overlap", "routing/load_entropy", "routing/dead_experts",
+                "routing/overlap_loop_1", "stream/rms_loop_3", "stream/cos_loop_2", "eval/loss_loop_1"):
+        assert tag in scalars, tag
+    assert [e.step for e in acc.Scalars("routing/distinct_experts")] == [2, 4]
+    images = acc.Tags()["images"]
+    assert sorted(images) == ["eval/loss_per_loop", "routing/load_layer_0", "routing/load_layer_1"]
+    dpi = routing_plots.DPI
+    heat = acc.Images("routing/load_layer_1")
+    assert [e.step for e in heat] == [2, 4]
+    assert (heat[-1].width, heat[-1].height) == tuple(round(x * dpi) for x in routing_plots.HEATMAP_SIZE_IN)
+    curve = acc.Images("eval/loss_per_loop")[-1]
+    assert (curve.width, curve.height) == tuple(round(x * dpi) for x in routing_plots.CURVE_SIZE_IN)
+    assert heat[-1].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_numpy_fallback_heatmap_pixels(tmp_path):
+    share_HE = np.array([[0.0, 1.0, 2.0], [4.0, 0.5, 1.0]])
+    image = routing_plots.heatmap_image(share_HE, "t", use_matplotlib=False)
+    c = routing_plots.CELL_PX
+    assert image.shape == (3, 2 * c, 3 * c) and image.dtype == np.uint8
+    # vmax = 4: cell (0,0) = 0 -> the darkest anchor, cell (1,0) = 4 -> the brightest one.
+    assert image[:, 0, 0].tolist() == [68, 1, 84] and image[:, c, 0].tolist() == [253, 231, 37]
+    assert (image[:, :c, :c] == image[:, :1, :1]).all()  # one colour per cell
+    with MetricsLogger(str(tmp_path)) as logger:
+        logger.log_image("routing/load_layer_0", image, step=7)
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    acc.Reload()
+    event = acc.Images("routing/load_layer_0")[0]
+    assert (event.step, event.width, event.height) == (7, 3 * c, 2 * c)
+    bars = routing_plots.loss_curve_image([4.0, 2.0], "t", use_matplotlib=False)
+    assert bars.shape == (3, 120, 48) and (bars[:, 0, 2:22] != 255).all() and (bars[:, 0, 26:46] == 255).all()
+
+
+def test_profiler_traces_are_json_and_memory_snapshot_message(run):
+    dump, _, logs = run
+    traces = sorted((dump / "profile_traces").glob("iteration_*/rank0_trace.json"))
+    assert [p.parent.name for p in traces] == ["iteration_2", "iteration_4"]
+    for path in traces:
+        trace = json.loads(path.read_text())
+        assert trace["traceEvents"], path
+    assert any("enable_memory_snapshot" in m and "cpu" in m for m in logs)
+    assert not (dump / "memory_snapshot").exists()
+
+
+def test_profiling_config_errors():
+    from torchtitan_loom.config import ConfigError
+
+    cfg = load_config(["--profiling.profile_freq", "3", "--profiling.profiler_warmup", "3"])
+    with pytest.raises(ConfigError, match=r"profiler_warmup \+ profiler_active = 4: must be ≤ profile_freq = 3"):
+        resolve(cfg, 1)
+    cfg = load_config(["--metrics.expert_load_every", "-1"])
+    with pytest.raises(ConfigError, match="metrics.expert_load_every = -1"):
+        resolve(cfg, 1)
+
+
+def test_analyze_writes_report(run, tmp_path, tiny_pack):
+    dump, trainer, _ = run
+    out = tmp_path / "report"
+    # Same eval batches as the trainer's (tokens, rows), so the loss table must match its last eval.
+    assert analyze.main([str(dump), "--out", str(out), "--tokens", "400", "--batch-rows", "4",
+                         "--samples", "2"]) == 0
+    report = (out / "report.md").read_text()
+    for name in ("loss_per_loop.png", "load_layer_0.png", "load_layer_1.png", "doc_0.png", "doc_1.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"]({name})" in report, name
+    assert "## Routing diversity per layer" in report and "| 1 |" in report and "**mean**" in report
+    assert f"step {STEPS}" in report and str(tiny_pack) in report  # the run's data.path from config.toml
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    expected = " | ".join(f"{rows[-1][f'eval_loss_loop_{t}']:.4f}" for t in (1, 2, 3))
+    assert f"| loss | {expected} |" in report
+    distinct = f"{rows[-1]['routing_distinct_experts']:.2f}"
+    mean_row = next(line for line in report.splitlines() if line.startswith("| **mean** |"))
+    assert mean_row.split(" | ")[1] == distinct
+
+
+def test_analyze_bad_input(tmp_path, capsys):
+    assert analyze.main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("analyze error:")
+    assert analyze.main([str(tmp_path), "--tokens", "0"]) == 2

@@ -1,0 +1,255 @@
+"""Look inside the loops of a checkpoint: a self-contained report.md with PNG figures.
+
+    python -m torchtitan_loom.tools.analyze CKPT [--data PATH] [--tokens N] [--out DIR]
+
+CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder or a run's dump
+folder (its newest complete checkpoint). The held-out data is the holdout epoch of ``--data`` (a
+pack), else of the run's ``data.path`` (from the checkpoint's config.toml), else the bundled
+corpus. The report covers the held-out loss after every loop, the routing-diversity table per
+layer and per loop (definitions in components/routing_stats.py and the README), a loop × expert
+load heatmap per layer, and for a few documents which experts each token visits in each loop.
+
+Needs matplotlib (``pip install 'torchtitan_loom[viz]'``): the figures must carry titles, axis
+labels and colour bars to be readable without the code, which raw PNG pixels cannot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchtitan_loom.components.loss import count_valid, token_ce_sum
+from torchtitan_loom.components.routing_stats import RoutingStats
+
+DEFAULT_OUT = "analysis"
+
+
+class AnalyzeError(ValueError):
+    """Bad input to the tool: reported as one line, exit code 2."""
+
+
+def _run_config(ckpt: str) -> dict[str, Any]:
+    path = os.path.join(ckpt, "config.toml")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as fh:
+        return tomllib.load(fh)
+
+
+def _token_text(pack_tokenizer: str, vocab_ids: list[int]) -> list[str]:
+    """A short printable label per token id (bytes for the byte tokenizer, else the tokenizer's
+    piece, else the id)."""
+    from torchtitan_loom.components.tokenizer import build_tokenizer
+
+    try:
+        tok = build_tokenizer(pack_tokenizer) if pack_tokenizer else None
+    except (ImportError, OSError, ValueError):
+        tok = None
+    labels = []
+    for i in vocab_ids:
+        text = tok.decode([i]) if tok is not None else ""
+        text = text.replace("\n", "⏎").replace(" ", "␣")
+        labels.append(text[:6] if text else f"#{i}")
+    return labels
+
+
+@torch.no_grad()
+def evaluate(model: Any, loader: Any, device: torch.device, samples: int, sample_tokens: int) -> dict[str, Any]:
+    """Loss after every loop, RoutingStats, and the routed ids of the first `samples` documents."""
+    a = model.args
+    H = a.num_loops
+    routing = RoutingStats(a.n_layers, H, a.num_routed_experts, a.routed_top_k, device)
+    ce_H = torch.zeros(H, dtype=torch.float64)
+    n_tok = 0
+    docs: list[dict[str, Any]] = []
+    for batch in loader:
+        mb = {k: v.to(device) for k, v in batch.items()}
+        routing.start_batch(mb["doc_ids"] >= 0)
+        carry, topk_per_loop = None, []
+        for loop in range(1, H + 1):
+            out = model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=loop, loop_end=loop,
+                        carry=carry, return_topk=True)
+            carry = out.carry
+            ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double().cpu()
+            routing.add_loop(out.topk_LTBSK[:, 0], carry.z_BSD)
+            if len(docs) < samples:
+                topk_per_loop.append(out.topk_LTBSK[:, 0].cpu())
+        n_tok += int(count_valid(mb["labels"]))
+        if len(docs) < samples:
+            docs += _sample_docs(batch, torch.stack(topk_per_loop, dim=1), samples - len(docs), sample_tokens)
+    if n_tok == 0:
+        raise AnalyzeError("the held-out data has no valid tokens; pass --data with a pack that has a holdout")
+    return {"losses": (ce_H / n_tok).tolist(), "routing": routing, "docs": docs, "tokens": n_tok}
+
+
+def _sample_docs(batch: dict[str, torch.Tensor], topk_LHBSK: torch.Tensor, count: int,
+                 max_tokens: int) -> list[dict[str, Any]]:
+    """The first `count` documents of the batch with ≥ 8 tokens: their token ids and ids [L, H, S, K]."""
+    docs = []
+    for row in range(batch["doc_ids"].shape[0]):
+        doc_row = batch["doc_ids"][row]
+        for doc in doc_row.unique().tolist():
+            if doc < 0 or len(docs) == count:
+                continue
+            cols = (doc_row == doc).nonzero().flatten()[:max_tokens]
+            if cols.numel() >= 8:
+                docs.append({"row": row, "tokens": batch["input_ids"][row, cols].tolist(),
+                             "topk_LHSK": topk_LHBSK[:, :, row, cols].numpy()})
+    return docs
+
+
+def write_report(result: dict[str, Any], info: dict[str, Any], ckpt: str, data: str, out: str,
+                 tokenizer: str, layer_for_docs: int) -> str:
+    from torchtitan_loom.components import routing_plots as plots
+
+    os.makedirs(out, exist_ok=True)
+    routing: RoutingStats = result["routing"]
+    losses, H, E = result["losses"], routing.H, routing.E
+    step = info.get("step")
+    lines = ["# LOOM routing and loop analysis", "",
+             f"- checkpoint: `{ckpt}`" + (f" (step {step})" if step is not None else ""),
+             f"- model: {info.get('name')}/{info.get('flavor')}: L = {routing.L} layers, H = {H} loops, "
+             f"E = {E} routed experts, top-k = {routing.K}",
+             f"- held-out data: `{data}`, {result['tokens']:,} tokens with a target", ""]
+
+    plots.save_figure(plots.loss_curve_figure(losses, "Held-out loss after each loop (early exit)"),
+                      os.path.join(out, "loss_per_loop.png"))
+    lines += ["## Held-out loss after every loop", "",
+              "Running only the first t loops and applying the head (early exit). Lower is better.", "",
+              "| loop | " + " | ".join(str(t + 1) for t in range(H)) + " |",
+              "|---|" + "---|" * H,
+              "| loss | " + " | ".join(f"{v:.4f}" for v in losses) + " |", "",
+              "![loss per loop](loss_per_loop.png)", ""]
+
+    rows, s = routing.per_layer(), routing.summary()
+    lines += ["## Routing diversity per layer", "",
+              f"Over the held-out tokens (padding excluded). *distinct*: different experts a token visits "
+              f"over the {H} loops (between k = {routing.K} and {min(E, H * routing.K)}); *overlap*: share of "
+              f"a token's top-k kept from loop t to t+1, mean over t; *entropy*: load entropy / log E (1 = "
+              f"uniform), mean over loops; *max/mean*: hottest expert's load ÷ mean load, mean over loops; "
+              f"*dead*: experts no token chose in any loop; *dead/loop*: experts unchosen in a loop, mean over loops.", "",
+              "| layer | distinct | overlap | entropy | max/mean | dead | dead/loop |", "|---|---|---|---|---|---|---|"]
+    def fmt(r: dict[str, float]) -> str:
+        return (f"{r['distinct_experts']:.2f} | {r['overlap']:.3f} | {r['load_entropy']:.3f} | "
+                f"{r['load_max_mean']:.2f} | {r['dead_experts']:g} | {r['dead_experts_per_loop']:.2f}")
+
+    for layer, r in enumerate(rows):
+        lines.append(f"| {layer} | {fmt(r)} |")
+    lines.append("| **mean** | " + fmt({k[len('routing_'):]: v for k, v in s.items()
+                                       if k.startswith("routing_") and "_loop_" not in k}) + " |")
+    lines += ["", "## Per loop (mean over layers)", "",
+              "| loop | overlap with next | load entropy | max/mean | stream RMS | cos with next |",
+              "|---|---|---|---|---|---|"]
+    for t in range(1, H + 1):
+        overlap, cos = ((f"{s[f'routing_overlap_loop_{t}']:.3f}", f"{s[f'stream_cos_loop_{t}']:.3f}") if t < H
+                        else ("–", "–"))
+        lines.append(f"| {t} | {overlap} | {s[f'routing_load_entropy_loop_{t}']:.3f} | "
+                     f"{s[f'routing_load_max_mean_loop_{t}']:.2f} | {s[f'stream_rms_loop_{t}']:.3f} | {cos} |")
+    lines += ["", "The stream is RMS-normalised at the end of every loop, so its RMS stays ≈ 1 by construction; "
+              "the cosine shows how much a loop still changes the token's representation.", ""]
+
+    lines += ["## Expert load per layer", "",
+              "Each row is a loop, each column a routed expert; colour = how often the expert is in a token's "
+              "top-k, divided by the uniform share (1 = balanced, 0 = never chosen).", ""]
+    share_LHE = routing.load_share_LHE().cpu().numpy()
+    vmax = plots.share_vmax(share_LHE)  # one colour scale for all layers, so they compare
+    for layer in range(routing.L):
+        name = f"load_layer_{layer}.png"
+        plots.save_figure(plots.heatmap_figure(share_LHE[layer], f"Expert load, layer {layer} (held-out tokens)",
+                                               vmax=vmax), os.path.join(out, name))
+        lines += [f"![expert load, layer {layer}]({name})", ""]
+
+    lines += ["## Routing of sample documents", "",
+              f"Layer {layer_for_docs}. Columns are the document's tokens (input text below each); each band "
+              f"of rows is one loop and holds the {E} experts top to bottom; a black cell = the token visits "
+              f"that expert in that loop.", ""]
+    for i, doc in enumerate(result["docs"]):
+        labels = _token_text(tokenizer, doc["tokens"])
+        name = f"doc_{i}.png"
+        title = f"Sample document {i}: experts visited per loop (layer {layer_for_docs})"
+        plots.save_figure(plots.routing_picture_figure(doc["topk_LHSK"][layer_for_docs], labels, E, title),
+                          os.path.join(out, name))
+        distinct = np.mean([len(set(doc["topk_LHSK"][layer_for_docs][:, s_].reshape(-1).tolist()))
+                            for s_ in range(len(labels))])
+        lines += [f"**Document {i}** ({len(labels)} tokens; {distinct:.2f} distinct experts per token in "
+                  f"layer {layer_for_docs}): `{''.join(labels)[:120]}`", "", f"![document {i}]({name})", ""]
+    path = os.path.join(out, "report.md")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines))
+    return path
+
+
+def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int | None, batch_rows: int,
+            samples: int, sample_tokens: int, layer: int | None) -> str:
+    from torchtitan_loom.components.checkpoint.layout import read_json
+    from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
+    from torchtitan_loom.components.data.pack_format import PackError, open_pack
+    from torchtitan_loom.components.routing_plots import have_matplotlib
+    from torchtitan_loom.tools.export import ExportError, load_checkpoint_model
+
+    if not have_matplotlib():
+        raise AnalyzeError("the report's figures need matplotlib: pip install 'torchtitan_loom[viz]'")
+    try:
+        model, info, ckpt = load_checkpoint_model(ckpt_arg)
+    except (ExportError, OSError) as exc:
+        raise AnalyzeError(str(exc)) from None
+    run = _run_config(ckpt)
+    info = dict(info, step=(read_json(os.path.join(ckpt, "meta.json")) or {}).get("step"))
+    data = data or run.get("data", {}).get("path") or str(bundled_corpus_path(None))
+    a = model.args
+    seq_len = seq_len or run.get("training", {}).get("seq_len") or a.max_seq_len
+    if layer is None:
+        layer = a.n_layers // 2
+    if not 0 <= layer < a.n_layers:
+        raise AnalyzeError(f"--layer {layer}: the model has layers 0..{a.n_layers - 1}")
+    try:
+        pack = open_pack(data, seq_len=seq_len, vocab_size=a.vocab_size)
+        loader = build_eval_loader(data, seq_len=seq_len, vocab_size=a.vocab_size, batch_rows=batch_rows,
+                                   dp_rank=0, dp_world=1, max_tokens=tokens)
+    except (PackError, ValueError, OSError) as exc:
+        raise AnalyzeError(f"--data {data}: {exc}") from None
+    result = evaluate(model, loader, torch.device("cpu"), samples, sample_tokens)
+    return write_report(result, info, ckpt, data, out, pack.tokenizer_name, layer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns 0, or 2 with one ``analyze error:`` line."""
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.analyze",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("ckpt", help="checkpoint directory (step-N), checkpoint folder or run dump folder")
+    parser.add_argument("--data", default=None, help="packed corpus whose holdout epoch is read "
+                                                     "(default: the run's data.path, else the bundled corpus)")
+    parser.add_argument("--tokens", type=int, default=20_000, help="held-out tokens to read (default 20000)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default ./{DEFAULT_OUT})")
+    parser.add_argument("--seq-len", type=int, default=None, help="row length (default: the run's training.seq_len)")
+    parser.add_argument("--batch-rows", type=int, default=8, help="rows per forward (default 8)")
+    parser.add_argument("--samples", type=int, default=3, help="documents with a routing picture (default 3)")
+    parser.add_argument("--sample-tokens", type=int, default=40, help="tokens shown per document (default 40)")
+    parser.add_argument("--layer", type=int, default=None, help="layer of the document pictures (default L // 2)")
+    ns = parser.parse_args(argv)
+    for key in ("tokens", "batch_rows", "sample_tokens"):
+        if getattr(ns, key) < 1:
+            print(f"analyze error: --{key.replace('_', '-')} {getattr(ns, key)}: must be ≥ 1", file=sys.stderr)
+            return 2
+    try:
+        with torch.no_grad():  # scoped: main() may run inside another program (tests do)
+            path = analyze(ns.ckpt, ns.data, ns.tokens, ns.out, ns.seq_len, ns.batch_rows, max(ns.samples, 0),
+                           ns.sample_tokens, ns.layer)
+    except AnalyzeError as exc:
+        print(f"analyze error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
