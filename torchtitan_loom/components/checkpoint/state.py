@@ -44,6 +44,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used with this run; the message says why and what to do."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that could not be written (disk full, say); older checkpoints are untouched."""
+
+
 @contextlib.contextmanager
 def single_process_quiet():
     """Silence DCP's warning that a save/load without a process group is single-process: that is
