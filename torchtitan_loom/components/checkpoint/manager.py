@@ -306,8 +306,8 @@ class CheckpointManager:
         if step is not None and self.rank == 0:
             moved = layout.abandon_newer(self.root, step)
             if moved:
-                self._log(f"resumed from an older step: moved the newer checkpoints {', '.join(moved)} to "
-                          f"{os.path.join(self.root, layout.ABANDONED)} (kept, never loaded)")
+                self._log(f"moved the checkpoints newer than step {step} ({', '.join(moved)}) to "
+                          f"{os.path.join(self.root, layout.ABANDONED)}: kept, never loaded or overwritten")
         return step
 
     def _load_choice(self, choice: resolve.LoadChoice) -> int | None:
