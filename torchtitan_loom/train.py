@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointError, CheckpointManager
+from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.data import build_eval_loader, build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
@@ -249,6 +251,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         last_time, last_step = time.perf_counter(), self.state.step
         exit_code = 0
+        divergence = DivergenceMonitor(cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips)
         while self.state.step < t.steps:
             out = self.train_step(next(data_iter))
             step = self.state.step
@@ -272,11 +275,15 @@ class Trainer:
                 self.log(format_console_line(step, scalars))
             if out["skip_reason"]:
                 self.log(f"step {step}: skipped {out['skip_reason']}")
-                if cfg.spike_guard.abort_on_spike:
-                    self._write_spike_abort(step, out["skip_reason"])
-                    exit_code = SPIKE_EXIT_CODE
-                    self.checkpointer.after_step(step, last=True)
-                    break
+            abort = divergence.after_step(step, out["skip_reason"], model_finite(self.model))
+            if out["skip_reason"] and divergence.streak_started:  # the last good checkpoint survives pruning
+                kept = self.checkpointer.protect_newest()
+                if kept:
+                    self.log(f"first skipped step of a streak: {kept} is kept (never pruned)")
+            if abort:  # never saved: the step may hold the diverged update
+                self._write_spike_abort(abort)
+                exit_code = SPIKE_EXIT_CODE
+                break
             stop = self.checkpointer.after_step(step, last=step == t.steps)  # saves; preemption → stop
             if stop:
                 self.log(stop)
@@ -285,13 +292,10 @@ class Trainer:
         self.metrics.close()
         return exit_code
 
-    def _write_spike_abort(self, step: int, reason: str) -> None:
-        msg = (f"loss spike at step {step}: {reason}; stopping (spike_guard.abort_on_spike=true). "
-               f"Set --spike_guard.abort_on_spike false to skip spikes and continue.")
+    def _write_spike_abort(self, msg: str) -> None:
         self.log(msg)
         if self.info.rank == 0:
-            with open(os.path.join(self.cfg.job.dump_folder, "SPIKE_ABORT.txt"), "w") as fh:
-                fh.write(msg + "\n")
+            write_abort(self.cfg.job.dump_folder, msg)
 
 
 def main(argv: list[str] | None = None) -> int:

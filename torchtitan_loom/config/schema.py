@@ -100,7 +100,11 @@ class SpikeGuard:
     hard: float = opt(1.5, "Skip when the rise is at least this, whatever the EMA.")
     ema: float = opt(0.9, "EMA decay of the per-segment baseline.")
     warmup_steps: int = opt(0, "Global steps during which only non-finite losses/gradients are skipped.")
-    abort_on_spike: bool = opt(True, "Stop after a step with a skipped segment, exit code 2.")
+    abort_on_spike: bool = opt(True, "Stop after a step with a skipped segment, exit code 2 (that step is not "
+                                     "saved).")
+    max_consecutive_skips: int = opt(10, "With abort_on_spike off: stop (exit 2, SPIKE_ABORT.txt) after this many "
+                                         "skipped steps in a row; 0 = never. A non-finite weight after any step "
+                                         "always stops the run.")
 
 
 @dataclass
