@@ -26,6 +26,7 @@ from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops
 from torchtitan_loom.components.optimizer import build_optimizer, update_expert_bias
+from torchtitan_loom.components.run_folder import RunFolderError, RunLock, new_run_id, record_launch, replace_old_run
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import validate
@@ -61,8 +62,9 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, model_args: Any, info: dist_utils.DistInfo) -> None:
+    def __init__(self, cfg: JobConfig, model_args: Any, info: dist_utils.DistInfo, run_id: str | None = None) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
+        self.run_id = run_id or new_run_id()
         self.model_args = model_args
         t = cfg.training
         dist_utils.set_determinism(t.seed, t.deterministic)
@@ -115,7 +117,7 @@ class Trainer:
                                              dp_world=self.parallel_dims.dp)  # every rank is a dp rank
         self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.tb_folder, rank=info.rank,
-                                     log_rank=cfg.metrics.log_rank)
+                                     log_rank=cfg.metrics.log_rank, run_id=self.run_id)
         # The head runs once per segment, so it counts once per segment (see the model docstring).
         self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
         self.peak_flops = peak_flops(self.device)
@@ -133,7 +135,8 @@ class Trainer:
                     "spike_guard": self.spike_guard, "train_state": self.state},
             model_args=model_args, model_name=cfg.model.name, flavor=cfg.model.flavor, config_toml=to_toml(cfg),
             total_steps=t.steps, device=self.device, rank=info.rank, world_size=info.world_size, log=self.log)
-        self.checkpointer.load()
+        self.resumed_from = self.checkpointer.load()
+        self.metrics.mark_launch(self.resumed_from)
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str) -> None:
@@ -321,14 +324,27 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(dry_run(cfg, model_args, world_size))
         return 0
+    run_id, lock = new_run_id(), None
+    if int(os.environ.get("RANK", "0")) == 0:  # before any process group: one live run per folder
+        try:
+            os.makedirs(cfg.job.dump_folder, exist_ok=True)
+            lock = RunLock(cfg.job.dump_folder, run_id, log=lambda m: print(f"[torchtitan_loom] {m}", flush=True))
+            replace_old_run(cfg)
+        except (RunFolderError, OSError) as exc:
+            if lock is not None:
+                lock.release()
+            print(f"run folder error: {exc}", file=sys.stderr)
+            return 2
     info = dist_utils.init_distributed(cfg.training.device)
     finished = False
     try:
+        if info.world_size > 1:  # rank 0's launch id for every rank's metrics
+            run_id = dist_utils.broadcast_object(run_id)
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
         if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
             print(to_toml(cfg))
         try:
-            trainer = Trainer(cfg, model_args, info)
+            trainer = Trainer(cfg, model_args, info, run_id=run_id)
         except CheckpointError as exc:  # the checkpoint to resume does not fit this run
             for line in str(exc).splitlines():
                 print(f"checkpoint error: {line}", file=sys.stderr)
@@ -336,12 +352,18 @@ def main(argv: list[str] | None = None) -> int:
         if info.rank == 0:  # written after the resume succeeded, so a refused one leaves the run as it was
             with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
+            record_launch(cfg, run_id, "running", trainer.state.step, trainer.resumed_from)
         code = trainer.train()
         trainer.log(f"done: {trainer.state.step} steps, exit code {code}")
+        if info.rank == 0:
+            done = code == 0 and trainer.state.step >= cfg.training.steps
+            record_launch(cfg, run_id, "finished" if done else "stopped", trainer.state.step)
         finished = True
         return code
     finally:
         dist_utils.destroy_distributed(wait_for_all=finished)
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ class Job:
     dump_folder: str = opt("./outputs", "Run directory: metrics.jsonl, tb/, config.toml, checkpoints.")
     description: str = opt("", "Free text, printed at start and saved with the resolved config.")
     print_config: bool = opt(False, "Print the resolved config as TOML at start.")
+    overwrite: bool = opt(False, "Start a new run in a dump_folder that holds a different or finished run: "
+                                 "its files move to <dump_folder>/replaced-<run_id>/ first (see run.json).")
 
 
 @dataclass

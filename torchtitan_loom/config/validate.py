@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from torchtitan_loom.components.run_folder import relaunch_errors
 from torchtitan_loom.config.manager import ConfigError, section_fields, section_types
 from torchtitan_loom.config.schema import JobConfig
 
@@ -104,7 +105,7 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
         for key, default in (("load_step", -1), ("initial_load_path", ""), ("exit_after_step", 0)):
             if getattr(c, key) != default:
                 errors.append(f"checkpoint.{key} = {getattr(c, key)!r} needs checkpoint.enable = true")
-    if errors or args is None or not c.enable:
+    if errors or args is None or not c.enable or cfg.job.overwrite:  # overwrite moves the old checkpoints away
         return errors
 
     def expected_shapes() -> dict[str, tuple[int, ...]]:
@@ -198,6 +199,7 @@ def validate(cfg: JobConfig, world_size: int) -> Any:
                               f"{max_len} tokens, so seq_len must be ≤ {max_len - 1}")
     errors += _parallelism_errors(cfg, world_size, args)
     errors += _float8_errors(cfg)
+    errors += relaunch_errors(cfg)
     errors += _checkpoint_errors(cfg, args if not errors else None)
     if errors:
         raise ConfigError("\n".join(errors))
