@@ -7,11 +7,14 @@ in one round trip. The world size comes from the launcher's environment (torchru
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import math
 import os
 from typing import Any
 
 from torchtitan_loom.components.run_folder import relaunch_errors
+from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
 from torchtitan_loom.config.manager import ConfigError, section_fields, section_types
 from torchtitan_loom.config.schema import JobConfig
 
@@ -68,6 +71,38 @@ def _pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
     except (ValueError, KeyError, TypeError) as exc:
         errors.append(f"{key}: '{meta}' is unreadable or lacks max_seq_len ({exc})")
         return None
+
+
+def _number_errors(cfg: JobConfig) -> list[str]:
+    """[optimizer], [lr_scheduler], [spike_guard], training.max_norm: finite and in range (a NaN
+    compares false with everything, so every check is written to fail for it)."""
+    errors = []
+
+    def need(key: str, value: float, ok: bool, valid: str) -> None:
+        if not (math.isfinite(value) and ok):
+            errors.append(f"{key} = {value}: {valid}")
+
+    o, s, g = cfg.optimizer, cfg.lr_scheduler, cfg.spike_guard
+    need("optimizer.lr", o.lr, o.lr > 0, "must be a finite number > 0")
+    need("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "must lie in [0, 1)")
+    need("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "must lie in [0, 1)")
+    need("optimizer.eps", o.eps, o.eps > 0, "must be a finite number > 0")
+    need("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be a finite number ≥ 0")
+    need("training.max_norm", cfg.training.max_norm, True, "must be a finite number (≤ 0 disables clipping)")
+    for key in ("warmup_ratio", "decay_ratio", "min_ratio"):
+        v = getattr(s, key)
+        need(f"lr_scheduler.{key}", v, 0 <= v <= 1, "must lie in [0, 1]")
+    if s.kind == "wsd" and s.warmup_ratio + s.decay_ratio > 1:
+        errors.append(f"lr_scheduler.warmup_ratio + decay_ratio = {s.warmup_ratio} + {s.decay_ratio}: must be ≤ 1 "
+                      f"(warmup and decay would overlap)")
+    need("spike_guard.ema", g.ema, 0 <= g.ema < 1, "must lie in [0, 1)")
+    for key in ("delta", "rel", "ratio", "hard"):
+        v = getattr(g, key)
+        need(f"spike_guard.{key}", v, v >= 0, "must be a finite number ≥ 0 (a threshold on the rise of the loss)")
+    for key in ("warmup_steps", "max_consecutive_skips"):
+        if getattr(g, key) < 0:
+            errors.append(f"spike_guard.{key} = {getattr(g, key)}: must be ≥ 0")
+    return errors
 
 
 def _float8_errors(cfg: JobConfig) -> list[str]:
@@ -171,13 +206,7 @@ def validate(cfg: JobConfig, world_size: int) -> Any:
         errors.append(f"metrics.log_freq = {cfg.metrics.log_freq}: must be ≥ 1")
     if not 0 <= cfg.metrics.log_rank < world_size:
         errors.append(f"metrics.log_rank = {cfg.metrics.log_rank}: must be a rank in [0, {world_size})")
-    if cfg.optimizer.lr <= 0:
-        errors.append(f"optimizer.lr = {cfg.optimizer.lr}: must be > 0")
-    s = cfg.lr_scheduler
-    if not (0 <= s.warmup_ratio <= 1 and 0 <= s.decay_ratio <= 1 and 0 <= s.min_ratio <= 1):
-        errors.append("lr_scheduler.warmup_ratio, decay_ratio and min_ratio must each lie in [0, 1]")
-    if not 0 <= cfg.spike_guard.ema < 1:
-        errors.append(f"spike_guard.ema = {cfg.spike_guard.ema}: must lie in [0, 1)")
+    errors += _number_errors(cfg)
     if t.device == "cuda":
         import torch
 
@@ -191,12 +220,20 @@ def validate(cfg: JobConfig, world_size: int) -> Any:
     if args is not None and t.seq_len > args.max_seq_len:
         errors.append(f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
                       f"max_seq_len = {args.max_seq_len}")
-    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
-        if path:
-            max_len = _pack_max_seq_len(path, key, errors)
-            if max_len is not None and t.seq_len > max_len - 1:
-                errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at most "
-                              f"{max_len} tokens, so seq_len must be ≤ {max_len - 1}")
+    if not cfg.parallelism.dry_run:  # the dry run lays out ranks; it reads no data
+        for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+            if path:
+                max_len = _pack_max_seq_len(path, key, errors)
+                if max_len is not None and t.seq_len > max_len - 1:
+                    errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
+                                  f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1}")
+                elif max_len is not None and args is not None:
+                    errors += pack_errors(path, key, cfg, args)
+        errors += bundled_errors(cfg)
+        errors += folder_errors(cfg)
+    if args is not None and args.attn_backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        errors.append("model.attn_backend = 'flash_attn': the flash-attn package is not installed "
+                      "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'")
     errors += _parallelism_errors(cfg, world_size, args)
     errors += _float8_errors(cfg)
     errors += relaunch_errors(cfg)
