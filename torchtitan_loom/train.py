@@ -19,6 +19,7 @@ import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan_loom.components.checkpoint.integrity import model_finite
+from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import build_eval_loader, build_train_loader, bundled_corpus_path
 from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
 from torchtitan_loom.components.float8 import build_float8_converter
@@ -36,6 +37,10 @@ from torchtitan_loom.protocols import get_train_spec
 
 SPIKE_EXIT_CODE = 2
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class StepAbandoned(Exception):
+    """A stop signal arrived before the step's first optimizer update."""
 
 
 def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
@@ -176,6 +181,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
             for m, mb in enumerate(micro):
+                if j == 0 and self.checkpointer.watcher.requested():  # no update yet: abandon the step
+                    raise StepAbandoned
                 with self.autocast():
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
                                      loop_start=a, loop_end=b, carry=carries[m])
@@ -217,7 +224,7 @@ class Trainer:
 
     # -------------------------------------------------------------------- eval
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float] | None:
         """Full H loops on the holdout; the loss after every loop comes from running the loops one
         at a time with the carry, which equals the full forward (tested by the model)."""
         cfg, t = self.cfg, self.cfg.training
@@ -230,6 +237,9 @@ class Trainer:
         n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
         for batch in loader:
             for mb in self.micro_batches(batch):
+                if self.checkpointer.watcher.requested():  # a stop signal: drop this eval
+                    self.model.train()
+                    return None
                 carry = None
                 for loop in range(1, self.num_loops + 1):
                     with self.autocast():
@@ -256,7 +266,16 @@ class Trainer:
         exit_code = 0
         divergence = DivergenceMonitor(cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips)
         while self.state.step < t.steps:
-            out = self.train_step(next(data_iter))
+            position = self.dataloader.state_dict()
+            try:
+                out = self.train_step(next(data_iter))
+            except StepAbandoned:  # a stop signal before the step's first update: nothing changed
+                self.optimizer.zero_grad(set_to_none=True)
+                self.dataloader.load_state_dict(position)  # the batch is trained after the resume
+                stop = self.checkpointer.after_step(self.state.step, last=True) if self.state.step else None
+                self.log(stop or f"stopped before step {self.state.step + 1}")
+                exit_code = self.checkpointer.watcher.exit_code()
+                break
             step = self.state.step
             scalars: dict[str, Any] = {}
             if step % cfg.metrics.log_freq == 0 or step == t.steps or out["skip_reason"]:
@@ -271,7 +290,7 @@ class Trainer:
                 scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(out["seg_losses"])})
                 scalars.update(memory_stats(self.device))
             if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
-                scalars.update(self.evaluate())
+                scalars.update(self.evaluate() or {})
             if scalars:
                 extra = {"expert_load": out["counts_LHE"].tolist()}
                 self.metrics.log(step, scalars, extra)
@@ -290,6 +309,7 @@ class Trainer:
             stop = self.checkpointer.after_step(step, last=step == t.steps)  # saves; preemption → stop
             if stop:
                 self.log(stop)
+                exit_code = self.checkpointer.watcher.exit_code()
                 break
         self.checkpointer.close()
         self.metrics.close()
@@ -353,7 +373,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
             record_launch(cfg, run_id, "running", trainer.state.step, trainer.resumed_from)
-        code = trainer.train()
+        try:
+            code = trainer.train()
+        except CheckpointSaveError as exc:  # disk full, say: the older checkpoints are untouched
+            trainer.checkpointer.watcher.close()
+            print(f"checkpoint error: {exc}", file=sys.stderr)
+            return 1
         trainer.log(f"done: {trainer.state.step} steps, exit code {code}")
         if info.rank == 0:
             done = code == 0 and trainer.state.step >= cfg.training.steps

@@ -151,7 +151,9 @@ class Checkpoint:
     async_mode: str = opt("disabled", "async: stage to CPU memory, then write in a background thread over "
                                       "its own gloo group while training continues.",
                           choices=("disabled", "async"))
-    save_on_signal: bool = opt(True, "On SIGTERM or SIGUSR1: finish the current step, save, exit 0.")
+    save_on_signal: bool = opt(True, "On SIGTERM, SIGUSR1 or SIGINT (acknowledged at once): stop at the next "
+                                     "micro-batch (of eval, or of a step before its first update; else after "
+                                     "the step), save, exit 0 (130 for SIGINT).")
     exit_after_step: int = opt(0, "Save and exit 0 after this global step (job chains under a time "
                                   "limit; the next launch resumes); 0 = off.")
 
