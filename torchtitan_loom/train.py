@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             code = trainer.train()
         except CheckpointSaveError as exc:  # disk full, say: the older checkpoints are untouched
             trainer.checkpointer.watcher.close()
+            trainer.metrics.close()
             print(f"checkpoint error: {exc}", file=sys.stderr)
             return 1
         trainer.log(f"done: {trainer.state.step} steps, exit code {code}")

@@ -292,11 +292,28 @@ def abandon_newer(root: str, step: int) -> list[str]:
     return moved
 
 
-def explain_write_failure(path: str, exc: BaseException) -> str | None:
-    """"no space left on <path>" when a failed write was a full disk (or quota), else None.
+_NEARLY_FULL_BYTES = 4 << 20
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of every file under ``path`` (0 when it does not exist)."""
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
+
+
+def explain_write_failure(path: str, exc: BaseException, needed_bytes: int) -> str | None:
+    """"no space left on <path> (...)" when a failed write of a checkpoint of about
+    ``needed_bytes`` ran out of disk (or quota), else None.
 
     torch's writers lose the errno ("unexpected pos ..."), so after looking through the exception
-    chain this probes the directory with a small write."""
+    chain this compares what the save needs with what it wrote plus what is still free, and
+    calls a disk with under 4 MiB free full. Call it before removing ``path``."""
     import errno
 
     full = (errno.ENOSPC, errno.EDQUOT)
@@ -305,18 +322,14 @@ def explain_write_failure(path: str, exc: BaseException) -> str | None:
         if isinstance(seen, OSError) and seen.errno in full:
             return f"no space left on {path}"
         seen = seen.__cause__ or seen.__context__
-    probe = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ".space-probe")
+    base = path if os.path.isdir(path) else os.path.dirname(path)
     try:
-        with open(probe, "wb") as fh:
-            fh.write(b"\0" * (1 << 20))
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as err:
-        if err.errno in full:
-            return f"no space left on {path}"
-    finally:
-        try:
-            os.remove(probe)
-        except OSError:
-            pass
+        free = shutil.disk_usage(base).free
+    except OSError:
+        return None
+    written = dir_bytes(path)
+    # Short of room for the whole checkpoint, or (the write failed at its very end) next to nothing free.
+    if (needed_bytes and free + written < needed_bytes) or free < _NEARLY_FULL_BYTES:
+        return (f"no space left on {path} (the checkpoint needs about {needed_bytes / 2**20:.1f} MiB, "
+                f"{(free + written) / 2**20:.1f} MiB were available)")
     return None

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
@@ -155,17 +156,28 @@ class CheckpointManager:
         tmp = layout.temp_dir(self.root, step, kind)
         try:
             self._save(step, kind, tmp, periodic, snapshot)
-        except ckstate.CheckpointSaveError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any write failure: clean up, say why, keep the old ones
+        except (Exception, CheckpointException) as exc:  # any write failure: clean up, say why, keep the rest
             self._pending = None
-            reason = layout.explain_write_failure(tmp, exc)
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if reason is None:
-                raise
-            raise ckstate.CheckpointSaveError(f"checkpoint step {step} not saved: {reason}; the previous "
-                                              f"checkpoints in {self.root} are untouched") from None
+            self._failed(step, tmp, exc)
+
+    def _needed_bytes(self) -> int:
+        """About what a checkpoint takes: the newest one on disk, else this rank's state × ranks."""
+        newest = layout.scan(self.root).newest()
+        if newest is not None:
+            return layout.dir_bytes(newest.path)
+        local = sum(ckstate.local_nbytes(v) for v in self._collect().values())
+        return local * self.world_size
+
+    def _failed(self, step: int, tmp: str, exc: BaseException) -> None:
+        """A save failed: remove its temporary directory and raise CheckpointSaveError when the
+        disk was full (else re-raise)."""
+        reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if reason is None:
+            raise exc
+        raise ckstate.CheckpointSaveError(f"checkpoint step {step} not saved: {reason}; the previous "
+                                          f"checkpoints in {self.root} are untouched") from None
 
     def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
         if self.rank == 0:
@@ -226,14 +238,8 @@ class CheckpointManager:
             p.future.result()  # re-raises a failed save
             if self.rank == 0:
                 self._commit(p.step, p.kind, p.snapshot_too, p.started)
-        except Exception as exc:  # noqa: BLE001 - as in save()
-            reason = layout.explain_write_failure(tmp, exc)
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if reason is None:
-                raise
-            raise ckstate.CheckpointSaveError(f"checkpoint step {p.step} not saved: {reason}; the previous "
-                                              f"checkpoints in {self.root} are untouched") from None
+        except (Exception, CheckpointException) as exc:  # as in save()
+            self._failed(p.step, tmp, exc)
 
     def protect_newest(self) -> str | None:
         """Rank 0: mark the newest complete checkpoint KEEP so pruning never removes it (called at

@@ -117,6 +117,16 @@ def set_model_state(model: nn.Module, sd: dict[str, Any]) -> None:
     set_model_state_dict(model, sd)
 
 
+def local_nbytes(obj: Any) -> int:
+    """Bytes of the tensors (this rank's pieces) in a nested state dict."""
+    if isinstance(obj, dict):
+        return sum(local_nbytes(v) for v in obj.values())
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- rng
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     """torch's CPU generator and, on CUDA, the current device's generator."""
