@@ -2,7 +2,7 @@
 one-line error), before any process group; and a full disk during a save says so."""
 
 import errno
-import json
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -44,7 +44,7 @@ def test_bad_numbers_and_ranges(tmp_path, argv, expected):
     assert expected in errors_of("--job.dump_folder", str(tmp_path / "run"), *argv)
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("flash_attn") is not None, reason="flash-attn installed")
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn installed")
 def test_flash_attn_missing_is_a_config_error(tmp_path):
     assert "model.attn_backend = 'flash_attn': the flash-attn package is not installed" in errors_of(
         "--job.dump_folder", str(tmp_path), "--model.attn_backend", "flash_attn")

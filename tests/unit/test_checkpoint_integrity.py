@@ -4,8 +4,6 @@ corrupt one; load_step of a corrupt one, non-finite weights, export --verify, di
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """Config system: TOML + CLI overrides + precedence, --help, and one-line errors with exit code 2."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -3,12 +3,9 @@ non-resumable run refused, job.overwrite, run_id and launch marker in metrics.js
 an older step moving the newer checkpoints to abandoned/."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
-
-import pytest
 
 from torchtitan_loom import train
 from torchtitan_loom.components import run_folder
