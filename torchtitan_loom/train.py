@@ -375,10 +375,13 @@ def main(argv: list[str] | None = None) -> int:
             record_launch(cfg, run_id, "running", trainer.state.step, trainer.resumed_from)
         try:
             code = trainer.train()
-        except CheckpointSaveError as exc:  # disk full, say: the older checkpoints are untouched
+        except (CheckpointSaveError, KeyboardInterrupt) as exc:  # disk full; or SIGINT twice / checkpoints off
             trainer.checkpointer.watcher.close()
             trainer.metrics.close()
-            print(f"checkpoint error: {exc}", file=sys.stderr)
+            if isinstance(exc, KeyboardInterrupt):
+                print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
+                return 130
+            print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
             return 1
         trainer.log(f"done: {trainer.state.step} steps, exit code {code}")
         if info.rank == 0:
