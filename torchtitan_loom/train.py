@@ -20,7 +20,10 @@ from typing import Any
 import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointError, CheckpointManager
+from torchtitan_loom.components.checkpoint.integrity import model_finite
+from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError, build_eval_loader, build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
@@ -28,6 +31,7 @@ from torchtitan_loom.components.metrics import MetricsLogger, format_console_lin
 from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
 from torchtitan_loom.components.profiling import MemorySnapshotter, maybe_profile
 from torchtitan_loom.components.routing_stats import RoutingStats
+from torchtitan_loom.components.run_folder import RunFolderError, RunLock, new_run_id, record_launch, replace_old_run
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import Resolved, resolve
@@ -35,6 +39,10 @@ from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import ModelProtocol, Parallelized, get_train_spec
 
 SPIKE_EXIT_CODE = 2
+
+
+class StepAbandoned(Exception):
+    """A stop signal arrived before the step's first optimizer update."""
 
 
 def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
@@ -78,8 +86,9 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, resolved: Resolved, info: dist_utils.DistInfo) -> None:
+    def __init__(self, cfg: JobConfig, resolved: Resolved, info: dist_utils.DistInfo, run_id: str | None = None) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
+        self.run_id = run_id or new_run_id()
         self.model_args, self.parallel_dims = resolved
         model_args = self.model_args
         t = cfg.training
@@ -134,7 +143,7 @@ class Trainer:
                                              dp_world=self.parallel_dims.dp, tokenizer_name=self.tokenizer_name)
         self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.tb_folder, rank=info.rank,
-                                     log_rank=cfg.metrics.log_rank)
+                                     log_rank=cfg.metrics.log_rank, run_id=self.run_id)
         # The head runs once per segment, so it counts once per segment (see the model docstring).
         self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
         self.peak_flops = peak_flops(self.device)
@@ -146,7 +155,7 @@ class Trainer:
             self.log("parallelism: " + "; ".join(line.strip() for line in self.parallel_dims.describe().splitlines())
                      + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}")
         # Built last, once everything it saves exists; train() loads (TorchTitan's order).
-        self.resumed = False
+        self.resumed, self.resumed_from = False, None
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader,
@@ -191,6 +200,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
             for m, mb in enumerate(micro):
+                if j == 0 and self.checkpointer.watcher.requested():  # no update yet: abandon the step
+                    raise StepAbandoned
                 with self.autocast():
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
                                      loop_start=a, loop_end=b, carry=carries[m])
@@ -230,12 +241,13 @@ class Trainer:
                           counts_LHE=counts_LHE, n_valid=n_valid)
 
     # -------------------------------------------------------------------- eval
-    def evaluate(self) -> dict[str, float]:
-        """Held-out loss after every loop and the routing-diversity scalars (see evaluate_with_routing)."""
+    def evaluate(self) -> dict[str, float] | None:
+        """Held-out loss after every loop and the routing-diversity scalars (see evaluate_with_routing);
+        None when a stop signal interrupted it."""
         return self.evaluate_with_routing()[0]
 
     @torch.no_grad()
-    def evaluate_with_routing(self) -> tuple[dict[str, float], RoutingStats | None]:
+    def evaluate_with_routing(self) -> tuple[dict[str, float] | None, RoutingStats | None]:
         """Full H loops on the holdout; the loss after every loop comes from running the loops one
         at a time with the carry, which equals the full forward (tested by the model). The same
         forwards return the routed expert ids, summed into RoutingStats (valid tokens only; None for a
@@ -252,6 +264,9 @@ class Trainer:
         routing: RoutingStats | None = None
         for batch in loader:
             for mb in self.micro_batches(batch):
+                if self.checkpointer.watcher.requested():  # a stop signal: drop this eval
+                    self.model.train()
+                    return None, None
                 carry = None
                 for loop in range(1, self.num_loops + 1):
                     with self.autocast():
@@ -300,7 +315,8 @@ class Trainer:
         ``train()`` calls it unless the caller already did (tests inspect a resumed trainer first)."""
         cfg = self.cfg
         self.resumed = True
-        resumed = self.checkpointer.load()
+        self.resumed_from = resumed = self.checkpointer.load()
+        self.metrics.mark_launch(resumed)
         if resumed is not None:
             o = cfg.optimizer
             for line in apply_config_hyperparameters(self.optimizer, self.lr_scheduler, lr=o.lr, beta1=o.beta1,
@@ -309,6 +325,7 @@ class Trainer:
         if self.info.rank == 0:  # after the resume succeeded, so a refused one leaves the run as it was
             with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
+            record_launch(cfg, self.run_id, "running", self.state.step, resumed)
 
     def train(self) -> int:
         cfg, t = self.cfg, self.cfg.training
@@ -323,8 +340,18 @@ class Trainer:
                                                      step_offset=self.state.step))
         snapshots = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.info.rank, self.device, self.log)
         tools.callback(snapshots.close)
+        divergence = DivergenceMonitor(cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips)
         while self.state.step < t.steps:
-            out = self.train_step(next(data_iter))
+            position = self.dataloader.state_dict()
+            try:
+                out = self.train_step(next(data_iter))
+            except StepAbandoned:  # a stop signal before the step's first update: nothing changed
+                self.optimizer.zero_grad(set_to_none=True)
+                self.dataloader.load_state_dict(position)  # the batch is trained after the resume
+                stop = self.checkpointer.after_step(self.state.step, last=True) if self.state.step else None
+                self.log(stop or f"stopped before step {self.state.step + 1}")
+                exit_code = self.checkpointer.watcher.exit_code()
+                break
             step = self.state.step
             if profiler is not None:
                 profiler.step()
@@ -342,7 +369,7 @@ class Trainer:
             routing = None
             if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
                 eval_scalars, routing = self.evaluate_with_routing()
-                scalars.update(eval_scalars)
+                scalars.update(eval_scalars or {})
             if scalars:
                 every = cfg.metrics.expert_load_every
                 with_load = routing is not None if every == 0 else step % every == 0
@@ -355,27 +382,29 @@ class Trainer:
                 self.log(format_console_line(step, scalars))
             if out.skip_reason:
                 self.log(f"step {step}: skipped {out.skip_reason}")
-                if cfg.spike_guard.abort_on_spike:
-                    self._write_spike_abort(step, out.skip_reason)
-                    exit_code = SPIKE_EXIT_CODE
-                    self.checkpointer.after_step(step, last=True)
-                    break
+            abort = divergence.after_step(step, out.skip_reason, model_finite(self.model))
+            if out.skip_reason and divergence.streak_started:  # the last good checkpoint survives pruning
+                kept = self.checkpointer.protect_newest()
+                if kept:
+                    self.log(f"first skipped step of a streak: {kept} is kept (never pruned)")
+            if abort:  # never saved: the step may hold the diverged update
+                self._write_spike_abort(abort)
+                exit_code = SPIKE_EXIT_CODE
+                break
             stop = self.checkpointer.after_step(step, last=step == t.steps)  # saves; preemption → stop
             if stop:
                 self.log(stop)
+                exit_code = self.checkpointer.watcher.exit_code()
                 break
         tools.close()
         self.checkpointer.close()
         self.metrics.close()
         return exit_code
 
-    def _write_spike_abort(self, step: int, reason: str) -> None:
-        msg = (f"loss spike at step {step}: {reason}; stopping (spike_guard.abort_on_spike=true). "
-               f"Set --spike_guard.abort_on_spike false to skip spikes and continue.")
+    def _write_spike_abort(self, msg: str) -> None:
         self.log(msg)
         if self.info.rank == 0:
-            with open(os.path.join(self.cfg.job.dump_folder, "SPIKE_ABORT.txt"), "w") as fh:
-                fh.write(msg + "\n")
+            write_abort(self.cfg.job.dump_folder, msg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,25 +430,53 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(dry_run(cfg, *resolved))
         return 0
+    run_id, lock = new_run_id(), None
+    if int(os.environ.get("RANK", "0")) == 0:  # before any process group: one live run per folder
+        try:
+            os.makedirs(cfg.job.dump_folder, exist_ok=True)
+            lock = RunLock(cfg.job.dump_folder, run_id, log=lambda m: print(f"[torchtitan_loom] {m}", flush=True))
+            replace_old_run(cfg)
+        except (RunFolderError, OSError) as exc:
+            if lock is not None:
+                lock.release()
+            print(f"run folder error: {exc}", file=sys.stderr)
+            return 2
     info = dist_utils.init_distributed(cfg.training.device)
     finished = False
     try:
+        if info.world_size > 1:  # rank 0's launch id for every rank's metrics
+            run_id = dist_utils.broadcast_object(run_id)
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
         if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
             print(to_toml(cfg))
+        trainer = None
         try:
-            trainer = Trainer(cfg, resolved, info)
+            trainer = Trainer(cfg, resolved, info, run_id=run_id)
             code = trainer.train()
         except (CheckpointError, PackError) as exc:  # a checkpoint or a pack that does not fit this run
             kind = "checkpoint" if isinstance(exc, CheckpointError) else "data"
             for line in str(exc).splitlines():
                 print(f"{kind} error: {line}", file=sys.stderr)
             return 2
+        except (CheckpointSaveError, KeyboardInterrupt) as exc:  # disk full; or SIGINT twice / checkpoints off
+            if trainer is not None:
+                trainer.checkpointer.watcher.close()
+                trainer.metrics.close()
+            if isinstance(exc, KeyboardInterrupt):
+                print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
+                return 130
+            print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
+            return 1
         trainer.log(f"done: {trainer.state.step} steps, exit code {code}")
+        if info.rank == 0:
+            done = code == 0 and trainer.state.step >= cfg.training.steps
+            record_launch(cfg, run_id, "finished" if done else "stopped", trainer.state.step)
         finished = True
         return code
     finally:
         dist_utils.destroy_distributed(wait_for_all=finished)
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -201,16 +201,26 @@ def test_sigterm_finishes_the_step_saves_and_resumes_at_the_next(tiny_pack, tmp_
     assert [int(r.split('"step": ')[1].split(",")[0]) for r in rows] == [1, 2, 3, 4, 5, 6]
 
 
-def test_spike_abort_saves_the_step_it_stopped_at(tiny_pack, tmp_path):
-    # Negative thresholds make the second sight of a segment a "spike": abort after step 2.
-    t = make_trainer(tiny_pack, tmp_path, "--training.steps", "5", "--spike_guard.hard", "-1",
-                     "--spike_guard.delta", "-1", "--spike_guard.ratio", "-1", "--spike_guard.abort_on_spike", "true")
+def test_spike_abort_does_not_save_the_step_it_stopped_at(tiny_pack, tmp_path):
+    # A spike at step 2: that step already applied the segments before the spike (issue #11), so
+    # the newest checkpoint stays step 1.
+    t = make_trainer(tiny_pack, tmp_path, "--training.steps", "5", "--checkpoint.interval", "1",
+                     "--spike_guard.abort_on_spike", "true")
+    t.spike_guard.check = lambda seg, loss, finite, step: "forced" if step >= 2 else None
     assert t.train() == 2
-    assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 2
+    assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 1
+    assert "loss spike at step 2" in (tmp_path / "SPIKE_ABORT.txt").read_text()
 
 
 def test_resume_with_another_global_batch_is_refused(tiny_pack, tmp_path):
     run(make_trainer(tiny_pack, tmp_path, "--training.steps", "1"))
+    from torchtitan_loom.config import ConfigError
+
+    # The run folder's identity refuses it up front; without run.json (a run from before it) the
+    # data loader's own state check still does.
+    with pytest.raises(ConfigError, match=r"holds a different run \(training.global_batch_size: 4 → 2\)"):
+        make_trainer(tiny_pack, tmp_path, "--training.steps", "2", "--training.global_batch_size", "2")
+    os.remove(tmp_path / "run.json")
     with pytest.raises(CheckpointError, match="cannot restore 'dataloader'.*global_batch_rows=4"):
         make_trainer(tiny_pack, tmp_path, "--training.steps", "2", "--training.global_batch_size", "2")
 

@@ -107,13 +107,11 @@ def test_model_args_errors_surface_as_config_errors():
         resolve(load_config(["--model.num_loops", "0"]), 1)
 
 
-def test_seq_len_checked_against_pack(tmp_path):
-    pack = tmp_path / "pack"
-    pack.mkdir()
-    (pack / "metadata.json").write_text(json.dumps({"max_seq_len": 129}))
-    resolve(load_config(["--data.path", str(pack), "--training.seq_len", "128"]), 1)
-    with pytest.raises(ConfigError, match=r"records of at most 129 tokens, so seq_len must be ≤ 128"):
-        resolve(load_config(["--data.path", str(pack), "--training.seq_len", "129"]), 1)
+def test_seq_len_checked_against_pack(tiny_pack, tmp_path):
+    # A real pack: since issue #11 validation opens the whole pack (a metadata.json alone is refused).
+    resolve(load_config(["--data.path", str(tiny_pack), "--training.seq_len", "32"]), 1)
+    with pytest.raises(ConfigError, match=r"records of at most 33 tokens, so seq_len must be ≤ 32"):
+        resolve(load_config(["--data.path", str(tiny_pack), "--training.seq_len", "33"]), 1)
 
 
 def test_every_field_documented_and_in_help():
@@ -134,10 +132,16 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 
 
 def test_shipped_configs_load_and_validate():
+    # The dry run reads no data, so the presets validate without their data folders (issue #11).
     for name in ("debug_model", "loom_329m", "loom_1p7b"):
-        cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / f"{name}.toml"), "--data.path", ""])
+        cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / f"{name}.toml"),
+                           "--parallelism.dry_run", "true"])
         args = resolve(cfg, 1 if name == "debug_model" else 8).model_args
         assert args.num_loops == (3 if name == "debug_model" else 9)
+    # Training them on the bundled corpus (records of 257 tokens) at seq_len 1023 is refused.
+    cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / "loom_329m.toml"), "--data.path", ""])
+    with pytest.raises(ConfigError, match=r"training.seq_len = 1023: the bundled corpus .* must be ≤ 256"):
+        resolve(cfg, 8)
 
 
 def test_cli_exit_code_2_and_one_line_per_error():

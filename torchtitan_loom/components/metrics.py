@@ -112,8 +112,11 @@ class MetricsLogger:
     """
 
     def __init__(self, dump_folder: str, *, enable_tensorboard: bool = True, tb_folder: str = "tb",
-                 jsonl_name: str = "metrics.jsonl", rank: int = 0, log_rank: int = 0) -> None:
+                 jsonl_name: str = "metrics.jsonl", rank: int = 0, log_rank: int = 0,
+                 run_id: str | None = None) -> None:
         self.active = rank == log_rank
+        self.run_id = run_id  # written into every JSON line: one id per launch
+        self._launch_note: dict[str, Any] = {}
         self.jsonl_path = os.path.join(dump_folder, jsonl_name)
         self.tb_dir = os.path.join(dump_folder, tb_folder) if enable_tensorboard else None
         self._jsonl = None
@@ -143,6 +146,10 @@ class MetricsLogger:
             raise ValueError(f"MetricsLogger.log: duplicate metric names {sorted(clash)}")
         values = {k: _to_number(k, v) for k, v in scalars.items()}
         record = {"step": int(step), **values, **{k: _to_json(v) for k, v in extra.items()}}
+        if self.run_id is not None:
+            record["run_id"] = self.run_id
+        record.update(self._launch_note)
+        self._launch_note = {}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._writer is not None:
@@ -162,6 +169,10 @@ class MetricsLogger:
             return
         self._writer.add_image(tag, image_CHW, global_step=int(step), dataformats="CHW")
         self._writer.flush()
+    def mark_launch(self, resumed_from_step: int | None) -> None:
+        """The next JSON line carries ``"launch": {"resumed_from_step": N}`` (null: a fresh start):
+        where a relaunch picked up, so two histories in one file are never silently interleaved."""
+        self._launch_note = {"launch": {"resumed_from_step": resumed_from_step}}
 
     def close(self) -> None:
         if self._jsonl is not None:

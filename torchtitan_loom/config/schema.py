@@ -71,6 +71,8 @@ class Job:
     dump_folder: str = opt("./outputs", "Run directory: metrics.jsonl, tb/, config.toml, checkpoints.")
     description: str = opt("", "Free text, printed at start and saved with the resolved config.")
     print_config: bool = opt(False, "Print the resolved config as TOML at start.")
+    overwrite: bool = opt(False, "Start a new run in a dump_folder that holds a different or finished run: "
+                                 "its files move to <dump_folder>/replaced-<run_id>/ first (see run.json).")
 
 
 @dataclass
@@ -119,7 +121,11 @@ class SpikeGuard:
     hard: float = opt(1.5, "Skip when the rise is at least this, whatever the EMA.")
     ema: float = opt(0.9, "EMA decay of the per-segment baseline.")
     warmup_steps: int = opt(0, "Global steps during which only non-finite losses/gradients are skipped.")
-    abort_on_spike: bool = opt(True, "Stop after a step with a skipped segment, exit code 2.")
+    abort_on_spike: bool = opt(True, "Stop after a step with a skipped segment, exit code 2 (that step is not "
+                                     "saved).")
+    max_consecutive_skips: int = opt(10, "With abort_on_spike off: stop (exit 2, SPIKE_ABORT.txt) after this many "
+                                         "skipped steps in a row; 0 = never. A non-finite weight after any step "
+                                         "always stops the run.")
 
 
 @dataclass
@@ -185,7 +191,9 @@ class Checkpoint:
     async_mode: str = opt("disabled", "async: stage to CPU memory, then write in a background thread over "
                                       "its own gloo group while training continues.",
                           choices=ASYNC_MODES)
-    save_on_signal: bool = opt(True, "On SIGTERM or SIGUSR1: finish the current step, save, exit 0.")
+    save_on_signal: bool = opt(True, "On SIGTERM, SIGUSR1 or SIGINT (acknowledged at once): stop at the next "
+                                     "micro-batch (of eval, or of a step before its first update; else after "
+                                     "the step), save, exit 0 (130 for SIGINT).")
     exit_after_step: int = opt(0, "Save and exit 0 after this global step (job chains under a time "
                                   "limit; the next launch resumes); 0 = off.")
 

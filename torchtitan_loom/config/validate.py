@@ -9,10 +9,14 @@ in one round trip. The world size comes from the launcher's environment (torchru
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import math
 import os
 from typing import Any, NamedTuple
 
+from torchtitan_loom.components.run_folder import relaunch_errors
+from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
 from torchtitan_loom.config.manager import ConfigError
 from torchtitan_loom.config.schema import JobConfig
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
@@ -66,6 +70,38 @@ def _pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
         return None
 
 
+def _number_errors(cfg: JobConfig) -> list[str]:
+    """[optimizer], [lr_scheduler], [spike_guard], training.max_norm: finite and in range (a NaN
+    compares false with everything, so every check is written to fail for it)."""
+    errors = []
+
+    def need(key: str, value: float, ok: bool, valid: str) -> None:
+        if not (math.isfinite(value) and ok):
+            errors.append(f"{key} = {value}: {valid}")
+
+    o, s, g = cfg.optimizer, cfg.lr_scheduler, cfg.spike_guard
+    need("optimizer.lr", o.lr, o.lr > 0, "must be a finite number > 0")
+    need("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "must lie in [0, 1)")
+    need("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "must lie in [0, 1)")
+    need("optimizer.eps", o.eps, o.eps > 0, "must be a finite number > 0")
+    need("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be a finite number ≥ 0")
+    need("training.max_norm", cfg.training.max_norm, True, "must be a finite number (≤ 0 disables clipping)")
+    for key in ("warmup_ratio", "decay_ratio", "min_ratio"):
+        v = getattr(s, key)
+        need(f"lr_scheduler.{key}", v, 0 <= v <= 1, "must lie in [0, 1]")
+    if s.kind == "wsd" and s.warmup_ratio + s.decay_ratio > 1:
+        errors.append(f"lr_scheduler.warmup_ratio + decay_ratio = {s.warmup_ratio} + {s.decay_ratio}: must be ≤ 1 "
+                      f"(warmup and decay would overlap)")
+    need("spike_guard.ema", g.ema, 0 <= g.ema < 1, "must lie in [0, 1)")
+    for key in ("delta", "rel", "ratio", "hard"):
+        v = getattr(g, key)
+        need(f"spike_guard.{key}", v, v >= 0, "must be a finite number ≥ 0 (a threshold on the rise of the loss)")
+    for key in ("warmup_steps", "max_consecutive_skips"):
+        if getattr(g, key) < 0:
+            errors.append(f"spike_guard.{key} = {getattr(g, key)}: must be ≥ 0")
+    return errors
+
+
 def _float8_errors(cfg: JobConfig) -> list[str]:
     """[float8]: torchao present, recipes known, the device able to run them (or emulate)."""
     if not cfg.float8.enable:
@@ -101,7 +137,7 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
         for key, default in (("load_step", -1), ("initial_load_path", ""), ("exit_after_step", 0)):
             if getattr(c, key) != default:
                 errors.append(f"checkpoint.{key} = {getattr(c, key)!r} needs checkpoint.enable = true")
-    if errors or args is None or not c.enable:
+    if errors or args is None or not c.enable or cfg.job.overwrite:  # overwrite moves the old checkpoints away
         return errors
 
     def expected_shapes() -> dict[str, tuple[int, ...]]:
@@ -193,13 +229,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if cfg.metrics.expert_load_every < 0:
         errors.append(f"metrics.expert_load_every = {cfg.metrics.expert_load_every}: must be ≥ 0 (0 = eval steps only)")
     errors += _profiling_errors(cfg)
-    if cfg.optimizer.lr <= 0:
-        errors.append(f"optimizer.lr = {cfg.optimizer.lr}: must be > 0")
-    s = cfg.lr_scheduler
-    if not (0 <= s.warmup_ratio <= 1 and 0 <= s.decay_ratio <= 1 and 0 <= s.min_ratio <= 1):
-        errors.append("lr_scheduler.warmup_ratio, decay_ratio and min_ratio must each lie in [0, 1]")
-    if not 0 <= cfg.spike_guard.ema < 1:
-        errors.append(f"spike_guard.ema = {cfg.spike_guard.ema}: must lie in [0, 1)")
+    errors += _number_errors(cfg)
     if t.device == "cuda":
         import torch
 
@@ -208,14 +238,23 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if args is not None and t.seq_len > args.max_seq_len:
         errors.append(f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
                       f"max_seq_len = {args.max_seq_len}")
-    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
-        if path:
-            max_len = _pack_max_seq_len(path, key, errors)
-            if max_len is not None and t.seq_len > max_len - 1:
-                errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at most "
-                              f"{max_len} tokens, so seq_len must be ≤ {max_len - 1}")
+    if not cfg.parallelism.dry_run:  # the dry run lays out ranks; it reads no data
+        for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+            if path:
+                max_len = _pack_max_seq_len(path, key, errors)
+                if max_len is not None and t.seq_len > max_len - 1:
+                    errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
+                                  f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1}")
+                elif max_len is not None and args is not None:
+                    errors += pack_errors(path, key, cfg, args)
+        errors += bundled_errors(cfg)
+        errors += folder_errors(cfg)
+    if getattr(args, "attn_backend", None) == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        errors.append("model.attn_backend = 'flash_attn': the flash-attn package is not installed "
+                      "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'")
     errors += _parallelism_errors(cfg, dims, args)
     errors += _float8_errors(cfg)
+    errors += relaunch_errors(cfg)
     errors += _checkpoint_errors(cfg, args if not errors else None)
     if errors:
         raise ConfigError("\n".join(errors))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
 from torchtitan_loom.components.checkpoint.state import load_full
 
@@ -41,15 +41,16 @@ class ExportError(ValueError):
 
 
 def find_checkpoint(path: str) -> str:
-    """The complete DCP checkpoint directory that ``path`` names (see module doc)."""
+    """The complete DCP checkpoint directory that ``path`` names (see module doc), its files
+    matching their checksums (integrity.py)."""
     if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
         if os.path.isfile(os.path.join(path, "meta.json")) and not layout.is_complete(path):
             raise ExportError(f"{path}: incomplete checkpoint (no {layout.MARKER} marker: its save did not finish)")
-        return path
+        return _verified(path)
     for root in (path, os.path.join(path, "checkpoint")):
         newest = layout.scan(root).newest() if os.path.isdir(root) else None
         if newest is not None:
-            return newest.path
+            return _verified(newest.path)
     raise ExportError(f"{path}: not a checkpoint directory (no .metadata) and no complete step-N checkpoint "
                       f"under it or under {os.path.join(path, 'checkpoint')}")
 
@@ -133,6 +134,13 @@ def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return info, torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _verified(ckpt: str) -> str:
+    problem = integrity.verify(ckpt) if os.path.isfile(os.path.join(ckpt, layout.MARKER)) else None
+    if problem:
+        raise ExportError(f"{ckpt}: checkpoint is corrupt: {problem}")
+    return ckpt
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -142,7 +150,11 @@ def verify(ckpt: str, out: str) -> int:
     ckpt = find_checkpoint(ckpt)
     info, exported = read_export(out)
     spec, args = _model_spec(info)
-    expected = cast_for_export(_checkpoint_model(ckpt), DTYPES[info["dtype"]], _buffer_names(spec, args))
+    source = _checkpoint_model(ckpt)
+    bad = integrity.nonfinite_names(source)
+    if bad:
+        raise ExportError(f"{ckpt}: non-finite weights in the checkpoint ({', '.join(bad)})")
+    expected = cast_for_export(source, DTYPES[info["dtype"]], _buffer_names(spec, args))
     problems = [f"{k}: missing from the export" for k in sorted(expected.keys() - exported.keys())]
     problems += [f"{k}: not in the checkpoint" for k in sorted(exported.keys() - expected.keys())]
     for k in sorted(expected.keys() & exported.keys()):

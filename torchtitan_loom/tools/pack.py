@@ -84,9 +84,18 @@ def expand(patterns: list[str], flag: str) -> list[Path]:
     return files
 
 
+def _utf8(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"error: {path}:{lineno}: not valid UTF-8 (byte {e.start} of the line: "
+                         f"{raw[e.start:e.start + 1]!r}); re-encode the file as UTF-8") from None
+
+
 def _jsonl_docs(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded per line, so a bad byte is reported with its line
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -100,7 +109,12 @@ def _jsonl_docs(path: Path, field: str) -> Iterator[str]:
 
 
 def _text_docs(path: Path, split: str) -> Iterator[str]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _utf8(raw[raw.rfind(b"\n", 0, e.start) + 1:].split(b"\n", 1)[0], path, raw.count(b"\n", 0, e.start) + 1)
+        raise
     if split == "file":
         yield text
     elif split == "line":
@@ -189,7 +203,14 @@ def run_pack(args: argparse.Namespace) -> Path:
         raise SystemExit(f"error: --out {str(args.out)!r} already exists; pass --force to replace it")
     if args.seq_len < 2 or args.epochs < 1 or args.workers < 1 or args.holdout_tokens < 0:
         raise SystemExit("error: need --seq-len ≥ 2, --epochs ≥ 1, --workers ≥ 1 and --holdout-tokens ≥ 0")
-    tok = build_tokenizer(args.tokenizer, args.eos_token)
+    try:
+        tok = build_tokenizer(args.tokenizer, args.eos_token)
+    except (ValueError, ImportError, OSError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own bare Exception
+        raise ValueError(f"--tokenizer {str(args.tokenizer)!r}: cannot load it ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'no message'}); pass 'byte' or a valid "
+                         f"tokenizer.json (or a directory holding one)") from None
     info = {"vocab_size": tok.vocab_size, "name_or_path": tok.name_or_path, "eos_token_id": tok.eos_id}
     progress = Progress()
     with PackWriter(args.out, info, args.seq_len, extra_metadata={"created_by": "torchtitan_loom.tools.pack"}) as w:

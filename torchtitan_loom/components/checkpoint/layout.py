@@ -8,12 +8,15 @@ can use it before anything else exists. Layout under ``<job.dump_folder>/<checkp
     snapshots/step-<N>/       immutable snapshots every checkpoint.snapshot_interval; newest
                               snapshot_keep kept
     .tmp-step-<N>/            a save in progress (or one that died): never loaded
+    abandoned/[snapshots/]step-<N>/  checkpoints newer than the step a load_step resume started
+                              from, moved aside instead of being overwritten (never loaded)
     index.json, LAYOUT.md     what is where (rewritten after every commit)
 
 A checkpoint directory is complete when it holds DCP's ``.metadata`` AND the ``COMPLETE`` marker.
 The marker is written by rank 0 only after every rank finished writing, then the temporary
 directory is renamed to its final name; so a torn save is either a ``.tmp-`` directory or a
-``step-N`` directory without the marker, and both are skipped with a warning.
+``step-N`` directory without the marker, and both are skipped with a warning. Before the marker,
+rank 0 writes ``CHECKSUMS.json`` (a CRC-32 per file, integrity.py), verified before every load.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+from torchtitan_loom.components.checkpoint import integrity
+
 MARKER = "COMPLETE"
 DCP_METADATA = ".metadata"
 SNAPSHOT_DIR = "snapshots"
 TMP_PREFIX = ".tmp-"
 INDEX = "index.json"
 LAYOUT_MD = "LAYOUT.md"
+ABANDONED = "abandoned"  # checkpoints newer than a load_step resume, moved aside (never loaded)
+KEEP = "KEEP"  # a checkpoint marked so is never pruned (the last one before a divergence)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)$")
 
@@ -151,12 +158,15 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def commit(tmp: str, final: str, marker: dict) -> None:
-    """Mark ``tmp`` complete and move it to ``final`` (replacing an older save of the same step).
+def commit(tmp: str, final: str, marker: dict, checksum: bool = True) -> None:
+    """Checksum ``tmp``'s files, mark it complete and move it to ``final`` (replacing an older
+    save of the same step). ``checksum=False``: ``tmp`` already holds a valid checksum list (a clone).
 
     Call only after every rank finished writing into ``tmp``.
     """
-    write_json(os.path.join(tmp, MARKER), marker)
+    if checksum:
+        integrity.write_checksums(tmp)
+    write_json(os.path.join(tmp, MARKER), dict(marker, checksums=integrity.CHECKSUMS))
     _fsync_dir(tmp)
     trash = None
     if os.path.exists(final):  # e.g. a run resumed from an earlier step reaches this step again
@@ -175,7 +185,7 @@ def clone(src: str, tmp: str, final: str, marker: dict) -> None:
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     for name in os.listdir(src):
-        if name == MARKER:
+        if name in (MARKER, KEEP):
             continue
         s, d = os.path.join(src, name), os.path.join(tmp, name)
         if os.path.isdir(s):
@@ -185,7 +195,7 @@ def clone(src: str, tmp: str, final: str, marker: dict) -> None:
             os.link(s, d)
         except OSError:
             shutil.copy2(s, d)
-    commit(tmp, final, marker)
+    commit(tmp, final, marker, checksum=not os.path.isfile(os.path.join(src, integrity.CHECKSUMS)))
 
 
 def prune(root: str, keep_latest_k: int, snapshot_keep: int, keep_paths: set[str] = frozenset()) -> list[str]:
@@ -195,6 +205,7 @@ def prune(root: str, keep_latest_k: int, snapshot_keep: int, keep_paths: set[str
     found = scan(root)
     newest = found.newest()
     protect = set(keep_paths) | ({newest.path} if newest else set())
+    protect |= {e.path for e in found.complete if os.path.isfile(os.path.join(e.path, KEEP))}
     doomed: list[str] = []
     for kind, keep in (("periodic", keep_latest_k), ("snapshot", snapshot_keep)):
         entries = found.of_kind(kind)
@@ -235,11 +246,14 @@ def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
         f"- `snapshots/step-<N>/`: immutable snapshots every {policy.get('snapshot_interval') or '-'} steps; "
         f"the newest {policy.get('snapshot_keep') or 'all'} kept.",
         "- `.tmp-step-<N>/`: a save in progress or one that died; never loaded.",
+        f"- `{ABANDONED}/`: checkpoints newer than the step a run resumed from (or corrupt ones it skipped);",
+        "  kept, never loaded. A checkpoint holding a `KEEP` file is never pruned.",
         "",
         "Each checkpoint is a torch.distributed.checkpoint (DCP) directory: model, optimizer (keyed by",
         "parameter name, so it loads at any world size), lr schedule, data cursor (global), spike-guard",
         "state, RNG, train step; plus `config.toml` (the resolved config), `model_args.json`,",
-        f"`meta.json` and the `{MARKER}` marker written after every rank finished.",
+        f"`meta.json`, `{integrity.CHECKSUMS}` (CRC-32 per file, verified before a load) and the `{MARKER}`",
+        "marker written after every rank finished.",
         "",
         f"Newest complete: `{index['latest']}`" + (f"; final: `{index['final']}`" if index["final"] else ""),
         "",
@@ -253,3 +267,72 @@ def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
     with open(tmp, "w") as fh:
         fh.write("\n".join(lines) + "\n")
     os.replace(tmp, os.path.join(root, LAYOUT_MD))
+
+
+def mark_keep(path: str) -> None:
+    """Protect a checkpoint from pruning (the last one saved before a divergence)."""
+    with open(os.path.join(path, KEEP), "w") as fh:
+        fh.write("kept: the newest checkpoint saved before the first skipped step of a divergence\n")
+
+
+def abandon_newer(root: str, step: int) -> list[str]:
+    """Move every checkpoint directory newer than ``step`` (complete or torn, periodic or snapshot)
+    to ``<root>/abandoned/[snapshots/]step-N[-k]/``: a run resumed from an older step would
+    otherwise overwrite them. Returns the moved paths relative to ``root``."""
+    found = scan(root)
+    moved = []
+    for e in found.complete + [e for e in found.incomplete if _STEP_RE.match(os.path.basename(e.path))]:
+        if e.step <= step:
+            continue
+        base = os.path.join(root, ABANDONED, SNAPSHOT_DIR) if e.kind == "snapshot" else os.path.join(root, ABANDONED)
+        os.makedirs(base, exist_ok=True)
+        dest, k = os.path.join(base, step_name(e.step)), 1
+        while os.path.exists(dest):  # abandoned twice: keep both
+            k += 1
+            dest = os.path.join(base, f"{step_name(e.step)}-{k}")
+        os.rename(e.path, dest)
+        moved.append(os.path.relpath(e.path, root))
+    return moved
+
+
+_NEARLY_FULL_BYTES = 4 << 20
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of every file under ``path`` (0 when it does not exist)."""
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
+
+
+def explain_write_failure(path: str, exc: BaseException, needed_bytes: int) -> str | None:
+    """"no space left on <path> (...)" when a failed write of a checkpoint of about
+    ``needed_bytes`` ran out of disk (or quota), else None.
+
+    torch's writers lose the errno ("unexpected pos ..."), so after looking through the exception
+    chain this compares what the save needs with what it wrote plus what is still free, and
+    calls a disk with under 4 MiB free full. Call it before removing ``path``."""
+    import errno
+
+    full = (errno.ENOSPC, errno.EDQUOT)
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in full:
+            return f"no space left on {path}"
+        seen = seen.__cause__ or seen.__context__
+    base = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(base).free
+    except OSError:
+        return None
+    written = dir_bytes(path)
+    # Short of room for the whole checkpoint, or (the write failed at its very end) next to nothing free.
+    if (needed_bytes and free + written < needed_bytes) or free < _NEARLY_FULL_BYTES:
+        return (f"no space left on {path} (the checkpoint needs about {needed_bytes / 2**20:.1f} MiB, "
+                f"{(free + written) / 2**20:.1f} MiB were available)")
+    return None

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from torchtitan_loom.components.checkpoint import layout, resolve
+from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.preemption import PreemptionWatcher
 
@@ -145,10 +146,42 @@ class CheckpointManager:
         return stop
 
     def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
-        """Save global step ``step`` as a periodic checkpoint and/or a snapshot (atomic)."""
+        """Save global step ``step`` as a periodic checkpoint and/or a snapshot (atomic). A model
+        with a non-finite weight is never saved (logged instead). A failed write removes the
+        temporary directory, keeps every older checkpoint and raises CheckpointSaveError."""
         self.wait()  # one save in flight at most
+        bad = integrity.model_finite(self.model)
+        if bad:
+            self._log(f"warning: not saving step {step}: non-finite weights ({', '.join(bad)})")
+            return
         kind = "periodic" if periodic else "snapshot"
         tmp = layout.temp_dir(self.root, step, kind)
+        try:
+            self._save(step, kind, tmp, periodic, snapshot)
+        except (Exception, CheckpointException) as exc:  # any write failure: clean up, say why, keep the rest
+            self._pending = None
+            self._failed(step, tmp, exc)
+
+    def _needed_bytes(self) -> int:
+        """About what a checkpoint takes: the newest one on disk, else this rank's state × ranks."""
+        newest = layout.scan(self.root).newest()
+        if newest is not None:
+            return layout.dir_bytes(newest.path)
+        local = sum(ckstate.local_nbytes(v) for v in self._collect().values())
+        return local * self.world_size
+
+    def _failed(self, step: int, tmp: str, exc: BaseException) -> None:
+        """A save failed: remove its temporary directory and raise CheckpointSaveError when the
+        disk was full (else re-raise)."""
+        reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if reason is None:
+            raise exc
+        raise ckstate.CheckpointSaveError(f"checkpoint step {step} not saved: {reason}; the previous "
+                                          f"checkpoints in {self.root} are untouched") from None
+
+    def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
         if self.rank == 0:
             if os.path.exists(tmp):  # left by a save of this step that died
                 shutil.rmtree(tmp)
@@ -186,7 +219,7 @@ class CheckpointManager:
             layout.clone(final, layout.temp_dir(self.root, step, "snapshot"), snap, dict(marker, kind="snapshot"))
             where.append(snap)
         c = self.cfg
-        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)
+        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)  # KEEP-marked ones stay
         layout.write_index(self.root, self._policy(), final_step=self.total_steps)
         msg = f"checkpoint step {step} saved to {', '.join(where)} in {time.perf_counter() - started:.1f} s"
         if deleted:
@@ -202,9 +235,25 @@ class CheckpointManager:
         p, self._pending = self._pending, None
         if p is None:
             return
-        p.future.result()  # re-raises a failed save
-        if self.rank == 0:
-            self._commit(p.step, p.kind, p.snapshot_too, p.started)
+        tmp = layout.temp_dir(self.root, p.step, p.kind)
+        try:
+            p.future.result()  # re-raises a failed save
+            if self.rank == 0:
+                self._commit(p.step, p.kind, p.snapshot_too, p.started)
+        except (Exception, CheckpointException) as exc:  # as in save()
+            self._failed(p.step, tmp, exc)
+
+    def protect_newest(self) -> str | None:
+        """Rank 0: mark the newest complete checkpoint KEEP so pruning never removes it (called at
+        the first skipped step: the last checkpoint before a divergence). Returns its path."""
+        if not self.enabled or self.rank != 0:
+            return None
+        self.wait()
+        newest = layout.scan(self.root).newest()
+        if newest is None:
+            return None
+        layout.mark_keep(newest.path)
+        return newest.path
 
     def close(self) -> None:
         """Finish any in-flight save and restore the signal handlers."""
@@ -213,15 +262,16 @@ class CheckpointManager:
         self.watcher.close()
 
     # ---------------------------------------------------------------------------------- load path
-    def _decide(self) -> tuple[resolve.LoadChoice | None, list[layout.Entry], str | None]:
-        """Rank 0 picks the checkpoint; every rank gets the same answer (or the same error)."""
+    def _decide(self, exclude: frozenset[str]) -> tuple[Any, list[layout.Entry], list[str], str | None]:
+        """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or error."""
         payload: list[Any] = [None]
         if self.rank == 0:
             try:
-                choice, found = resolve.choose(self.root, self.cfg.load_step, self.cfg.initial_load_path)
-                payload = [(choice, found.incomplete, None)]
+                choice, found, skipped = resolve.choose(self.root, self.cfg.load_step, self.cfg.initial_load_path,
+                                                        exclude=exclude)
+                payload = [(choice, found.incomplete, skipped, None)]
             except ValueError as exc:
-                payload = [(None, [], str(exc))]
+                payload = [(None, [], [], str(exc))]
         if self._distributed:
             dist.broadcast_object_list(payload, src=0)
         return payload[0]
@@ -237,15 +287,38 @@ class CheckpointManager:
             raise
 
     def _load(self) -> int | None:
-        choice, incomplete, error = self._decide()
-        if error:
-            raise ckstate.CheckpointError(error)
-        warning = layout.incomplete_warning(incomplete)
-        if warning:
-            self._log("warning: " + warning)
-        if choice is None:
-            self._log(f"no checkpoint in {self.root}: starting from scratch")
-            return None
+        """Newest checkpoint that verifies (checksums, then finite weights once loaded); a failing
+        one is skipped with a warning naming the file, unless it was asked for by load_step."""
+        exclude: set[str] = set()
+        warned: set[str] = set()
+        while True:
+            choice, incomplete, skipped, error = self._decide(frozenset(exclude))
+            if error:
+                raise ckstate.CheckpointError(error)
+            for line in [layout.incomplete_warning(incomplete)] + skipped:
+                if line and line not in warned:  # each once, though the choice may be made again
+                    warned.add(line)
+                    self._log("warning: " + line)
+            if choice is None:
+                self._log(f"no checkpoint in {self.root}: starting from scratch")
+                return None
+            step = self._load_choice(choice)
+            bad = integrity.model_finite(self.model)
+            if not bad:
+                break
+            if self.cfg.load_step >= 0 or choice.model_only:
+                key = "initial_load_path" if choice.model_only else "load_step"
+                raise ckstate.CheckpointError(f"checkpoint.{key}: {choice.path} holds non-finite weights "
+                                              f"({', '.join(bad)}); refused")
+            exclude.add(choice.path)
+        if step is not None and self.rank == 0:
+            moved = layout.abandon_newer(self.root, step)
+            if moved:
+                self._log(f"moved the checkpoints newer than step {step} ({', '.join(moved)}) to "
+                          f"{os.path.join(self.root, layout.ABANDONED)}: kept, never loaded or overwritten")
+        return step
+
+    def _load_choice(self, choice: resolve.LoadChoice) -> int | None:
         started = time.perf_counter()
         meta = ckstate.read_metadata(choice.path)
         lines = resolve.compat_errors(choice.path, self.model_name, self.flavor, self.model_args,

@@ -1,13 +1,17 @@
-"""Preemption: SIGTERM / SIGUSR1 ask the trainer to finish its step, save and exit 0.
+"""Preemption: SIGTERM / SIGUSR1 / SIGINT ask the trainer to stop, save and exit (0; 130 for SIGINT).
 
-The handler only records the signal; the trainer polls ``requested()`` once per step, between
-steps, so a save never starts in the middle of an update. Ranks receive a scheduler's signal at
+The handler records the signal and acknowledges it at once with a line written straight to the
+stdout file descriptor (no buffered print, which the interrupted code may be inside). The trainer
+polls ``requested()`` between steps, per micro-batch during eval, and per micro-batch of a step
+until its first optimizer update (a step abandoned there leaves no trace), so a save never starts
+in the middle of an update. A second SIGINT raises KeyboardInterrupt (stop without saving). Ranks receive a scheduler's signal at
 slightly different moments, so with several processes the flag is agreed by an all-reduce (max):
 every rank stops after the same step, and a rank that got no signal stops too.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -15,14 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SIGINT_EXIT_CODE = 130  # the shell's convention for a run ended by Ctrl-C
 
 
 class PreemptionWatcher:
-    """Installs handlers for SIGTERM and SIGUSR1 (main thread only); ``close()`` restores the old ones."""
+    """Installs handlers for SIGTERM, SIGUSR1 and SIGINT (main thread only); ``close()`` restores
+    the old ones."""
 
     def __init__(self, enabled: bool = True, device: torch.device | str = "cpu") -> None:
         self.received = 0
+        self.agreed = 0  # the signal every rank agreed on (set by requested())
         self._device = torch.device(device)
         self._previous: dict[int, Any] = {}
         if enabled and threading.current_thread() is threading.main_thread():
@@ -35,9 +42,18 @@ class PreemptionWatcher:
         return bool(self._previous)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        # Only record it: printing here could re-enter a print the main thread is in the middle of.
+        # Record it and acknowledge with os.write: a print here could re-enter one in progress.
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without saving
         if not self.received:
             self.received = signum
+            name = signal.Signals(signum).name
+            msg = (f"[torchtitan_loom] received {name}: stopping at the next micro-batch, then saving"
+                   f"{' (SIGINT again: stop without saving)' if signum == signal.SIGINT else ''}\n")
+            try:
+                os.write(1, msg.encode())
+            except OSError:
+                pass
 
     def requested(self) -> int:
         """The signal number every rank agrees on (0: keep training). Collective when distributed."""
@@ -46,8 +62,14 @@ class PreemptionWatcher:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([self.received], dtype=torch.int64, device=self._device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return int(flag.item())
-        return self.received
+            self.agreed = int(flag.item())
+        else:
+            self.agreed = self.received
+        return self.agreed
+
+    def exit_code(self) -> int:
+        """The exit code of a run stopped by the agreed signal: 130 for SIGINT, else 0."""
+        return SIGINT_EXIT_CODE if self.agreed == signal.SIGINT else 0
 
     def close(self) -> None:
         """Put back the handlers that were there before."""

@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import integrity, layout
 
 MODEL_ARGS_FILE = "model_args.json"
 _MAX_LINES = 12
@@ -32,10 +32,23 @@ def checkpoint_root(dump_folder: str, folder: str) -> str:
     return os.path.join(dump_folder, folder)
 
 
-def choose(root: str, load_step: int, initial_load_path: str) -> tuple[LoadChoice | None, layout.Scan]:
-    """The checkpoint to load (or None) and the scan it came from. Raises ValueError with a
-    user-facing message when ``load_step`` or ``initial_load_path`` point at nothing usable."""
+def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "full",
+           exclude: frozenset[str] = frozenset()) -> tuple[LoadChoice | None, layout.Scan, list[str]]:
+    """The checkpoint to load (or None), the scan it came from, and one warning line per newer
+    complete checkpoint that was skipped because it failed verification (integrity.verify;
+    ``verify`` = "full", "quick" or "none") or is in ``exclude`` (refused after loading).
+
+    Raises ValueError with a user-facing message when ``load_step`` or ``initial_load_path`` point
+    at nothing usable, or when the explicitly requested ``load_step`` fails verification."""
     found = layout.scan(root)
+
+    def problem(entry: layout.Entry) -> str | None:
+        if entry.path in exclude:
+            return f"{entry.path}: refused after loading (non-finite weights)"
+        if verify == "none":
+            return None
+        return integrity.verify(entry.path, quick=verify == "quick")
+
     if load_step >= 0:
         entry = found.find(load_step)
         if entry is None:
@@ -44,13 +57,24 @@ def choose(root: str, load_step: int, initial_load_path: str) -> tuple[LoadChoic
             extra = f" ({torn[0]} is incomplete)" if torn else ""
             raise ValueError(f"checkpoint.load_step = {load_step}: no complete checkpoint of that step in "
                              f"{root}{extra}; complete steps: {have}")
-        return LoadChoice(entry.path, entry.step, model_only=False), found
-    newest = found.newest()
-    if newest is not None:
-        return LoadChoice(newest.path, newest.step, model_only=False), found
+        bad = problem(entry)
+        if bad:
+            raise ValueError(f"checkpoint.load_step = {load_step}: checkpoint is corrupt: {bad}; choose "
+                             f"another step or -1 (the newest checkpoint that verifies)")
+        return LoadChoice(entry.path, entry.step, model_only=False), found, []
+    skipped: list[str] = []
+    for entry in reversed(found.complete):
+        bad = problem(entry)
+        if bad is None:
+            return LoadChoice(entry.path, entry.step, model_only=False), found, skipped
+        skipped.append(f"skipping corrupt checkpoint {entry.path}: {bad}")
     if initial_load_path:
-        return LoadChoice(warm_start_dir(initial_load_path), None, model_only=True), found
-    return None, found
+        path = warm_start_dir(initial_load_path)
+        bad = None if verify == "none" else integrity.verify(path, quick=verify == "quick")
+        if bad:
+            raise ValueError(f"checkpoint.initial_load_path = '{initial_load_path}': checkpoint is corrupt: {bad}")
+        return LoadChoice(path, None, model_only=True), found, skipped
+    return None, found, skipped
 
 
 def warm_start_dir(path: str) -> str:
@@ -121,7 +145,8 @@ def config_errors(cfg: Any, args: Any, expected_shapes_fn) -> list[str]:
         return []
     root = checkpoint_root(cfg.job.dump_folder, ck.folder)
     try:
-        choice, _ = choose(root, ck.load_step, ck.initial_load_path)
+        # Quick (sizes + small files): the full CRC runs once, in the manager, before the load.
+        choice, _, _ = choose(root, ck.load_step, ck.initial_load_path, verify="quick")
     except ValueError as exc:
         return [str(exc)]
     if choice is None:

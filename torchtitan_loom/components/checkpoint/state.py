@@ -42,6 +42,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used with this run; the message says why and what to do."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that could not be written (disk full, say); older checkpoints are untouched."""
+
+
 @contextlib.contextmanager
 def single_process_quiet():
     """Silence DCP's warning that a save/load without a process group is single-process: that is
@@ -102,6 +106,16 @@ class OptimizerLoad:
 def set_model_state(model: nn.Module, sd: dict[str, Any]) -> None:
     """Load ``model_state``'s dict back (resharded onto the model's own layout)."""
     set_model_state_dict(model, sd)
+
+
+def local_nbytes(obj: Any) -> int:
+    """Bytes of the tensors (this rank's pieces) in a nested state dict."""
+    if isinstance(obj, dict):
+        return sum(local_nbytes(v) for v in obj.values())
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    return 0
 
 
 # --------------------------------------------------------------------------------------------- rng

@@ -88,6 +88,15 @@ def _fail(path: Path, problem: str, valid: str) -> PackError:
     return PackError(f"pack {str(path)!r}: {problem}; {valid}")
 
 
+def _load_array(path: Path, f: Path, mmap_mode: str | None = "r") -> np.ndarray:
+    """np.load with a truncated or damaged file reported as a PackError naming it."""
+    try:
+        return np.load(f, mmap_mode=mmap_mode)
+    except (ValueError, OSError, EOFError) as e:
+        raise _fail(path, f"{f.relative_to(path)} is truncated or unreadable ({e})",
+                    "re-pack the corpus (python -m torchtitan_loom.tools.pack) or restore the file") from None
+
+
 def read_metadata(path: Path) -> dict:
     """metadata.json of a pack, with the required keys checked."""
     meta_file = path / "metadata.json"
@@ -130,7 +139,7 @@ def _check_epoch(path: Path, k: int, d: Path, n_tokens: int) -> None:
         if not f.is_file():
             raise _fail(path, f"epoch_{k}/{name} is missing",
                         "every epoch_k directory holds doc_start.npy (int64) and doc_len.npy (int32)")
-        a = np.load(f, mmap_mode="r")
+        a = _load_array(path, f)
         if a.ndim != 1 or a.dtype.kind not in "iu":
             raise _fail(path, f"epoch_{k}/{name} has dtype {a.dtype} and shape {a.shape}",
                         "it must be a 1-D integer array")
@@ -174,7 +183,7 @@ def open_pack(path: str | Path, seq_len: int, vocab_size: int, tokenizer_name: s
     tok_file = path / "tokens.npy"
     if not tok_file.is_file():
         raise _fail(path, "tokens.npy is missing", "a pack holds its token stream in tokens.npy")
-    tokens = np.load(tok_file, mmap_mode="r")
+    tokens = _load_array(path, tok_file)
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise _fail(path, f"tokens.npy has dtype {tokens.dtype} and shape {tokens.shape}",
                     "it must be a 1-D unsigned integer array (uint16 or uint32)")
@@ -182,6 +191,12 @@ def open_pack(path: str | Path, seq_len: int, vocab_size: int, tokenizer_name: s
         raise _fail(path, f"metadata total_length {meta['total_length']} != {len(tokens)} tokens in tokens.npy",
                     "the two must agree (the pack is incomplete or was edited)")
     epochs = _find_epochs(path)
+    holdout = _holdout_index(meta, epochs)
+    orderings = sorted(k for k in epochs if k != holdout)
+    if orderings != list(range(len(orderings))):
+        missing = sorted(set(range(max(orderings, default=0) + 1)) - set(orderings)) or [0]
+        raise _fail(path, f"epoch_{missing[0]} is missing (training orderings present: {orderings})",
+                    "training orderings are epoch_0 … epoch_(n-1) without gaps; re-pack the corpus")
     for k, d in sorted(epochs.items()):
         _check_epoch(path, k, d, len(tokens))
     pack = Pack(path, meta, epochs)

@@ -1,0 +1,126 @@
+"""Checksummed checkpoints (issue #11): every kind of file corrupted (bytes, truncation, deletion)
+makes the resume fall back to the previous checkpoint, bit-identical to a run that never saw the
+corrupt one; load_step of a corrupt one, non-finite weights, export --verify, disk full."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from torchtitan_loom.components.checkpoint import CheckpointError, integrity, layout
+from torchtitan_loom.config import ConfigError
+from torchtitan_loom.tools import export as export_tool
+from tests.unit.test_checkpoint import assert_same_state, make_trainer, run
+
+STEPS = ("--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+FILES = (".metadata", "__0_0.distcp", "config.toml", "model_args.json", "meta.json", integrity.CHECKSUMS,
+         layout.MARKER)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_pack, tmp_path_factory):
+    """6 uninterrupted steps: what every fallback resume must reproduce bit for bit."""
+    return run(make_trainer(tiny_pack, tmp_path_factory.mktemp("straight"), *STEPS))
+
+
+@pytest.fixture(scope="module")
+def pristine(tiny_pack, tmp_path_factory):
+    """A run folder with complete step-2 and step-4 (stopped after step 4)."""
+    dump = tmp_path_factory.mktemp("pristine")
+    run(make_trainer(tiny_pack, dump, *STEPS, "--checkpoint.exit_after_step", "4"))
+    assert [e.step for e in layout.scan(str(dump / "checkpoint")).complete] == [2, 4]
+    return dump
+
+
+def corrupt(path, how):
+    if how == "delete":
+        os.remove(path)
+    elif how == "truncate":
+        with open(path, "r+b") as fh:
+            fh.truncate(os.path.getsize(path) // 2)
+    else:  # same size, different bytes in the middle
+        data = bytearray(open(path, "rb").read())
+        mid = len(data) // 2
+        data[mid:mid + 8] = bytes(b ^ 0xA5 for b in data[mid:mid + 8])
+        open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["bytes", "truncate", "delete"])
+@pytest.mark.parametrize("name", FILES)
+def test_corrupt_file_falls_back_to_previous_checkpoint_bit_identically(tiny_pack, tmp_path, pristine, straight,
+                                                                       name, how, capsys):
+    dump = tmp_path / "run"
+    shutil.copytree(pristine, dump)
+    bad = dump / "checkpoint" / "step-4" / name
+    corrupt(bad, how)
+    capsys.readouterr()
+    resumed = make_trainer(tiny_pack, dump, *STEPS)
+    out = capsys.readouterr().out
+    assert resumed.state.step == 2, out
+    if name in (layout.MARKER, ".metadata") and how == "delete":  # a torn save, skipped as before
+        assert "skipping incomplete checkpoint" in out and str(bad.parent) in out
+    else:
+        warnings = [line for line in out.splitlines() if line.startswith("[torchtitan_loom] warning: skipping corrupt")]
+        assert len(warnings) == 1 and str(bad) in warnings[0], out
+    assert (dump / "checkpoint" / layout.ABANDONED / "step-4" / "meta.json").exists() or name == "meta.json"
+    run(resumed)
+    assert_same_state(straight, resumed)
+
+
+def test_load_step_of_a_corrupt_checkpoint_is_refused(tiny_pack, tmp_path, pristine):
+    dump = tmp_path / "run"
+    shutil.copytree(pristine, dump)
+    distcp = dump / "checkpoint" / "step-4" / "__0_0.distcp"
+    corrupt(distcp, "bytes")  # same size: found by the full CRC in the manager
+    with pytest.raises(CheckpointError, match=r"load_step = 4: checkpoint is corrupt: .*__0_0.distcp: CRC-32"):
+        make_trainer(tiny_pack, dump, *STEPS, "--checkpoint.load_step", "4")
+    corrupt(distcp, "truncate")  # another size: found already by the config check
+    with pytest.raises(ConfigError, match=r"load_step = 4: checkpoint is corrupt: .*__0_0.distcp: size"):
+        make_trainer(tiny_pack, dump, *STEPS, "--checkpoint.load_step", "4")
+
+
+def write_nonfinite_step(trainer, step):
+    """A checkpoint of a NaN model with valid checksums (as an older version could have written)."""
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("nan"))
+    tmp = layout.temp_dir(trainer.checkpointer.root, step, "periodic")
+    trainer.checkpointer._save(step, "periodic", tmp, True, False)  # bypasses save()'s finiteness guard
+
+
+def test_nonfinite_model_is_never_saved_and_never_loaded(tiny_pack, tmp_path, capsys, straight):
+    t = run(make_trainer(tiny_pack, tmp_path, *STEPS, "--checkpoint.exit_after_step", "2"))
+    with torch.no_grad():
+        next(t.model.parameters()).fill_(float("nan"))
+    t.checkpointer.save(4)
+    assert "not saving step 4: non-finite weights" in capsys.readouterr().out
+    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [2]
+    write_nonfinite_step(t, 4)
+    assert integrity.verify(str(tmp_path / "checkpoint" / "step-4")) is None
+    with pytest.raises(CheckpointError, match="load_step: .*step-4 holds non-finite weights"):
+        make_trainer(tiny_pack, tmp_path, *STEPS, "--checkpoint.load_step", "4")
+    resumed = make_trainer(tiny_pack, tmp_path, *STEPS)
+    out = capsys.readouterr().out
+    assert resumed.state.step == 2 and "skipping corrupt checkpoint" in out and "non-finite" in out
+    run(resumed)
+    assert_same_state(straight, resumed)
+
+
+def test_export_verify_checks_checksums_and_finiteness(tiny_pack, tmp_path, pristine, capsys):
+    dump = tmp_path / "run"
+    shutil.copytree(pristine, dump)
+    ckpt = dump / "checkpoint" / "step-4"
+    assert export_tool.main([str(ckpt), str(tmp_path / "out"), "--verify"]) == 0
+    corrupt(ckpt / "__0_0.distcp", "bytes")
+    capsys.readouterr()
+    assert export_tool.main([str(ckpt), str(tmp_path / "out2"), "--verify"]) == 2
+    assert "checkpoint is corrupt" in capsys.readouterr().err
+
+
+def test_checksums_are_recorded_before_the_marker(pristine):
+    step = pristine / "checkpoint" / "step-2"
+    marker = layout.read_json(str(step / layout.MARKER))
+    assert marker["checksums"] == integrity.CHECKSUMS
+    sums = layout.read_json(str(step / integrity.CHECKSUMS))["files"]
+    assert set(sums) == set(os.listdir(step)) - {layout.MARKER, integrity.CHECKSUMS}
+    assert sums["__0_0.distcp"]["crc32"] == f"{integrity.crc32_file(str(step / '__0_0.distcp')):08x}"

@@ -1,0 +1,121 @@
+"""Checksums of checkpoint files and the finiteness checks around a checkpoint.
+
+Every file of a checkpoint directory gets a CRC-32 (stdlib ``zlib``, no dependency; measured
+1.5 GB/s from memory and 0.49 GiB/s through ``crc32_file`` on one shared core of the CI machine,
+so the ~4 GB of a 329m-preset checkpoint cost roughly 3-8 s on save and again on load) in
+``CHECKSUMS.json``. Rank 0 writes it after every rank
+finished writing and before the ``COMPLETE`` marker, and the marker records that checksums exist,
+so deleting ``CHECKSUMS.json`` is detected too. A checkpoint written before checksums existed (its
+marker does not name them) is loaded unverified.
+
+``verify(path)`` returns None or one line naming the file that fails. ``quick=True`` checks the
+presence and size of every file and the CRC of the small ones only (config validation uses it,
+the full check runs in the checkpoint manager before the load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any
+
+CHECKSUMS = "CHECKSUMS.json"
+MARKER = "COMPLETE"  # layout.MARKER (not imported: layout imports nothing torch-side either way)
+_CHUNK = 8 << 20
+_QUICK_MAX_BYTES = 1 << 20
+
+
+def crc32_file(path: str) -> int:
+    """CRC-32 of a file, read in 8 MiB chunks."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(root: str) -> list[str]:
+    """Relative paths of every file under ``root`` except the marker and the checksum file."""
+    out = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if rel not in (MARKER, CHECKSUMS) and not rel.endswith(".partial"):
+                out.append(rel)
+    return sorted(out)
+
+
+def write_checksums(root: str) -> dict[str, Any]:
+    """Checksum every file of the (finished, not yet committed) checkpoint at ``root``."""
+    files = {rel: {"size": os.path.getsize(os.path.join(root, rel)),
+                   "crc32": f"{crc32_file(os.path.join(root, rel)):08x}"} for rel in _files(root)}
+    payload = {"algorithm": "crc32", "files": files}
+    tmp = os.path.join(root, CHECKSUMS + ".partial")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(root, CHECKSUMS))
+    return payload
+
+
+def verify(root: str, quick: bool = False) -> str | None:
+    """None when the checkpoint at ``root`` matches its checksums, else one line naming the file."""
+    try:
+        with open(os.path.join(root, MARKER)) as fh:
+            marker = json.load(fh)
+    except (OSError, ValueError) as exc:
+        return f"{os.path.join(root, MARKER)}: unreadable completion marker ({type(exc).__name__})"
+    if not isinstance(marker, dict) or not marker.get("checksums"):
+        return None  # written before checksums existed: loaded unverified
+    sums_path = os.path.join(root, CHECKSUMS)
+    try:
+        with open(sums_path) as fh:
+            files = json.load(fh)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{sums_path}: missing or unreadable checksum list ({type(exc).__name__})"
+    for rel, want in sorted(files.items()):
+        path = os.path.join(root, rel)
+        if not os.path.isfile(path):
+            return f"{path}: file missing"
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            return f"{path}: size {size} bytes, checksum list says {want['size']}"
+        if quick and size > _QUICK_MAX_BYTES:
+            continue
+        if f"{crc32_file(path):08x}" != want["crc32"]:
+            return f"{path}: CRC-32 mismatch (the file changed after the save)"
+    return None
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def nonfinite_names(tensors: dict[str, Any], limit: int = 3) -> list[str]:
+    """Names of (at most ``limit``) floating tensors holding a NaN or ±inf, this rank's pieces."""
+    import torch  # torch-free above: validation and the export tool's checksum path stay light
+
+    bad = []
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(_local(t)).all()):
+            bad.append(name)
+            if len(bad) >= limit:
+                break
+    return bad
+
+
+def model_finite(model: Any) -> list[str]:
+    """[] when every parameter and buffer is finite on every rank, else some offending names
+    (this rank's; ["(another rank)"] when only another rank found one). Collective when distributed."""
+    import torch
+    import torch.distributed as dist
+
+    bad = nonfinite_names(dict(model.state_dict()))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(bool(bad))], device=next(model.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not bad:
+            return ["(another rank)"]
+    return bad

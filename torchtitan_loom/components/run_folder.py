@@ -1,0 +1,181 @@
+"""The run folder's own bookkeeping (issue #11): a lock for the live run, the identity of the run
+the folder holds, and what happens when another launch arrives.
+
+    RUN.lock   host, pid, start time and run_id of the live launch (rank 0). A second launch is
+               refused while that process lives; a lock left by a dead process of this host is
+               stale and taken over with a warning. A lock from another host cannot be checked
+               from here: the message says which file to delete once that run is known dead.
+    run.json   the run's identity (the config keys that define WHAT is trained), its status
+               (running / finished / stopped), and one entry per launch (run_id, start, resumed
+               step). A relaunch whose identity differs, or into a finished run (training.steps
+               not raised, no checkpoint.load_step given), or that cannot continue the run
+               (checkpoints off) is refused unless
+               job.overwrite, which moves the old run's files to ``replaced-<run_id>/`` first.
+
+Tunables (lr, intervals, logging, parallel layout, ...) are not part of the identity: a resume may
+change them. Pure filesystem code, used by config validation and by train.main before any process
+group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+LOCK = "RUN.lock"
+RUN_JSON = "run.json"
+# Run files moved aside by job.overwrite (the metrics and checkpoint folders are added per config).
+_RUN_FILES = ("run.json", "config.toml", "metrics.jsonl", "SPIKE_ABORT.txt")
+# Model keys that may change between launches of one run (same math or tunables); mirrors
+# checkpoint.state.RESUMABLE_ARG_CHANGES.
+_MODEL_TUNABLES = ("attn_backend", "moe_impl", "capacity_factor", "load_balance_bias_lr", "router_z_loss_coef")
+
+
+class RunFolderError(RuntimeError):
+    """The run folder refuses this launch; the message says why and what to do."""
+
+
+def new_run_id() -> str:
+    """A launch id: UTC time plus random hex (unique across hosts)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def identity(cfg: Any) -> dict[str, Any]:
+    """The config values that define what a run trains; two launches with different ones are
+    different runs."""
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in _MODEL_TUNABLES}
+    t = cfg.training
+    return {"model": model, "data.path": cfg.data.path, "training.seed": t.seed, "training.seq_len": t.seq_len,
+            "training.global_batch_size": t.global_batch_size, "training.bp_segment_len": t.bp_segment_len}
+
+
+def _flat(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
+def read_run(dump_folder: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(dump_folder, RUN_JSON)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def relaunch_errors(cfg: Any) -> list[str]:
+    """Why this launch may not continue the run in job.dump_folder ([] = it may)."""
+    if cfg.job.overwrite:
+        return []
+    run = read_run(cfg.job.dump_folder)
+    if run is None:
+        return []
+    hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
+    where = f"job.dump_folder = '{cfg.job.dump_folder}'"
+    old, new = _flat(run.get("identity", {})), _flat(identity(cfg))
+    diff = [f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    if diff:
+        return [f"{where} holds a different run ({'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); {hint}"]
+    branch = cfg.checkpoint.enable and cfg.checkpoint.load_step >= 0  # an explicit resume from an older step
+    if run.get("status") == "finished" and cfg.training.steps <= int(run.get("step", 0)) and not branch:
+        return [f"{where} holds a finished run (step {run.get('step')} of training.steps = {cfg.training.steps}); "
+                f"raise training.steps to continue it, or {hint}"]
+    if not cfg.checkpoint.enable:
+        return [f"{where} holds a run (status {run.get('status')!r}) that checkpoint.enable = false cannot "
+                f"continue (it would start over and mix two histories in metrics.jsonl); {hint}"]
+    return []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """``RUN.lock`` held by this process; ``release()`` removes it (only if still ours)."""
+
+    def __init__(self, dump_folder: str, run_id: str, log=print) -> None:
+        self.path = os.path.join(dump_folder, LOCK)
+        self.payload = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
+                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._handle_existing(log)
+                continue
+            with os.fdopen(fd, "w") as fh:
+                json.dump(self.payload, fh)
+            return
+        raise RunFolderError(f"{self.path}: could not take the run lock (another launch is racing for it)")
+
+    def _handle_existing(self, log) -> None:
+        try:
+            with open(self.path) as fh:
+                held = json.load(fh)
+            host, pid = held["host"], int(held["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise RunFolderError(f"{self.path}: unreadable run lock; if no run uses this folder, delete it") from None
+        if host == socket.gethostname() and not _pid_alive(pid):
+            log(f"warning: stale run lock {self.path} (pid {pid} of {host}, started {held.get('started')}, "
+                f"is gone): taking it over")
+            os.remove(self.path)
+            return
+        where = "this host" if host == socket.gethostname() else f"host {host}"
+        raise RunFolderError(f"{os.path.dirname(self.path)} is in use by a live run: pid {pid} on {where}, "
+                             f"started {held.get('started')} (run {held.get('run_id')}); wait for it, stop it, or "
+                             f"use another job.dump_folder (if that run is dead, delete {self.path})")
+
+    def release(self) -> None:
+        try:
+            with open(self.path) as fh:
+                mine = json.load(fh).get("pid") == os.getpid()
+        except (OSError, ValueError):
+            return
+        if mine:
+            os.remove(self.path)
+
+
+def replace_old_run(cfg: Any, log=print) -> str | None:
+    """job.overwrite: move the previous run's files to ``replaced-<run_id>/``; returns that path."""
+    dump = cfg.job.dump_folder
+    run = read_run(dump)
+    names = list(_RUN_FILES) + [cfg.checkpoint.folder, cfg.metrics.tb_folder]
+    present = [n for n in names if os.path.exists(os.path.join(dump, n))]
+    if not cfg.job.overwrite or not present:
+        return None
+    dest = os.path.join(dump, f"replaced-{(run or {}).get('run_id') or new_run_id()}")
+    os.makedirs(dest, exist_ok=True)
+    for n in present:
+        os.rename(os.path.join(dump, n), os.path.join(dest, n))
+    log(f"job.overwrite: moved the previous run's {', '.join(present)} to {dest}")
+    return dest
+
+
+def record_launch(cfg: Any, run_id: str, status: str, step: int, resumed_from: int | None = None) -> None:
+    """Write run.json: identity, status ("running", "finished", "stopped"), step, launches."""
+    dump = cfg.job.dump_folder
+    run = read_run(dump) or {"identity": identity(cfg), "launches": []}
+    run["identity"] = identity(cfg)
+    if not run["launches"] or run["launches"][-1].get("run_id") != run_id:
+        run["launches"].append({"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
+                                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_from_step": resumed_from})
+    run.update(run_id=run_id, status=status, step=step)
+    tmp = os.path.join(dump, RUN_JSON + ".partial")
+    with open(tmp, "w") as fh:
+        json.dump(run, fh, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(dump, RUN_JSON))
