@@ -10,6 +10,7 @@ Legend: B rows, S sequence length, L layers, H loops, T loops of a segment, E ro
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_confi
 from torchtitan_loom.config.validate import validate
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
+from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
 from torchtitan_loom.protocols import get_train_spec
 
 SPIKE_EXIT_CODE = 2
@@ -91,6 +93,8 @@ class Trainer:
         self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(model)
         if self.float8_precompute:
             self.log("float8: FSDP shards the float8 weights; their scales are precomputed after each optimizer step")
+        for line in moe_gemm_fallbacks(model.moe_layers(), self.device.type, self.compute_dtype, cfg.compile.enable):
+            self.log(line)  # once per layer, at start: the path is a function of static inputs
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_loops = model.num_loops
         self.segments = segments(self.num_loops, t.bp_segment_len)
@@ -157,9 +161,11 @@ class Trainer:
         micro = self.micro_batches(batch)
         # The divisor of every micro-batch loss: valid targets of the whole GLOBAL batch, so the
         # summed gradient is the token mean whatever the world size and micro-batching (§14).
-        n_valid = dist_utils.all_reduce(sum(count_valid(m["labels"]) for m in micro).to(torch.float64)
-                                        .reshape(1)).item()
-        denom = max(n_valid, 1.0)
+        # Kept on the device (read with segment 1's statistics, no sync of its own); an integer
+        # < 2^24 is exact in fp32, so ce_sum / denom_t equals the division by the Python count.
+        n_valid_t = dist_utils.all_reduce(sum(count_valid(m["labels"]) for m in micro).to(torch.float64)
+                                          .reshape(1))
+        denom_t = n_valid_t.clamp_min(1.0)
         num_dp = self.info.world_size
         carries: list[Any] = [None] * len(micro)
         args = self.model_args
@@ -175,7 +181,7 @@ class Trainer:
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
                                      loop_start=a, loop_end=b, carry=carries[m])
                 ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
-                loss = ce_sum / denom + out.aux_loss / (len(micro) * num_dp)
+                loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (len(micro) * num_dp)
                 loss.backward()
                 carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
@@ -183,17 +189,21 @@ class Trainer:
             # Sums what FSDP did not reduce: every gradient of a replicated model, or only the
             # replicated routers under FSDP (its reduce-scatter already summed the rest).
             dist_utils.reduce_gradients(self.params, self.reduce_dtype)
-            # One host sync per segment: the guard needs the segment's global token-mean loss.
-            seg_loss = dist_utils.all_reduce(ce_total.reshape(1)).item() / denom
+            # The segment's one host sync: [loss sum, grad-norm², non-finite flag] from ONE small
+            # all-reduce, read together with n_valid; the guard and the clip both use it.
+            stats = dist_utils.step_statistics(self.params, ce_total)
+            loss_sum, norm_sq, non_finite, n_valid = torch.cat([stats, n_valid_t]).tolist()
+            seg_loss = loss_sum / max(n_valid, 1.0)
             seg_losses.append(seg_loss)
-            finite = dist_utils.grads_finite(self.params)
-            skip_reason = self.spike_guard.check(j, seg_loss, finite, self.state.step + 1)
+            skip_reason = self.spike_guard.check(j, seg_loss, non_finite == 0, self.state.step + 1)
             if skip_reason is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.state.skipped_segments += 1
                 skip_reason = f"segment {j + 1} (loops {a}-{b}): {skip_reason}"
                 break
-            grad_norm = dist_utils.clip_grad_norm(self.params, self.cfg.training.max_norm)
+            dist_utils.clip_grads_with_total_norm(self.params, stats[dist_utils.STAT_GRAD_NORM_SQ],
+                                                  self.cfg.training.max_norm)
+            grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("nan")
             self.optimizer.step()
             if self.float8_precompute:
                 self.float8.post_optimizer_hook(self.model)
