@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtitan_loom.models.loom.moe import RoutedExperts, run_experts
+from torchtitan_loom.models.loom.moe import RoutedExperts, expert_dtype, run_experts
 
 
 class ExpertParallelExperts(nn.Module):
@@ -69,6 +69,9 @@ class ExpertParallelExperts(nn.Module):
         E = counts_E.numel()
         L = E // W
 
+        # Rows travel in the experts' compute dtype (bf16 under autocast or FSDP mixed precision):
+        # half the all-to-all bytes of fp32, and run_experts then takes the grouped GEMM.
+        x_AD = x_AD.to(expert_dtype(x_AD.device.type, self.w13.dtype))
         # 1. counts exchange: the E/W counts for block j go to rank j.
         recv_WL = funcol.all_to_all_single(counts_E.contiguous(), None, None, group).view(W, L)
         # 2. the one host sync of this call.
