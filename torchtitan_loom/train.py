@@ -30,6 +30,7 @@ from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_confi
 from torchtitan_loom.config.validate import validate
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
+from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
 from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
 from torchtitan_loom.protocols import get_train_spec
 
@@ -93,6 +94,9 @@ class Trainer:
         self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(model)
         if self.float8_precompute:
             self.log("float8: FSDP shards the float8 weights; their scales are precomputed after each optimizer step")
+        attention = resolve_attn_backend(model_args.attn_backend, self.device.type, self.compute_dtype,
+                                         flash_attn_available())
+        self.log(f"attention backend: {attention} (attn_backend={model_args.attn_backend})")
         for line in moe_gemm_fallbacks(model.moe_layers(), self.device.type, self.compute_dtype, cfg.compile.enable):
             self.log(line)  # once per layer, at start: the path is a function of static inputs
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -50,7 +50,10 @@ class Model:
     capacity_factor: float | None = opt(None, "MoE capacity factor per micro-batch call; 0 disables dropping.")
     router_z_loss_coef: float | None = opt(None, "Router z-loss coefficient (LOOM as run: 0.0).")
     load_balance_bias_lr: float | None = opt(None, "Aux-loss-free expert-bias step; 0 disables the update.")
-    attn_backend: str | None = opt(None, "Attention kernel (same math).", choices=("sdpa", "flex", "flash_attn"))
+    attn_backend: str | None = opt(
+        None, "Attention kernel (same math); auto = flash_attn on CUDA in bf16/fp16 when importable, "
+        "else flex on CUDA, sdpa on CPU (the run log names the choice).",
+        choices=("auto", "sdpa", "flex", "flash_attn"))
     moe_impl: str | None = opt(None, "Routed-expert GEMM: grouped (torch._grouped_mm) or a per-expert loop.",
                                choices=("grouped", "loop"))
 
