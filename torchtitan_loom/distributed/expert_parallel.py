@@ -20,6 +20,8 @@ Dispatch protocol of one MoE call (rows x_AD already grouped by expert ascending
   5. combine: the inverse gather restores source-major order, and a second all_to_all_single
      returns every row to its source in its original position, so out_AD lines up with x_AD.
 Backward is the same two all_to_alls in reverse (autograd through the functional collectives).
+Under torch.compile (fullgraph off with EP) step 2 is the one graph break of a call; the rows are
+cast to the experts' compute dtype before step 3 (bf16 under autocast or FSDP mixed precision).
 Weight gradients land on the local shards: the forward uses `to_local()` of the DTensor params.
 
 Capacity keep/drop (LOOM_SPEC §14) is decided by LoomMoE on the LOCAL tokens before step 1: dropped
