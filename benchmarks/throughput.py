@@ -203,7 +203,8 @@ def markdown(meta: dict[str, Any], cells: list[dict[str, Any]]) -> str:
                      f"| {_fmt(c.get('peak_memory_gib'), '.2f')} | {_fmt(c.get('final_loss'), '.4f')} |")
     profiled = [c for c in cells if "profile" in c]
     if profiled:
-        lines += ["", f"Profile of {PROFILE_STEPS} steps per cell (share of step time; traces under `<out>/traces/`):", "",
+        lines += ["", f"Profile of {PROFILE_STEPS} steps per cell (share of step time; traces under "
+                  "`<out>/traces/`):", "",
                   "| precision | compile | AC | step s | GEMM % | attention % | all-to-all % | other % |",
                   "|---|---|---|---:|---:|---:|---:|---:|"]
         for c in profiled:

@@ -184,7 +184,8 @@ def step_statistics(params: list[torch.nn.Parameter], loss_sum: torch.Tensor) ->
     return all_reduce(torch.cat([loss.to(norm_sq.device), norm_sq, non_finite]))
 
 
-def clip_grads_with_total_norm(params: list[torch.nn.Parameter], norm_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
+def clip_grads_with_total_norm(params: list[torch.nn.Parameter], norm_sq: torch.Tensor,
+                               max_norm: float) -> torch.Tensor:
     """Clip in place with a global norm² already reduced (step_statistics); returns the fp32 norm
     (0-d, on the device). No collective and no host sync."""
     total = norm_sq.sqrt().float().reshape(())
