@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# GPU check for a single-GPU machine (about 8 minutes): install what is missing from carried
+# GPU check for a single-GPU machine (about 9 minutes): install what is missing from carried
 # wheels, run the GPU-only tests, then the throughput matrix of loom_329m and loom_1p7b.
 #
 #   benchmarks/gpu_check.sh OUT_DIR
 #
 # Everything is written under OUT_DIR: env.txt, gpu_tests.log / .xml, float8_unit.log,
-# bench/throughput_<preset>.{json,md} (+ .log), summary.md. Exit code 0 when every part passed.
+# bench/throughput_<preset>.{json,md} (+ .log), profile/ (trace + time shares), summary.md.
+# Exit code 0 when every part passed.
 #
 # Missing packages (torchao, torchdata, tomli, numpy, pytest and its deps) are installed from the
 # wheels in $WHEEL_DIR (default: <repo>/.whl, git-ignored) into a private folder put on PYTHONPATH
@@ -19,7 +20,8 @@
 # STEPS_329M / STEPS_1P7B (timed steps per cell, defaults 20 / 15; 3 warm-up steps come first),
 # BUDGET_329M_S / BUDGET_1P7B_S (seconds after which a preset's remaining cells are skipped,
 # defaults 100 / 180), PRESETS (default "loom_329m loom_1p7b"),
-# BENCH_EXTRA (more benchmarks/throughput.py arguments for every preset, e.g. "--compile off").
+# BENCH_EXTRA (more benchmarks/throughput.py arguments for every preset, e.g. "--compile off"),
+# PROFILE (1 = also profile two loom_1p7b steps, the default; 0 = skip).
 set -uo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -119,6 +121,21 @@ for preset in ${PRESETS}; do
   esac
 done
 
+# ---------------------------------------------------------------- 4. profile (~1 min)
+# Two profiled steps of loom_1p7b, bf16, compile off, AC none: a Chrome trace under
+# OUT/profile/traces/ and the share of step time in GEMMs, attention, all-to-all, other.
+# PROFILE=0 skips it.
+if [[ "${PROFILE:-1}" == 1 ]]; then
+  log "profile loom_1p7b ..."
+  mkdir -p "${OUT}/profile"
+  timeout 200 "${PYTHON}" benchmarks/throughput.py --preset loom_1p7b --precisions bf16 --compile off --ac none \
+    --steps 2 --warmup 2 --profile --out "${OUT}/profile" --training.global_batch_size 8 \
+    --training.micro_batch_size 4 >"${OUT}/profile/profile.log" 2>&1
+  rc=$?
+  log "profile exit ${rc}: $(grep ' profile: ' "${OUT}/profile/profile.log" | tail -n 1)"
+  (( rc == 0 )) || status=1
+fi
+
 {
   echo "# GPU check $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
@@ -131,6 +148,9 @@ done
   for preset in ${PRESETS}; do
     [[ -f "${OUT}/bench/throughput_${preset}.md" ]] && cat "${OUT}/bench/throughput_${preset}.md" && echo
   done
+  [[ -f "${OUT}/profile/throughput_loom_1p7b.md" ]] && cat "${OUT}/profile/throughput_loom_1p7b.md" && echo
+  grep -hE '^\[torchtitan_loom\] (attention backend|layer [0-9]+: routed experts)' "${OUT}"/bench/*.log 2>/dev/null \
+    | sort | uniq -c || true
 } >"${OUT}/summary.md"
 log "done, exit ${status}; summary: ${OUT}/summary.md"
 exit "${status}"

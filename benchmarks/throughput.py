@@ -46,6 +46,9 @@ from torchtitan_loom.config.validate import resolve  # noqa: E402
 from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E402
 from torchtitan_loom.train import Trainer  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from step_profile import profile_steps  # noqa: E402
+
 PRESET_FILES = {"debug": "debug_model.toml", "loom_329m": "loom_329m.toml", "loom_1p7b": "loom_1p7b.toml"}
 PRECISIONS = {
     "bf16": [],
@@ -55,6 +58,7 @@ PRECISIONS = {
 COMPILE = {"off": [], "on": ["--compile.enable", "true"]}
 AC = {"none": [], "loop": ["--activation_checkpoint.mode", "loop"]}
 _GIB = float(1 << 30)
+PROFILE_STEPS = 2
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -71,6 +75,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--cpu", action="store_true", help="run on CPU, float8 emulated")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="skip cells starting after this (0: none)")
     p.add_argument("--out", default="outputs/bench", help="output folder")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile 2 more steps per cell: Chrome trace "
+                        "<out>/traces/<cell>.json and the share of step time in GEMMs, attention, all-to-all, other")
     args, overrides = p.parse_known_args(argv)
     for name, table in (("precisions", PRECISIONS), ("compile", COMPILE), ("ac", AC)):
         values = [v for v in getattr(args, name).split(",") if v]
@@ -112,7 +119,8 @@ def cell_argv(args: argparse.Namespace, overrides: list[str], precision: str, co
     argv = ["--job.config_file", str(ROOT / "train_configs" / PRESET_FILES[args.preset]),
             "--job.dump_folder", str(dump), "--metrics.enable_tensorboard", "false", "--eval.interval", "0",
             "--checkpoint.enable", "false", "--spike_guard.enable", "false",
-            "--training.mixed_precision_param", "bfloat16", "--training.steps", str(args.warmup + args.steps)]
+            "--training.mixed_precision_param", "bfloat16", "--training.steps",
+            str(args.warmup + args.steps + PROFILE_STEPS * args.profile)]
     if args.cpu:
         argv += ["--training.device", "cpu"]
     argv += overrides + PRECISIONS[precision] + COMPILE[compile_] + AC[ac]
@@ -128,8 +136,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_cell(argv: list[str], steps: int, warmup: int) -> dict[str, Any]:
-    """Train `warmup` + `steps` steps of the config `argv`; the record of the timed steps."""
+def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None) -> dict[str, Any]:
+    """Train `warmup` + `steps` steps of the config `argv`; the record of the timed steps (with
+    `trace`, then PROFILE_STEPS profiled steps: the trace file and the time shares)."""
     try:
         cfg = load_config(argv)
         resolved = resolve(cfg, 1)
@@ -149,6 +158,9 @@ def run_cell(argv: list[str], steps: int, warmup: int) -> dict[str, Any]:
         losses = [trainer.train_step(next(batches)).seg_losses[-1] for _ in range(steps)]
         _sync(device)
         elapsed = time.perf_counter() - start
+        shares = None
+        if trace is not None:
+            shares = profile_steps(lambda: trainer.train_step(next(batches)), PROFILE_STEPS, trace, device)
         t = cfg.training
         tokens_per_s = steps * t.global_batch_size * t.seq_len / elapsed
         flops_per_token = trainer.model.flops_per_token(t.seq_len, head_calls=len(trainer.segments))
@@ -159,7 +171,8 @@ def run_cell(argv: list[str], steps: int, warmup: int) -> dict[str, Any]:
                 "peak_memory_gib": mem.get("memory_max_allocated_gib", mem.get("memory_max_rss_gib")),
                 "memory_kind": "cuda max allocated" if device.type == "cuda" else "process max RSS",
                 "step_time_s": elapsed / steps, "flops_per_token": flops_per_token,
-                "final_loss": losses[-1], "losses": losses}
+                "final_loss": losses[-1], "losses": losses,
+                **({"profile": shares, "trace": str(trace)} if shares else {})}
     except Exception as exc:  # noqa: BLE001 - a failing cell is a result, the matrix goes on
         return {"status": "error", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                 "traceback": traceback.format_exc(limit=8)}
@@ -188,8 +201,24 @@ def markdown(meta: dict[str, Any], cells: list[dict[str, Any]]) -> str:
                      f"| {_fmt(c.get('tokens_per_s'), ',.0f')} "
                      f"| {_fmt(c.get('tflops'), '.3f')} | {_fmt(c.get('mfu'), '.1f')} "
                      f"| {_fmt(c.get('peak_memory_gib'), '.2f')} | {_fmt(c.get('final_loss'), '.4f')} |")
+    profiled = [c for c in cells if "profile" in c]
+    if profiled:
+        lines += ["", f"Profile of {PROFILE_STEPS} steps per cell (share of step time; traces under "
+                  "`<out>/traces/`):", "",
+                  "| precision | compile | AC | step s | GEMM % | attention % | all-to-all % | other % |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]
+        for c in profiled:
+            p = c["profile"]
+            lines.append(f"| {c['precision']} | {c['compile']} | {c['ac']} | {p['step_time_s']:.3f} "
+                         f"| {100 * p['gemm']:.1f} | {100 * p['attention']:.1f} | {100 * p['all_to_all']:.1f} "
+                         f"| {100 * p['other']:.1f} |")
     lines += ["", f"Command: `{meta['command']}`", ""]
     return "\n".join(lines)
+
+
+def format_shares(shares: dict[str, float]) -> str:
+    parts = ", ".join(f"{k} {100 * shares[k]:.1f}%" for k in ("gemm", "attention", "all_to_all", "other"))
+    return f"step {shares['step_time_s']:.3f} s: {parts}"
 
 
 def device_meta(cpu: bool) -> dict[str, Any]:
@@ -207,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = load_config(["--job.config_file", str(ROOT / "train_configs" / PRESET_FILES[args.preset]), *overrides])
     t = probe.training
     if not has_override(overrides, "data.path"):
-        need = (args.warmup + args.steps) * t.global_batch_size * (t.seq_len + 1)
+        need = (args.warmup + args.steps + PROFILE_STEPS * args.profile) * t.global_batch_size * (t.seq_len + 1)
         overrides = [*overrides, "--data.path", str(bench_pack(out, t.seq_len, need))]
     try:
         import torchao
@@ -232,10 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                     cell.update(status="skipped", reason=f"time budget {args.time_budget_s:.0f} s used")
                 else:
                     print(f"[throughput] {args.preset} {name} ...", flush=True)
+                    trace = out / "traces" / f"{args.preset}-{name}.json" if args.profile else None
                     cell.update(run_cell(cell_argv(args, overrides, precision, compile_, ac, out / "cells" / name),
-                                         args.steps, args.warmup))
+                                         args.steps, args.warmup, trace))
                 result = f"{cell['tokens_per_s']:,.0f} tok/s" if cell["status"] == "ok" else cell.get("reason", "")
                 print(f"[throughput] {name}: {cell['status']} {result}", flush=True)
+                if "profile" in cell:
+                    print(f"[throughput] {name} profile: {format_shares(cell['profile'])}; trace {cell['trace']}",
+                          flush=True)
                 cells.append(cell)
                 json_path.write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
                 md_path.write_text(markdown(meta, cells))

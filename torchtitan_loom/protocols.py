@@ -121,6 +121,9 @@ class TrainSpec:
     """flavor name -> model args (e.g. LoomModelArgs)."""
     parallelize_fn: Callable[..., Parallelized] | None = None
     """parallelize(model, parallel_dims, job_config) -> Parallelized; None = a plain replicated model."""
+    kernel_report_fn: Callable[..., list[str]] | None = None
+    """kernel_report(model, device_type, compute_dtype, compiling) -> log lines naming the kernels the
+    model will use on this device (attention backend, GEMM fallbacks); the trainer logs them once."""
 
 
 # The registry is the only module-level mutable state in the package: specs register once at

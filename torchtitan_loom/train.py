@@ -11,6 +11,7 @@ Legend: B rows, S sequence length, L layers, H loops, T loops of a segment, E ro
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import Resolved, resolve
 from torchtitan_loom.distributed import utils as dist_utils
-from torchtitan_loom.protocols import ModelProtocol, Parallelized, get_train_spec
+from torchtitan_loom.protocols import ModelProtocol, get_train_spec
 
 SPIKE_EXIT_CODE = 2
 
@@ -120,6 +121,9 @@ class Trainer:
         self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(model)
         if self.float8_precompute:
             self.log("float8: FSDP shards the float8 weights; their scales are precomputed after each optimizer step")
+        if self.spec.kernel_report_fn is not None:  # which kernels the model picked here, said once at start
+            for line in self.spec.kernel_report_fn(model, self.device.type, self.compute_dtype, cfg.compile.enable):
+                self.log(line)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_loops = model.num_loops
         self.segments = segments(self.num_loops, t.bp_segment_len)
@@ -187,9 +191,11 @@ class Trainer:
         micro = self.micro_batches(batch)
         # The divisor of every micro-batch loss: valid targets of the whole GLOBAL batch, so the
         # summed gradient is the token mean whatever the world size and micro-batching (§14).
-        n_valid = dist_utils.all_reduce(sum(count_valid(m["labels"]) for m in micro).to(torch.float64)
-                                        .reshape(1)).item()
-        denom = max(n_valid, 1.0)
+        # Kept on the device (read with segment 1's statistics, no sync of its own); an integer
+        # < 2^24 is exact in fp32, so ce_sum / denom_t equals the division by the Python count.
+        n_valid_t = dist_utils.all_reduce(sum(count_valid(m["labels"]) for m in micro).to(torch.float64)
+                                          .reshape(1))
+        denom_t = n_valid_t.clamp_min(1.0)
         num_dp = self.parallel_dims.dp
         carries: list[Any] = [None] * len(micro)
         n_layers, n_experts = self.model.expert_counts_shape()
@@ -200,30 +206,42 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
             for m, mb in enumerate(micro):
-                if j == 0 and self.checkpointer.watcher.requested():  # no update yet: abandon the step
+                # No update yet: a stop abandons the step. Free on one process; with several the
+                # ranks agree through segment 1's statistics below (no collective per micro-batch).
+                if j == 0 and not self.info.world_size > 1 and self.checkpointer.watcher.requested():
                     raise StepAbandoned
                 with self.autocast():
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
                                      loop_start=a, loop_end=b, carry=carries[m])
                 ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
-                loss = ce_sum / denom + out.aux_loss / (len(micro) * num_dp)
+                loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (len(micro) * num_dp)
                 loss.backward()
                 carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
                 counts_LHE[:, a - 1:b] += out.counts_LTE
             # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
             self.finish_gradients()
-            # One host sync per segment: the guard needs the segment's global token-mean loss.
-            seg_loss = dist_utils.all_reduce(ce_total.reshape(1)).item() / denom
+            # The segment's one host sync: [loss sum, grad-norm², non-finite flag] from ONE small
+            # all-reduce, read together with n_valid; the guard and the clip both use it.
+            # The preemption flag rides along, so the ranks agree on a stop without a sync of its own.
+            signal_flag = torch.tensor([float(self.checkpointer.watcher.received > 0)], dtype=torch.float64,
+                                       device=self.device)
+            stats = dist_utils.step_statistics(self.params, ce_total, extra=signal_flag)
+            loss_sum, norm_sq, non_finite, any_signal, n_valid = torch.cat([stats, n_valid_t]).tolist()
+            if j == 0 and any_signal:  # before the step's first update: nothing changed yet
+                self.checkpointer.watcher.agree()
+                raise StepAbandoned
+            seg_loss = loss_sum / max(n_valid, 1.0)
             seg_losses.append(seg_loss)
-            finite = dist_utils.grads_finite(self.params)
-            skip_reason = self.spike_guard.check(j, seg_loss, finite, self.state.step + 1)
+            skip_reason = self.spike_guard.check(j, seg_loss, non_finite == 0, self.state.step + 1)
             if skip_reason is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.state.skipped_segments += 1
                 skip_reason = f"segment {j + 1} (loops {a}-{b}): {skip_reason}"
                 break
-            grad_norm = dist_utils.clip_grad_norm(self.params, self.cfg.training.max_norm)  # pre-clip norm
+            dist_utils.clip_grads_with_total_norm(self.params, stats[dist_utils.STAT_GRAD_NORM_SQ],
+                                                  self.cfg.training.max_norm)
+            grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("nan")  # pre-clip norm
             self.optimizer.step()
             if self.float8_precompute:
                 self.float8.post_optimizer_hook(self.model)

@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+from torch.overrides import TorchFunctionMode
 
 from torchtitan_loom.distributed.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
@@ -130,6 +133,62 @@ def check_one_host_sync(ep_mesh) -> None:
     assert calls == ["tolist"], f"host copies in one EP MoE call: {calls}"
 
 
+class _GroupedMMDtypes(TorchFunctionMode):
+    """Records the dtypes of the (rows, weights) of every torch._grouped_mm call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "_grouped_mm":
+            self.calls.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def _bf16_layer(ep_mesh) -> LoomMoE:
+    args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32)
+    moe = LoomMoE(args)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.1)
+    apply_expert_parallel(_OneLayer(moe), ep_mesh)
+    return moe
+
+
+def check_bf16_experts(ep_mesh, dp_mesh) -> None:
+    """bf16 reaches the EP experts: under autocast (no FSDP), and under FSDP's bf16 mixed precision
+    on the experts (no autocast, fp32 rows in): grouped GEMMs on bf16 rows and weights only."""
+    x, _ = _layer_inputs(dist.get_rank(), 64)
+    moe = _bf16_layer(ep_mesh)
+    with _GroupedMMDtypes() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _, _ = moe(x, moe.routers[0])
+    assert len(mode.calls) == 2 and set(mode.calls) == {(torch.bfloat16, torch.bfloat16)}, mode.calls
+
+    moe = _bf16_layer(ep_mesh)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    fully_shard(moe.experts, mesh=dp_mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
+    with _GroupedMMDtypes() as mode:
+        moe(x, moe.routers[0])[0].sum().backward()
+    assert len(mode.calls) == 2 and set(mode.calls) == {(torch.bfloat16, torch.bfloat16)}, mode.calls
+
+
+def check_compile_breaks_at_dispatch(ep_mesh) -> None:
+    """torch.compile of an EP MoE call (fullgraph off, as parallelize applies it with EP) breaks
+    the graph only at the documented dispatch point, the host copy of the split sizes in
+    _split_sizes: one break reported by each of the 3 frames on the stack there (LoomMoE.forward,
+    ExpertParallelExperts.forward, _split_sizes), under bf16 autocast (fp32 breaks at the same
+    point; one dtype keeps this 4-rank launch short)."""
+    moe = _bf16_layer(ep_mesh)
+    x, _ = _layer_inputs(dist.get_rank(), 64)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(moe)(x, moe.routers[0])
+    torch._dynamo.reset()
+    sites = [reason.user_stack[-1].name for reason in explained.break_reasons]
+    assert sites == ["_split_sizes"] * 3, [(r.reason[:60], r.user_stack[-3:]) for r in explained.break_reasons]
+
+
 def _model_batch(rank: int, B: int = 2, S: int = 16):
     g = torch.Generator().manual_seed(1000 + rank)  # different rows on every rank
     tokens = torch.randint(0, 512, (B, S), generator=g)
@@ -203,6 +262,8 @@ def run(rank: int, world: int, store_path: str) -> None:
             check_layer(mesh_4["ep"], impl)
             check_layer(mesh_2x2["ep"], impl)
         check_one_host_sync(mesh_4["ep"])
+        check_bf16_experts(mesh_2x2["ep"], mesh_2x2["dp"])
+        check_compile_breaks_at_dispatch(mesh_4["ep"])
         check_model(mesh_2x2["ep"])
         check_errors(mesh_2x2, mesh_4["ep"])
     finally:

@@ -50,7 +50,7 @@ def loss_and_grads(model, inputs):
 
 
 def assert_backends_agree(backend: str, dtype: torch.dtype, tol: float) -> None:
-    ref_model, model = debug_model(), debug_model(attn_backend=backend)
+    ref_model, model = debug_model(attn_backend="sdpa"), debug_model(attn_backend=backend)
     inputs = batch()
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
         ref_logits, ref_grads = loss_and_grads(ref_model, inputs)
@@ -65,6 +65,31 @@ def assert_backends_agree(backend: str, dtype: torch.dtype, tol: float) -> None:
 
 def test_flex_attention_forward_and_backward_match_sdpa():
     assert_backends_agree("flex", torch.float32, 2e-4)
+
+
+def test_auto_backend_on_cuda_in_bf16_matches_sdpa_and_experts_take_bf16_grouped_gemm():
+    # auto = flash_attn when installed, else flex; the model's mask names the kernel it chose.
+    from torch.overrides import TorchFunctionMode
+
+    class GroupedCalls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes, self.host = [], 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name == "_grouped_mm":
+                self.dtypes.append((args[0].dtype, args[1].dtype))
+            self.host += name in ("item", "tolist")
+            return func(*args, **(kwargs or {}))
+
+    model = debug_model()
+    with GroupedCalls() as mode, torch.autocast("cuda", dtype=torch.bfloat16):
+        model(*batch())
+    assert mode.dtypes and set(mode.dtypes) == {(torch.bfloat16, torch.bfloat16)}, mode.dtypes
+    # No .item()/.tolist() in the forward (flash_attn's cu_seqlens sync through nonzero instead).
+    assert mode.host == 0, mode.host
+    assert_backends_agree("auto", torch.bfloat16, 3e-2)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn not installed")

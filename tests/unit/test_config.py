@@ -62,7 +62,7 @@ def test_seed_launcher_ablation_switches_reachable(tmp_path):
     (["--training.steps", "abc"], "training.steps: expected int, got 'abc'"),
     (["--training.steps", "true"], "training.steps: expected int, got 'true'"),
     (["--spike_guard.enable", "maybe"], "spike_guard.enable: expected bool, got 'maybe'"),
-    (["--model.attn_backend", "magic"], "model.attn_backend: 'magic' is not one of sdpa, flex, flash_attn"),
+    (["--model.attn_backend", "magic"], "model.attn_backend: 'magic' is not one of auto, sdpa, flex, flash_attn"),
     (["--job.config_file", "/nonexistent.toml"], "job.config_file: no such file '/nonexistent.toml'"),
     (["positional"], "unexpected argument 'positional'"),
 ])

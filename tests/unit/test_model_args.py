@@ -70,7 +70,7 @@ def test_flavors_match_spec_presets():
         assert (a.capacity_factor, a.load_balance_bias_lr, a.router_z_loss_coef) == (1.5, 2e-3, 0.0)
         assert (a.cycle_scale_lambda, a.looping_residual_beta, a.rope_theta, a.norm_eps) == (0.5, 0.5, 1e4, 1e-6)
         assert a.router_per_loop and a.cycle_residual_scale and a.looping_residual and a.per_layer_out_norm
-        assert (a.embed_inject_mode, a.ffn_branch_rms, a.attn_backend) == ("loop_start_mix_soft", "affine", "sdpa")
+        assert (a.embed_inject_mode, a.ffn_branch_rms, a.attn_backend) == ("loop_start_mix_soft", "affine", "auto")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -82,7 +82,7 @@ def test_flavors_match_spec_presets():
     (dict(top_k=2), r"top_k=2 gives 0 routed"),
     (dict(embed_inject_mode="add"), r"embed_inject_mode='add'.*none, loop_start_mix_soft"),
     (dict(ffn_branch_rms="unit"), r"ffn_branch_rms='unit'.*none, affine"),
-    (dict(attn_backend="fa3"), r"attn_backend='fa3'.*sdpa, flex, flash_attn"),
+    (dict(attn_backend="fa3"), r"attn_backend='fa3'.*auto, sdpa, flex, flash_attn"),
     (dict(moe_impl="fast"), r"moe_impl='fast'.*grouped, loop"),
     (dict(capacity_factor=-1.0), r"capacity_factor must be a number >= 0"),
     (dict(looping_residual_beta=1.5), r"looping_residual_beta must be in \[0, 1\]"),

@@ -20,6 +20,8 @@ Dispatch protocol of one MoE call (rows x_AD already grouped by expert ascending
   5. combine: the inverse gather restores source-major order, and a second all_to_all_single
      returns every row to its source in its original position, so out_AD lines up with x_AD.
 Backward is the same two all_to_alls in reverse (autograd through the functional collectives).
+Under torch.compile (fullgraph off with EP) step 2 is the one graph break of a call; the rows are
+cast to the experts' compute dtype before step 3 (bf16 under autocast or FSDP mixed precision).
 Weight gradients land on the local shards: the forward uses `to_local()` of the DTensor params.
 
 Capacity keep/drop (LOOM_SPEC §14) is decided by LoomMoE on the LOCAL tokens before step 1: dropped
@@ -41,7 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtitan_loom.models.loom.moe import RoutedExperts, run_experts
+from torchtitan_loom.models.loom.moe import RoutedExperts, expert_dtype, run_experts
 
 
 class ExpertParallelExperts(nn.Module):
@@ -69,6 +71,9 @@ class ExpertParallelExperts(nn.Module):
         E = counts_E.numel()
         L = E // W
 
+        # Rows travel in the experts' compute dtype (bf16 under autocast or FSDP mixed precision):
+        # half the all-to-all bytes of fp32, and run_experts then takes the grouped GEMM.
+        x_AD = x_AD.to(expert_dtype(x_AD.device.type, self.w13.dtype))
         # 1. counts exchange: the E/W counts for block j go to rank j.
         recv_WL = funcol.all_to_all_single(counts_E.contiguous(), None, None, group).view(W, L)
         # 2. the one host sync of this call.

@@ -146,28 +146,80 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     return all_reduce(bad.reshape(1), op="max").item() == 0.0
 
 
+def _grad_norm_sq_pieces(grads: list[torch.Tensor], world: int) -> torch.Tensor:
+    """fp64 [G]: each gradient's squared L2 norm over its local piece, divided by the number of
+    ranks holding that same piece, so one all-reduce SUM over all ranks gives the global norm²."""
+    local = [_local(g) for g in grads]
+    # fp64 accumulation: the total then rounds to the same fp32 value for any sharding.
+    norms_G = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64))
+    copies_G = torch.tensor([_copies(g, world) for g in grads], dtype=torch.float64, device=norms_G.device)
+    return norms_G.square() / copies_G
+
+
+def _scale_grads(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients in place by min(1, max_norm / (total + 1e-6)) (≤ 0: no clip), on the
+    device, through their local tensors (a foreach kernel cannot mix DTensors of different meshes)."""
+    if max_norm <= 0 or not grads:
+        return
+    local = [_local(g) for g in grads]
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for dtype in {g.dtype for g in local}:
+        torch._foreach_mul_([g for g in local if g.dtype == dtype], scale.to(dtype))
+
+
+# Positions in the vector returned by step_statistics.
+STAT_LOSS_SUM, STAT_GRAD_NORM_SQ, STAT_NON_FINITE = 0, 1, 2
+
+
+def step_statistics(params: list[torch.nn.Parameter], loss_sum: torch.Tensor,
+                    extra: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 [3 + len(extra)] = [loss sum, gradient norm², non-finite flag, *extra], summed over all
+    ranks by ONE small all-reduce and left on the device (no host sync here). ``extra`` carries
+    other per-rank flags that must be agreed on (the preemption flag).
+
+    The norm² follows clip_grad_norm's rule (any mix of meshes). The flag counts gradient pieces
+    whose norm is not finite, on any rank (> 0: some gradient holds an inf or a NaN): exactly
+    grads_finite's answer, since a piece's fp64 norm is finite iff all its fp32/bf16 values are.
+    The spike guard and the clip both read this one vector (see clip_grads_with_total_norm).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loss = loss_sum.detach().to(torch.float64).reshape(1)
+    if grads:
+        pieces_G = _grad_norm_sq_pieces(grads, world)
+        norm_sq = pieces_G.sum().reshape(1)
+        non_finite = (~torch.isfinite(pieces_G)).sum().to(torch.float64).reshape(1)
+    else:
+        norm_sq = non_finite = torch.zeros(1, dtype=torch.float64, device=loss.device)
+    parts = [loss.to(norm_sq.device), norm_sq, non_finite]
+    if extra is not None:
+        parts.append(extra.to(device=norm_sq.device, dtype=torch.float64).reshape(-1))
+    return all_reduce(torch.cat(parts))
+
+
+def clip_grads_with_total_norm(params: list[torch.nn.Parameter], norm_sq: torch.Tensor,
+                               max_norm: float) -> torch.Tensor:
+    """Clip in place with a global norm² already reduced (step_statistics); returns the fp32 norm
+    (0-d, on the device). No collective and no host sync."""
+    total = norm_sq.sqrt().float().reshape(())
+    _scale_grads([p.grad for p in params if p.grad is not None], total, max_norm)
+    return total
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """Global L2 norm of the existing gradients, clipped in place to max_norm (≤ 0: no clip).
 
     Correct for any mix of meshes: each rank sums the squares of its local pieces, each divided
     by the number of ranks holding that same piece (1 for a shard owned once, the world size for a
-    plain replicated gradient), and one all-reduce over all ranks adds them up. The gradients are
-    then scaled through their local tensors (a foreach kernel cannot mix DTensors of different
-    meshes). Same rule as torch.nn.utils.clip_grads_with_norm_: scale = min(1, max_norm / (norm + 1e-6)).
+    plain replicated gradient), and one all-reduce over all ranks adds them up. Same rule as
+    torch.nn.utils.clip_grads_with_norm_: scale = min(1, max_norm / (norm + 1e-6)).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    local = [_local(g) for g in grads]
-    # fp64 accumulation: the total then rounds to the same fp32 value for any sharding.
-    norms_G = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64))
-    copies_G = torch.tensor([_copies(g, world) for g in grads], dtype=torch.float64, device=norms_G.device)
-    total_sq = all_reduce((norms_G.square() / copies_G).sum().reshape(1))
+    total_sq = all_reduce(_grad_norm_sq_pieces(grads, world).sum().reshape(1))
     total = total_sq.sqrt().float().reshape(())
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for dtype in {g.dtype for g in local}:
-            torch._foreach_mul_([g for g in local if g.dtype == dtype], scale.to(dtype))
+    _scale_grads(grads, total, max_norm)
     value = total.item()
     return value if math.isfinite(value) else float("nan")

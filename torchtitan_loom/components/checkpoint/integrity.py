@@ -97,6 +97,13 @@ def nonfinite_names(tensors: dict[str, Any], limit: int = 3) -> list[str]:
     """Names of (at most ``limit``) floating tensors holding a NaN or ±inf, this rank's pieces."""
     import torch  # torch-free above: validation and the export tool's checksum path stay light
 
+    floats = [_local(t) for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        return []
+    # One device-side reduction and one host read for the common all-finite case, not one per tensor.
+    norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(floats)])
+    if bool(torch.isfinite(norms).all()):
+        return []
     bad = []
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(_local(t)).all()):

@@ -67,6 +67,11 @@ class PreemptionWatcher:
             self.agreed = self.received
         return self.agreed
 
+    def agree(self) -> None:
+        """Some rank got a signal (agreed through the step's statistics): every rank stops. A rank
+        that got none reports SIGTERM's exit code (0)."""
+        self.agreed = self.received or signal.SIGTERM
+
     def exit_code(self) -> int:
         """The exit code of a run stopped by the agreed signal: 130 for SIGINT, else 0."""
         return SIGINT_EXIT_CODE if self.agreed == signal.SIGINT else 0

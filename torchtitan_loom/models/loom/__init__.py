@@ -1,7 +1,11 @@
 """The LOOM model package: flavors (spec §1.1) and the "loom" TrainSpec."""
 
+import torch
+
 from torchtitan_loom.models.loom.args import LoomModelArgs
+from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
 from torchtitan_loom.models.loom.model import LoomTransformer
+from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
 from torchtitan_loom.models.loom.parallelize import parallelize_loom
 from torchtitan_loom.protocols import TrainSpec, register_train_spec
 
@@ -23,9 +27,21 @@ loom_flavors = {
 for _args in loom_flavors.values():
     _args.validate()
 
+
+
+def kernel_report(model: LoomTransformer, device_type: str, dtype: torch.dtype, compiling: bool) -> list[str]:
+    """The attention backend "auto" resolves to here, and every layer whose routed experts fall back
+    to the per-expert loop (a pure function of static inputs, so said once at start)."""
+    requested = model.args.attn_backend
+    chosen = resolve_attn_backend(requested, device_type, dtype, flash_attn_available())
+    return [f"attention backend: {chosen} (attn_backend={requested})",
+            *moe_gemm_fallbacks(model.moe_layers(), device_type, dtype, compiling)]
+
+
 register_train_spec(
     "loom",
-    TrainSpec(name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom),
+    TrainSpec(name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom,
+              kernel_report_fn=kernel_report),
 )
 
 __all__ = ["LoomModelArgs", "LoomTransformer", "loom_flavors", "parallelize_loom"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 EMBED_INJECT_MODES = ("none", "loop_start_mix_soft")
 FFN_BRANCH_RMS_MODES = ("none", "affine")
-ATTN_BACKENDS = ("sdpa", "flex", "flash_attn")
+ATTN_BACKENDS = ("auto", "sdpa", "flex", "flash_attn")
 MOE_IMPLS = ("grouped", "loop")
 # field -> its valid values; the config schema's [model] section reads them from here.
 FIELD_CHOICES = {"embed_inject_mode": EMBED_INJECT_MODES, "ffn_branch_rms": FFN_BRANCH_RMS_MODES,
@@ -82,8 +82,10 @@ class LoomModelArgs:
     """epsilon of every RMSNorm."""
 
     # ---- implementation choices (same math) ----
-    attn_backend: str = "sdpa"
-    """'sdpa' (boolean document mask; CPU reference), 'flex' (block mask; GPU), 'flash_attn' (varlen)."""
+    attn_backend: str = "auto"
+    """'auto' (per forward: flash_attn on CUDA in bf16/fp16 when importable, else flex on CUDA, sdpa
+    on CPU; see attention.resolve_attn_backend), 'sdpa' (boolean document mask; CPU reference),
+    'flex' (block mask; GPU), 'flash_attn' (varlen)."""
     moe_impl: str = "grouped"
     """'grouped': routed experts via torch._grouped_mm where usable. 'loop': per-expert matmul loop."""
     init_seed: int = 0

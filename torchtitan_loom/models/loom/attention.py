@@ -4,6 +4,8 @@ Three interchangeable kernels compute the same math, chosen by `LoomModelArgs.at
 - "sdpa": F.scaled_dot_product_attention with a boolean [B, 1, S, S] mask (the CPU reference);
 - "flex": torch flex_attention with a BlockMask (GPU; fused only when the block is compiled);
 - "flash_attn": flash_attn_varlen_func over (row, document) segments (GPU, package required).
+"auto" picks one of them per forward from the device and the compute dtype (resolve_attn_backend);
+the mask's type then tells each layer which kernel it was built for (mask_backend).
 A mask is built once per forward by `build_attention_mask` and reused by every layer and loop.
 
 A position attends to position j of the same row iff doc_ids are equal and j <= i. Documents are
@@ -20,6 +22,7 @@ Legend: B batch rows, S sequence length, D model dim, H query heads, K kv heads,
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any, NamedTuple
 
 import torch
@@ -52,6 +55,35 @@ def apply_rope(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tenso
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos, sin = cos_BSd[:, :, None, :], sin_BSd[:, :, None, :]
     return (x * cos + rotated * sin).to(x_BSHd.dtype)
+
+
+# ---------------------------------------------------------------- backend choice
+
+
+def flash_attn_available() -> bool:
+    """Whether the flash-attn package is installed (without importing it)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attn_backend(requested: str, device_type: str, dtype: torch.dtype, flash_available: bool) -> str:
+    """The kernel "auto" stands for: flash_attn varlen on CUDA in bf16/fp16 when importable, else
+    flex on CUDA, sdpa elsewhere (flex has no backward on CPU). Other values are returned as is."""
+    if requested != "auto":
+        return requested
+    if device_type != "cuda":
+        return "sdpa"
+    if flash_available and dtype in (torch.float16, torch.bfloat16):
+        return "flash_attn"
+    return "flex"
+
+
+def mask_backend(mask: Any) -> str:
+    """The backend a mask of build_attention_mask was built for (a static type test under compile)."""
+    if isinstance(mask, torch.Tensor):
+        return "sdpa"
+    if isinstance(mask, tuple):
+        return "flash_attn"
+    return "flex"
 
 
 # ---------------------------------------------------------------- masks
@@ -177,7 +209,8 @@ class GatedAttention(nn.Module):
         gate, q, k, v = self.wqkv(h_BSD).split([H * d, H * d, K * d, K * d], dim=-1)
         q_BSHd = apply_rope(q.view(B, S, H, d), *rope)
         k_BSKd = apply_rope(k.view(B, S, K, d), *rope)
-        attn_BSHd = attend(self.backend, q_BSHd, k_BSKd, v.view(B, S, K, d), mask.kernel)
+        backend = mask_backend(mask.kernel) if self.backend == "auto" else self.backend
+        attn_BSHd = attend(backend, q_BSHd, k_BSKd, v.view(B, S, K, d), mask.kernel)
         # where, not a product: an exact 0 for padding queries whatever the kernel gave them.
         attn_BSHd = torch.where(mask.real_BS11, attn_BSHd, attn_BSHd.new_zeros(()))
         gated_BSHd = torch.sigmoid(gate.view(B, S, H, d)) * attn_BSHd

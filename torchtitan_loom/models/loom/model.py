@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.attention import build_attention_mask, rope_cos_sin
+from torchtitan_loom.models.loom.attention import (
+    build_attention_mask, flash_attn_available, resolve_attn_backend, rope_cos_sin)
 from torchtitan_loom.models.loom.block import LoomBlock, rms_norm
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.looping_residual import Memory, empty_memory
@@ -108,7 +109,7 @@ class LoomTransformer(nn.Module):
         else:
             z_BSD, h_mem = carry.z_BSD, Memory(carry.h_num_BSD, carry.h_den_BS1)
         rope = rope_cos_sin(positions_BS, args.head_dim, args.rope_theta)
-        attn_mask = build_attention_mask(args.attn_backend, doc_ids_BS)
+        attn_mask = build_attention_mask(self.attention_backend(e_BSD), doc_ids_BS)
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
 
         z_BSD, h_mem, counts_LTE, z_sq_X, topk_LTBSK = self._region(
@@ -121,6 +122,13 @@ class LoomTransformer(nn.Module):
         logits_BSV = self.output(z_BSD).float()
         return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), counts_LTE, aux_loss,
                            topk_LTBSK)
+
+    def attention_backend(self, e_BSD: torch.Tensor) -> str:
+        """The attention kernel of this forward: args.attn_backend, "auto" resolved from the device
+        and the compute dtype (autocast's, else the embedding's: FSDP's param dtype)."""
+        device_type = e_BSD.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else e_BSD.dtype
+        return resolve_attn_backend(self.args.attn_backend, device_type, dtype, flash_attn_available())
 
     def _region(self, scope: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
         """fn(*fn_args), through the wrapper registered for `scope` if any (see region_wrappers)."""

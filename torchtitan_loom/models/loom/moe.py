@@ -89,16 +89,33 @@ def swiglu(x_MD: torch.Tensor, w13_2ID: torch.Tensor, w2_DI: torch.Tensor) -> to
     return (F.silu(gate_MI) * up_MI) @ w2_DI.t()
 
 
-def grouped_mm_usable(x: torch.Tensor, dim: int, inter: int) -> bool:
-    """Whether torch._grouped_mm can take these operands: it needs 16-byte aligned strides, and
-    bf16 except in CPU eager mode (its CUDA kernels and its compile-time shape check take bf16 only)."""
+def gemm_path(device_type: str, dtype: torch.dtype, compiling: bool, dim: int, inter: int,
+              impl: str = "grouped") -> tuple[str, str]:
+    """("grouped" | "loop", why): how the routed experts run, from these inputs only.
+
+    torch._grouped_mm needs 16-byte aligned strides and bf16, except in CPU eager mode (its CUDA
+    kernels and its compile-time shape check take bf16 only). The loop slices the rows on the
+    host: one `.tolist()` sync per call (a data-dependent graph under compile).
+    """
+    if impl == "loop":
+        return "loop", "moe_impl='loop'"
     if not hasattr(torch, "_grouped_mm"):
-        return False
-    cpu_eager = x.device.type == "cpu" and not torch.compiler.is_compiling()
-    if x.dtype != torch.bfloat16 and not cpu_eager:
-        return False
-    align = 16 // x.element_size()
-    return dim % align == 0 and inter % align == 0
+        return "loop", f"torch {torch.__version__} has no torch._grouped_mm"
+    if dtype != torch.bfloat16 and (device_type != "cpu" or compiling):
+        where = "compiled" if compiling else f"on {device_type}"
+        return "loop", f"grouped GEMM {where} needs bfloat16, the experts compute in {dtype}"
+    align = 16 // torch.empty((), dtype=dtype).element_size()
+    if dim % align or inter % align:
+        return "loop", f"dim={dim} and expert width={inter} must be multiples of {align} for {dtype} grouped GEMM"
+    return "grouped", "grouped GEMM"
+
+
+def expert_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the experts compute in: autocast's when it is on (single process, bf16), else the
+    weights' (FSDP's MixedPrecisionPolicy has already cast them to param_dtype)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight_dtype
 
 
 class RoutedExperts(nn.Module):
@@ -129,14 +146,38 @@ def run_experts(
     parallel does), so the per-expert loop does not synchronise a second time.
     """
     D, I = w2_EDI.shape[1], w2_EDI.shape[2]
-    if impl == "grouped" and grouped_mm_usable(x_AD, D, I):
+    # Autocast does not cover _grouped_mm: cast the rows and the weights here (a no-op under FSDP
+    # bf16, where both already are), so the routed experts compute in bf16 like the shared ones.
+    dtype = expert_dtype(x_AD.device.type, w13_E2ID.dtype)
+    x_AD, w13_E2ID, w2_EDI = x_AD.to(dtype), w13_E2ID.to(dtype), w2_EDI.to(dtype)
+    path, _ = gemm_path(x_AD.device.type, dtype, torch.compiler.is_compiling(), D, I, impl)
+    if path == "grouped":
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group ends, stays on device
         h_A2I = torch._grouped_mm(x_AD, w13_E2ID.transpose(-2, -1), offs=offsets_E)
         gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate_AI) * up_AI, w2_EDI.transpose(-2, -1), offs=offsets_E)
-    # Per-expert loop (reference / fallback). Host sync: Python needs the group sizes to slice.
+    # Per-expert loop (moe_impl='loop', or shapes/dtypes grouped GEMM cannot take; the trainer logs
+    # which layer and why once, see moe_gemm_fallbacks). Host sync: Python slices by group size.
     chunks = x_AD.split(counts_E.tolist() if sizes_E is None else sizes_E)
     return torch.cat([swiglu(chunk, w13_E2ID[e], w2_EDI[e]) for e, chunk in enumerate(chunks)])
+
+
+def moe_gemm_fallbacks(moe_layers, device_type: str, dtype: torch.dtype, compiling: bool) -> list[str]:
+    """One line per layer whose routed experts will use the per-expert loop, and why (for the run log).
+
+    `dtype` is the compute dtype of the run (autocast's or FSDP's param_dtype): the one the
+    experts see, since run_experts casts to it.
+    """
+    lines = []
+    for index, moe in enumerate(moe_layers):
+        impl = getattr(moe.experts, "impl", None)  # None: a converted module (float8) with its own kernels
+        if impl is None:
+            continue
+        w2 = moe.experts.w2
+        path, why = gemm_path(device_type, dtype, compiling, w2.shape[1], w2.shape[2], impl)
+        if path == "loop":
+            lines.append(f"layer {index}: routed experts use the per-expert loop ({why})")
+    return lines
 
 
 class SharedExpert(nn.Module):
