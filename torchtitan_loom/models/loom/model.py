@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.attention import build_attention_mask, rope_cos_sin
+from torchtitan_loom.models.loom.attention import KVCache, build_attention_mask, build_cache_mask, rope_cos_sin
 from torchtitan_loom.models.loom.block import LoomBlock, rms_norm
 from torchtitan_loom.models.loom.looping_residual import Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
@@ -81,15 +81,22 @@ class LoomTransformer(nn.Module):
         loop_start: int = 1,
         loop_end: int | None = None,
         carry: LoopCarry | None = None,
+        cache: KVCache | None = None,
     ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global; loop_end None = H).
 
         loop_start = 1 starts from the embedding and needs carry=None; loop_start > 1 continues
         from `carry` (the state after loop_start - 1). See protocols.ModelOutput for the fields.
+        `cache` (incremental decoding): the tokens continue the cached positions of every row (one
+        document per row, doc_ids ignored); their K/V are appended to it. Nothing else is cached:
+        the Looping-Residual memories are per position, so the new positions start them fresh.
         """
         args = self.args
         loop_end = args.num_loops if loop_end is None else loop_end
         self._check_inputs(tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry)
+        if cache is not None and cache.past_len() + tokens_BS.shape[1] > args.max_seq_len:
+            raise ValueError(f"cached {cache.past_len()} + new {tokens_BS.shape[1]} positions exceed "
+                             f"max_seq_len={args.max_seq_len}")
 
         # The embedding is recomputed every call: later loops re-inject it (spec §6 item 2).
         e_BSD = self.tok_embeddings(tokens_BS) * math.sqrt(args.dim)
@@ -98,11 +105,14 @@ class LoomTransformer(nn.Module):
         else:
             z_BSD, h_mem = carry.z_BSD, Memory(carry.h_num_BSD, carry.h_den_BS1)
         rope = rope_cos_sin(positions_BS, args.head_dim, args.rope_theta)
-        attn_mask = build_attention_mask(args.attn_backend, doc_ids_BS)
+        if cache is None:
+            attn_mask = build_attention_mask(args.attn_backend, doc_ids_BS)
+        else:
+            attn_mask = build_cache_mask(cache.past_len(), tokens_BS.shape[1], tokens_BS.device)
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
 
         z_BSD, h_mem, counts_LTE, z_sq_X = self._region(
-            "segment", self._run_loops, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma)
+            "segment", self._run_loops, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, cache)
         if args.router_z_loss_coef > 0:
             aux_loss = args.router_z_loss_coef * z_sq_X.sum()
         else:
@@ -115,17 +125,17 @@ class LoomTransformer(nn.Module):
         wrapper = self.region_wrappers.get(scope)
         return fn(*fn_args) if wrapper is None else wrapper(fn, *fn_args)
 
-    def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma):
+    def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, cache=None):
         """Loops [loop_start, loop_end]: (z, H memory, counts [L, T, E], z-loss terms [L*T])."""
         counts_per_loop, z_terms = [], []
         for t in range(loop_start, loop_end + 1):
             z_BSD, h_mem, counts_LE, z_sq_L = self._region(
-                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma)
+                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, cache)
             counts_per_loop.append(counts_LE)
             z_terms.append(z_sq_L)
         return z_BSD, h_mem, torch.stack(counts_per_loop, dim=1), torch.cat(z_terms)
 
-    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma):
+    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, cache=None):
         """Loop t (1-based): injection, the L blocks, the final RMSNorm -> (z, H memory, counts [L, E], z-loss [L])."""
         args = self.args
         if t >= 2 and args.embed_inject_mode == "loop_start_mix_soft":
@@ -133,11 +143,12 @@ class LoomTransformer(nn.Module):
             z_BSD = (1.0 - g) * z_BSD + g * e_BSD
         l_mem = empty_memory(z_BSD)
         counts_per_layer, z_terms = [], []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             # Picked here, outside the block, so the block sees the router as a plain tensor.
             router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
+            kv_slot = None if cache is None else cache.slot(i, t)
             z_BSD, l_mem, h_mem, kept_E, z_sq = self._region(
-                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem)
+                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem, kv_slot)
             counts_per_layer.append(kept_E)
             z_terms.append(z_sq)
         return rms_norm(z_BSD, args.norm_eps), h_mem, torch.stack(counts_per_layer), torch.stack(z_terms)
