@@ -54,7 +54,7 @@ def find_checkpoint(path: str) -> str:
                       f"under it or under {os.path.join(path, 'checkpoint')}")
 
 
-def _model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
+def model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
     """(TrainSpec, model args) from a model_args.json payload."""
     import torchtitan_loom.models  # noqa: F401 - registers the model specs
     from torchtitan_loom.protocols import get_train_spec
@@ -97,7 +97,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> str:
     info = read_model_args(ckpt)
     if info is None:
         raise ExportError(f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be exported")
-    spec, args = _model_spec(info)
+    spec, args = model_spec(info)
     tensors = cast_for_export(_checkpoint_model(ckpt), DTYPES[dtype], _buffer_names(spec, args))
     os.makedirs(out, exist_ok=True)
     try:
@@ -141,7 +141,7 @@ def verify(ckpt: str, out: str) -> int:
     """Compare every exported tensor bit for bit with the DCP source; returns how many matched."""
     ckpt = find_checkpoint(ckpt)
     info, exported = read_export(out)
-    spec, args = _model_spec(info)
+    spec, args = model_spec(info)
     expected = cast_for_export(_checkpoint_model(ckpt), DTYPES[info["dtype"]], _buffer_names(spec, args))
     problems = [f"{k}: missing from the export" for k in sorted(expected.keys() - exported.keys())]
     problems += [f"{k}: not in the checkpoint" for k in sorted(exported.keys() - expected.keys())]
@@ -159,7 +159,7 @@ def verify(ckpt: str, out: str) -> int:
 def load_exported_model(out: str, device: str | torch.device = "cpu") -> nn.Module:
     """The model rebuilt from an export (fp32 parameters holding the exported values), in eval mode."""
     info, tensors = read_export(out)
-    spec, args = _model_spec(info)
+    spec, args = model_spec(info)
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device=device)
