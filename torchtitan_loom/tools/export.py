@@ -1,6 +1,6 @@
 """Export a checkpoint's model for inference or another framework: one consolidated file + args.
 
-    python -m torchtitan_loom.tools.export CKPT OUT [--dtype fp32|bf16] [--verify]
+    python -m torchtitan_loom.tools.export CKPT OUT [--dtype fp32|bf16] [--verify] [--format safetensors|hf]
 
 CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder or a run's
 dump folder (the newest complete checkpoint inside is used). OUT receives:
@@ -13,7 +13,8 @@ dump folder (the newest complete checkpoint inside is used). OUT receives:
 Only the model is exported (no optimizer: about a third of the checkpoint). ``--dtype bf16``
 casts the parameters; buffers (the expert bias, which decides routing) stay fp32. ``--verify``
 reads the written file back and compares every tensor bit for bit with the DCP source (cast the
-same way). The checkpoint is read without a process group, so any world size's checkpoint works
+same way). ``--format hf`` writes a Hugging Face folder instead (tools/hf_export.py): config.json,
+a generated standalone modeling_loom.py, model.safetensors and the pack's HF tokenizer files. The checkpoint is read without a process group, so any world size's checkpoint works
 on one CPU process. ``load_exported_model(OUT)`` rebuilds the model from the export.
 """
 
@@ -177,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output directory")
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="parameter dtype of the export")
     parser.add_argument("--verify", action="store_true", help="re-read the export and compare it bit for bit")
+    parser.add_argument("--format", default="safetensors", choices=("safetensors", "hf"),
+                        help="safetensors: model file + model_args.json; hf: a transformers folder "
+                             "(AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True))")
     ns = parser.parse_args(argv)
+    if ns.format == "hf":
+        return _main_hf(ns)
     try:
         path = export(ns.ckpt, ns.out, ns.dtype)
         print(f"exported {find_checkpoint(ns.ckpt)} → {path} ({ns.dtype})")
@@ -186,6 +192,31 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, OSError) as exc:
         print(f"export error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _main_hf(ns: argparse.Namespace) -> int:
+    from torchtitan_loom.tools.hf_export import export_hf
+    from torchtitan_loom.tools.loading import LoadError, load, load_tokenizer
+
+    if ns.verify:
+        print("export error: --verify applies to --format safetensors only", file=sys.stderr)
+        return 2
+    try:
+        loaded = load(ns.ckpt, need_tokenizer=False)
+        try:
+            loaded.tokenizer = load_tokenizer(loaded.pack_path, None, loaded.args.vocab_size, loaded.checkpoint)
+        except LoadError as exc:
+            print(f"export: no tokenizer files ({exc})", file=sys.stderr)
+        files = export_hf(loaded, ns.out, DTYPES[ns.dtype])
+    except (LoadError, OSError) as exc:
+        print(f"export error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"export error: --format hf needs safetensors ({exc}); pip install 'torchtitan_loom[hf]'", file=sys.stderr)
+        return 2
+    print(f"exported {loaded.checkpoint} (step {loaded.step}) → {ns.out} as a Hugging Face folder "
+          f"({ns.dtype}): {', '.join(files)}")
     return 0
 
 
