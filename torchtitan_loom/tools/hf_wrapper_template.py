@@ -32,8 +32,9 @@ class LoomConfig(PretrainedConfig):
 class LoomForCausalLM(PreTrainedModel, GenerationMixin):
     """LoomTransformer (capacity dropping off, sdpa attention) behind the causal-LM interface.
 
-    A 0 in ``attention_mask`` marks padding: padded positions form their own document, so real
-    tokens never attend to them, and positions count real tokens only (left padding works).
+    A 0 in ``attention_mask`` marks padding: padded positions get doc id -1 (the model's padding
+    convention), so real tokens never attend to them, and positions count real tokens only (left
+    padding works).
     """
 
     config_class = LoomConfig
@@ -62,7 +63,7 @@ class LoomForCausalLM(PreTrainedModel, GenerationMixin):
             attention_mask = torch.ones_like(input_ids)
         real_BS = attention_mask.to(torch.long)
         positions_BS = (real_BS.cumsum(dim=1) - 1).clamp_min(0)
-        out = self.model(input_ids, positions_BS, real_BS, loop_end=self.config.loops)
+        out = self.model(input_ids, positions_BS, real_BS - 1, loop_end=self.config.loops)
         loss = None
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(out.logits_BSV[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),

@@ -89,12 +89,14 @@ class LoomLM(LM):
                 targets.append(full[len(full) - min(len(cont), len(full) - 1):])
             S = max(len(x) for x in inputs)
             tokens_BS = torch.zeros(len(idx), S, dtype=torch.long)
+            doc_BS = torch.full((len(idx), S), -1, dtype=torch.long)  # -1 = padding (the model's convention)
             for b, x in enumerate(inputs):
                 tokens_BS[b, :len(x)] = torch.tensor(x)
-            tokens_BS = tokens_BS.to(self._device)
+                doc_BS[b, :len(x)] = 0
+            tokens_BS, doc_BS = tokens_BS.to(self._device), doc_BS.to(self._device)
             positions_BS = torch.arange(S, device=self._device).expand_as(tokens_BS)
-            # One document per row: padding sits after the real tokens, which (causal) never see it.
-            out = self.model(tokens_BS, positions_BS, torch.zeros_like(tokens_BS), loop_end=self.loops)
+            # One document per row; the padding after it is never seen by the real tokens (causal).
+            out = self.model(tokens_BS, positions_BS, doc_BS, loop_end=self.loops)
             logp_BSV = F.log_softmax(out.logits_BSV.float(), dim=-1)
             for b, i in enumerate(idx):
                 n, length = len(targets[b]), len(inputs[b])
