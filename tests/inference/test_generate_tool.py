@@ -4,7 +4,6 @@ export; cached greedy decoding equals recomputing the prefix on a trained model;
 import os
 import shutil
 
-import pytest
 import torch
 
 from torchtitan_loom.tools import export as export_tool

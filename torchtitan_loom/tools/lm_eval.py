@@ -85,7 +85,7 @@ def summary_table(results: dict[str, Any]) -> str:
     lines = ["| task | metric | value | stderr |", "|---|---|---|---|"]
     for task, metrics in sorted(results.items()):
         for key, value in sorted(metrics.items()):
-            if not isinstance(value, (int, float)) or "_stderr" in key or key == "alias":
+            if not isinstance(value, (int, float)) or "_stderr" in key or key in ("alias", "sample_len"):
                 continue
             metric = key.split(",")[0]
             err = metrics.get(key.replace(metric, metric + "_stderr", 1))
