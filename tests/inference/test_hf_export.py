@@ -90,3 +90,16 @@ def test_hf_tokenizer_of_the_pack_is_exported(tmp_path):
     text = "the cat sat on 12+30"
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert hf_tok.eos_token_id == ours.eos_id
+
+
+def test_hf_export_of_a_missing_or_incomplete_checkpoint_is_exit_2(trained_run, tmp_path, capsys):
+    import shutil
+
+    torn = tmp_path / "torn"
+    shutil.copytree(trained_run / "checkpoint" / "step-20", torn)
+    os.remove(torn / "COMPLETE")
+    for ckpt, expected in ((tmp_path / "none", "no such file or directory"), (torn, "incomplete checkpoint")):
+        assert export_tool.main([str(ckpt), str(tmp_path / "out"), "--format", "hf"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("export error: ") and err.count("\n") == 1 and expected in err, err
+    assert not os.path.exists(tmp_path / "out")
