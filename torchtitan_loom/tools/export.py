@@ -1,6 +1,6 @@
 """Export a checkpoint's model for inference or another framework: one consolidated file + args.
 
-    python -m torchtitan_loom.tools.export CKPT OUT [--dtype fp32|bf16] [--verify]
+    python -m torchtitan_loom.tools.export CKPT OUT [--dtype fp32|bf16] [--verify] [--format safetensors|hf]
 
 CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder or a run's
 dump folder (the newest complete checkpoint inside is used). OUT receives:
@@ -13,7 +13,8 @@ dump folder (the newest complete checkpoint inside is used). OUT receives:
 Only the model is exported (no optimizer: about a third of the checkpoint). ``--dtype bf16``
 casts the parameters; buffers (the expert bias, which decides routing) stay fp32. ``--verify``
 reads the written file back and compares every tensor bit for bit with the DCP source (cast the
-same way). The checkpoint is read without a process group, so any world size's checkpoint works
+same way). ``--format hf`` writes a Hugging Face folder instead (tools/hf_export.py): config.json,
+a generated standalone modeling_loom.py, model.safetensors and the pack's HF tokenizer files. The checkpoint is read without a process group, so any world size's checkpoint works
 on one CPU process. ``load_exported_model(OUT)`` rebuilds the model from the export.
 """
 
@@ -55,7 +56,7 @@ def find_checkpoint(path: str) -> str:
                       f"under it or under {os.path.join(path, 'checkpoint')}")
 
 
-def _model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
+def model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
     """(TrainSpec, model args) from a model_args.json payload."""
     import torchtitan_loom.models  # noqa: F401 - registers the model specs
     from torchtitan_loom.protocols import get_train_spec
@@ -98,7 +99,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> str:
     info = read_model_args(ckpt)
     if info is None:
         raise ExportError(f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be exported")
-    spec, args = _model_spec(info)
+    spec, args = model_spec(info)
     tensors = cast_for_export(_checkpoint_model(ckpt), DTYPES[dtype], _buffer_names(spec, args))
     os.makedirs(out, exist_ok=True)
     try:
@@ -149,7 +150,7 @@ def verify(ckpt: str, out: str) -> int:
     """Compare every exported tensor bit for bit with the DCP source; returns how many matched."""
     ckpt = find_checkpoint(ckpt)
     info, exported = read_export(out)
-    spec, args = _model_spec(info)
+    spec, args = model_spec(info)
     source = _checkpoint_model(ckpt)
     bad = integrity.nonfinite_names(source)
     if bad:
@@ -171,7 +172,7 @@ def verify(ckpt: str, out: str) -> int:
 def load_exported_model(out: str, device: str | torch.device = "cpu") -> nn.Module:
     """The model rebuilt from an export (fp32 parameters holding the exported values), in eval mode."""
     info, tensors = read_export(out)
-    spec, args = _model_spec(info)
+    spec, args = model_spec(info)
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device=device)
@@ -188,7 +189,7 @@ def load_checkpoint_model(ckpt: str, device: str | torch.device = "cpu") -> tupl
     info = read_model_args(ckpt)
     if info is None:
         raise ExportError(f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be read")
-    spec, args = _model_spec(info)
+    spec, args = model_spec(info)
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device=device)
@@ -206,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output directory")
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="parameter dtype of the export")
     parser.add_argument("--verify", action="store_true", help="re-read the export and compare it bit for bit")
+    parser.add_argument("--format", default="safetensors", choices=("safetensors", "hf"),
+                        help="safetensors: model file + model_args.json; hf: a transformers folder "
+                             "(AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True))")
     ns = parser.parse_args(argv)
+    if ns.format == "hf":
+        return _main_hf(ns)
     try:
         path = export(ns.ckpt, ns.out, ns.dtype)
         print(f"exported {find_checkpoint(ns.ckpt)} → {path} ({ns.dtype})")
@@ -215,6 +221,31 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, OSError) as exc:
         print(f"export error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _main_hf(ns: argparse.Namespace) -> int:
+    from torchtitan_loom.tools.hf_export import export_hf
+    from torchtitan_loom.tools.loading import LoadError, load, load_tokenizer
+
+    if ns.verify:
+        print("export error: --verify applies to --format safetensors only", file=sys.stderr)
+        return 2
+    try:
+        loaded = load(ns.ckpt, need_tokenizer=False)
+        try:
+            loaded.tokenizer = load_tokenizer(loaded.pack_path, None, loaded.args.vocab_size, loaded.checkpoint)
+        except LoadError as exc:
+            print(f"export: no tokenizer files ({exc})", file=sys.stderr)
+        files = export_hf(loaded, ns.out, DTYPES[ns.dtype])
+    except (LoadError, OSError) as exc:
+        print(f"export error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"export error: --format hf needs safetensors ({exc}); pip install 'torchtitan_loom[hf]'", file=sys.stderr)
+        return 2
+    print(f"exported {loaded.checkpoint} (step {loaded.step}) → {ns.out} as a Hugging Face folder "
+          f"({ns.dtype}): {', '.join(files)}")
     return 0
 
 

@@ -7,6 +7,8 @@ Three interchangeable kernels compute the same math, chosen by `LoomModelArgs.at
 "auto" picks one of them per forward from the device and the compute dtype (resolve_attn_backend);
 the mask's type then tells each layer which kernel it was built for (mask_backend).
 A mask is built once per forward by `build_attention_mask` and reused by every layer and loop.
+Incremental decoding (a `KVCache`) always runs the "sdpa" kernel: the new queries attend to the
+cached keys of the same (layer, loop) plus their own, causally (one document per row).
 
 A position attends to position j of the same row iff doc_ids are equal and j <= i. Documents are
 contiguous runs in a row (the data contract); the varlen backend relies on that. Padding (doc id
@@ -16,7 +18,8 @@ among itself, which keeps every softmax row non-empty (no NaN, also for a fully 
 GQA convention: query head h uses kv head h // (n_heads // n_kv_heads) (as flash-attn and
 torch's enable_gqa do).
 
-Legend: B batch rows, S sequence length, D model dim, H query heads, K kv heads, d head dim.
+Legend: B batch rows, S sequence length, D model dim, H query heads, K kv heads, d head dim;
+with a cache: N new positions, P cached + new key positions.
 """
 
 from __future__ import annotations
@@ -151,11 +154,55 @@ def _import_flash_attn():
             "only); it is not importable here. Use attn_backend='sdpa' or 'flex'.") from err
 
 
+def build_cache_mask(past_len: int, new_len: int, device: torch.device) -> torch.Tensor:
+    """bool [1, 1, new, past + new] for incremental decoding: new query i sees keys j <= past + i."""
+    q_pos_N1 = torch.arange(past_len, past_len + new_len, device=device)[:, None]
+    k_pos_1P = torch.arange(past_len + new_len, device=device)[None, :]
+    return (k_pos_1P <= q_pos_N1)[None, None]
+
+
+class KVCache:
+    """Keys and values of every (layer, loop) already computed, for incremental decoding.
+
+    A LOOM layer runs once per loop with other inputs each time, so each (layer, loop) has its
+    own K/V. The Looping-Residual memories are per position (no mixing across tokens), so a new
+    position's memories are computed fresh and nothing else is cached. Tensors are [B, P, K, d].
+    """
+
+    def __init__(self) -> None:
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def past_len(self) -> int:
+        """Positions already cached (every filled slot holds the same number)."""
+        return next(iter(self.kv.values()))[0].shape[1] if self.kv else 0
+
+    def slot(self, layer: int, loop: int) -> "KVSlot":
+        """The handle one attention call appends to."""
+        return KVSlot(self, (layer, loop))
+
+
+class KVSlot:
+    """One (layer, loop) entry of a KVCache: `append` adds the new K/V and returns all of them."""
+
+    def __init__(self, cache: KVCache, key: tuple[int, int]) -> None:
+        self.cache, self.key = cache, key
+
+    def append(self, k_BSKd: torch.Tensor, v_BSKd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        old = self.cache.kv.get(self.key)
+        if old is not None:
+            k_BSKd, v_BSKd = torch.cat([old[0], k_BSKd], dim=1), torch.cat([old[1], v_BSKd], dim=1)
+        self.cache.kv[self.key] = (k_BSKd, v_BSKd)
+        return k_BSKd, v_BSKd
+
+
 # ---------------------------------------------------------------- kernels
 
 
 def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: torch.Tensor, mask: Any) -> torch.Tensor:
-    """Softmax(q k^T / sqrt(d)) v under the document-causal `mask`; returns [B, S, H, d]."""
+    """Softmax(q k^T / sqrt(d)) v under the document-causal `mask`; returns [B, S, H, d].
+
+    k and v may be longer than q (cached keys first; "sdpa" only).
+    """
     B, S, H, d = q_BSHd.shape
     K = k_BSKd.shape[2]
     if backend == "sdpa":
@@ -202,15 +249,24 @@ class GatedAttention(nn.Module):
         self.wqkv = nn.Linear(args.dim, qkv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
-        """Attention branch output a = W_o A (before the residual gain), [B, S, D]."""
+    def forward(self, h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask,
+                kv_slot: KVSlot | None = None) -> torch.Tensor:
+        """Attention branch output a = W_o A (before the residual gain), [B, S, D].
+
+        With `kv_slot` (incremental decoding) the keys/values of earlier positions come from the
+        cache and `mask` holds a `build_cache_mask` kernel mask.
+        """
         B, S, _ = h_BSD.shape
         H, K, d = self.n_heads, self.n_kv_heads, self.head_dim
         gate, q, k, v = self.wqkv(h_BSD).split([H * d, H * d, K * d, K * d], dim=-1)
         q_BSHd = apply_rope(q.view(B, S, H, d), *rope)
         k_BSKd = apply_rope(k.view(B, S, K, d), *rope)
+        v_BSKd = v.view(B, S, K, d)
         backend = mask_backend(mask.kernel) if self.backend == "auto" else self.backend
-        attn_BSHd = attend(backend, q_BSHd, k_BSKd, v.view(B, S, K, d), mask.kernel)
+        if kv_slot is not None:
+            k_BSKd, v_BSKd = kv_slot.append(k_BSKd, v_BSKd)
+            backend = "sdpa"
+        attn_BSHd = attend(backend, q_BSHd, k_BSKd, v_BSKd, mask.kernel)
         # where, not a product: an exact 0 for padding queries whatever the kernel gave them.
         attn_BSHd = torch.where(mask.real_BS11, attn_BSHd, attn_BSHd.new_zeros(()))
         gated_BSHd = torch.sigmoid(gate.view(B, S, H, d)) * attn_BSHd

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.attention import GatedAttention
+from torchtitan_loom.models.loom.attention import GatedAttention, KVSlot
 from torchtitan_loom.models.loom.looping_residual import Memory, looping_residual_write
 from torchtitan_loom.models.loom.moe import LoomMoE
 
@@ -83,9 +83,11 @@ class LoomBlock(nn.Module):
         l_mem: Memory,
         h_mem: Memory,
         return_topk: bool = False,
+        kv_slot: KVSlot | None = None,
     ) -> BlockOutput:
-        """Run the block once. `gamma` is a 0-d fp32 tensor; `router_w_ED` is this loop's router."""
-        o_BSD = gamma * self.attention(rms_norm(x_BSD, self.eps), rope, attn_mask)
+        """Run the block once. `gamma` is a 0-d fp32 tensor; `router_w_ED` is this loop's router;
+        `kv_slot` is this (layer, loop)'s entry of a KVCache when decoding incrementally."""
+        o_BSD = gamma * self.attention(rms_norm(x_BSD, self.eps), rope, attn_mask, kv_slot)
         if self.looping_residual:
             r_BSD, l_mem, h_mem = looping_residual_write(o_BSD, l_mem, h_mem, self.beta)
             x_BSD = x_BSD + r_BSD.to(x_BSD.dtype)

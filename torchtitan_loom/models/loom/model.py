@@ -26,7 +26,8 @@ from torch import nn
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import (
-    build_attention_mask, flash_attn_available, resolve_attn_backend, rope_cos_sin)
+    AttentionMask, KVCache, build_attention_mask, build_cache_mask, flash_attn_available,
+    resolve_attn_backend, rope_cos_sin)
 from torchtitan_loom.models.loom.block import LoomBlock, rms_norm
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.looping_residual import Memory, empty_memory
@@ -91,16 +92,23 @@ class LoomTransformer(nn.Module):
         loop_end: int | None = None,
         carry: LoopCarry | None = None,
         return_topk: bool = False,
+        cache: KVCache | None = None,
     ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global; loop_end None = H).
 
         loop_start = 1 starts from the embedding and needs carry=None; loop_start > 1 continues
         from `carry` (the state after loop_start - 1). return_topk=True also returns the routed
         expert ids (analysis only). See protocols.ModelOutput for the fields.
+        `cache` (incremental decoding): the tokens continue the cached positions of every row (one
+        document per row, doc_ids ignored); their K/V are appended to it. Nothing else is cached:
+        the Looping-Residual memories are per position, so the new positions start them fresh.
         """
         args = self.args
         loop_end = args.num_loops if loop_end is None else loop_end
         self._check_inputs(tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry)
+        if cache is not None and cache.past_len() + tokens_BS.shape[1] > args.max_seq_len:
+            raise ValueError(f"cached {cache.past_len()} + new {tokens_BS.shape[1]} positions exceed "
+                             f"max_seq_len={args.max_seq_len}")
 
         # The embedding is recomputed every call: later loops re-inject it (spec §6 item 2).
         e_BSD = self.tok_embeddings(tokens_BS) * math.sqrt(args.dim)
@@ -109,12 +117,16 @@ class LoomTransformer(nn.Module):
         else:
             z_BSD, h_mem = carry.z_BSD, Memory(carry.h_num_BSD, carry.h_den_BS1)
         rope = rope_cos_sin(positions_BS, args.head_dim, args.rope_theta)
-        attn_mask = build_attention_mask(self.attention_backend(e_BSD), doc_ids_BS)
+        if cache is None:
+            attn_mask = build_attention_mask(self.attention_backend(e_BSD), doc_ids_BS)
+        else:  # causal over the cached positions; every new position is a real query
+            attn_mask = AttentionMask(build_cache_mask(cache.past_len(), tokens_BS.shape[1], tokens_BS.device),
+                                      torch.ones_like(doc_ids_BS, dtype=torch.bool)[:, :, None, None])
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
 
         z_BSD, h_mem, counts_LTE, z_sq_X, topk_LTBSK = self._region(
             "segment", self._run_loops, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma,
-            return_topk)
+            return_topk, cache)
         if args.router_z_loss_coef > 0:
             aux_loss = args.router_z_loss_coef * z_sq_X.sum()
         else:
@@ -135,20 +147,21 @@ class LoomTransformer(nn.Module):
         wrapper = self.region_wrappers.get(scope)
         return fn(*fn_args) if wrapper is None else wrapper(fn, *fn_args)
 
-    def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False):
+    def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False,
+                   cache=None):
         """Loops [loop_start, loop_end]: (z, H memory, counts [L, T, E], z-loss terms [L*T],
         expert ids [L, T, B, S, K] or None)."""
         counts_per_loop, z_terms, topk_per_loop = [], [], []
         for t in range(loop_start, loop_end + 1):
             z_BSD, h_mem, counts_LE, z_sq_L, topk_LBSK = self._region(
-                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk)
+                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk, cache)
             counts_per_loop.append(counts_LE)
             z_terms.append(z_sq_L)
             topk_per_loop.append(topk_LBSK)
         topk_LTBSK = torch.stack(topk_per_loop, dim=1) if return_topk else None
         return z_BSD, h_mem, torch.stack(counts_per_loop, dim=1), torch.cat(z_terms), topk_LTBSK
 
-    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False):
+    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False, cache=None):
         """Loop t (1-based): injection, the L blocks, the final RMSNorm -> (z, H memory, counts [L, E],
         z-loss [L], expert ids [L, B, S, K] or None)."""
         args = self.args
@@ -157,11 +170,12 @@ class LoomTransformer(nn.Module):
             z_BSD = (1.0 - g) * z_BSD + g * e_BSD
         l_mem = empty_memory(z_BSD)
         counts_per_layer, z_terms, topk_per_layer = [], [], []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             # Picked here, outside the block, so the block sees the router as a plain tensor.
             router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
+            kv_slot = None if cache is None else cache.slot(i, t)
             z_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK = self._region(
-                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem, return_topk)
+                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem, return_topk, kv_slot)
             counts_per_layer.append(kept_E)
             z_terms.append(z_sq)
             topk_per_layer.append(expert_BSK)

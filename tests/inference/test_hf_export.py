@@ -1,0 +1,105 @@
+"""export --format hf: transformers loads the folder (trust_remote_code) and its logits equal the
+project model's in fp32; generate() works and matches the project's cached greedy decoding; the
+modeling file is generated from the model source and imports nothing from torchtitan_loom; an HF
+tokenizer of the pack travels with it."""
+
+import ast
+import inspect
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from torchtitan_loom.components.sampling import SamplingConfig, generate  # noqa: E402
+from torchtitan_loom.models.loom import attention, looping_residual, model  # noqa: E402
+from torchtitan_loom.tools import export as export_tool  # noqa: E402
+from torchtitan_loom.tools.hf_export import MODELING_FILE, _tokenizer_files, modeling_source  # noqa: E402
+from torchtitan_loom.tools.loading import Loaded, load  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_dir(trained_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    assert export_tool.main([str(trained_run), str(out), "--format", "hf"]) == 0
+    return out
+
+
+def test_folder_layout_and_standalone_generated_modeling_file(hf_dir):
+    cfg = json.load(open(hf_dir / "config.json"))
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_loom.LoomForCausalLM"
+    assert cfg["loom_args"]["num_loops"] == 3 and cfg["loom_args"]["capacity_factor"] == 1.5
+    assert cfg["torchtitan_loom"]["step"] == 40 and cfg["eos_token_id"] == 256
+    assert os.path.isfile(hf_dir / "model.safetensors")
+    src = (hf_dir / MODELING_FILE).read_text()
+    assert src == modeling_source()  # regenerated, not stored
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            assert not any(n.startswith("torchtitan_loom") for n in names), ast.unparse(node)
+    # The math is the package's own source, verbatim.
+    for fn in (looping_residual.looping_residual_write, attention.apply_rope, model.LoomTransformer._run_loop):
+        assert inspect.getsource(fn).strip() in src
+
+
+def test_logits_equal_the_project_model_and_generate_works(trained_run, hf_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True).eval()
+    ours = load(str(trained_run)).model
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(ids, torch.arange(20).expand_as(ids), torch.zeros_like(ids)).logits_BSV
+        got = hf(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+    # Left padding: the padded row's real positions equal the unpadded row's logits.
+    short = ids[1:, 5:]
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), short], dim=1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones_like(short)], dim=1)
+    with torch.no_grad():
+        alone = ours(short, torch.arange(15)[None], torch.zeros_like(short)).logits_BSV
+        in_batch = hf(padded, attention_mask=mask).logits[:, 5:]
+    torch.testing.assert_close(in_batch, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+    prompt = torch.tensor([list(b"the cat sat on")])
+    with torch.no_grad():
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+        ref = generate(ours, prompt, SamplingConfig(max_new_tokens=8, temperature=0), eos_id=256)
+    new = out[0, prompt.shape[1]:].tolist()
+    assert new == ref[0, :len(new)].tolist() and len(new) >= 1
+    assert bytes(t for t in new if t < 256).startswith(b" the mat")
+
+
+def test_hf_tokenizer_of_the_pack_is_exported(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from torchtitan_loom.components.tokenizer import HFTokenizer
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"])
+    tok.train_from_iterator(["the cat sat on the mat"] * 50 + ["12+30=42."] * 50, trainer=trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    args = type("Args", (), {"max_seq_len": 256})()
+    loaded = Loaded(model=None, args=args, checkpoint="", step=None, config=None, pack_path=None, tokenizer=ours)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _tokenizer_files(loaded, str(out)) == ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "the cat sat on 12+30"
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+    assert hf_tok.eos_token_id == ours.eos_id
+
+
+def test_hf_export_of_a_missing_or_incomplete_checkpoint_is_exit_2(trained_run, tmp_path, capsys):
+    import shutil
+
+    torn = tmp_path / "torn"
+    shutil.copytree(trained_run / "checkpoint" / "step-20", torn)
+    os.remove(torn / "COMPLETE")
+    for ckpt, expected in ((tmp_path / "none", "no such file or directory"), (torn, "incomplete checkpoint")):
+        assert export_tool.main([str(ckpt), str(tmp_path / "out"), "--format", "hf"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("export error: ") and err.count("\n") == 1 and expected in err, err
+    assert not os.path.exists(tmp_path / "out")

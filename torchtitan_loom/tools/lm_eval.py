@@ -1,0 +1,200 @@
+"""Score a trained LOOM checkpoint with lm-eval (zero-shot benchmarks), after a holdout check.
+
+    python -m torchtitan_loom.tools.lm_eval CKPT --tasks arc_easy,hellaswag [--limit N --batch-size B
+        --loops H' --param-dtype fp32|bf16 --holdout-check on|off|record --holdout-threshold 0.005
+        --tasks-dir DIR --only-tasks-dir --device cpu|cuda]
+    torchrun --nproc_per_node 4 -m torchtitan_loom.tools.lm_eval CKPT --tasks ...   # requests split over ranks
+
+Before scoring, the checkpoint's held-out loss is recomputed and compared with the eval_loss its
+run logged at that step (tools/holdout.py); ``on`` refuses to score on a gap above the threshold.
+Scoring runs with capacity dropping off and fp32 parameters by default, so a question's score does
+not depend on its batch. Results go to ``<CKPT>/eval_results/<timestamp>/results.json`` (metrics,
+per-sample scores, step, commit, config, holdout) and ``summary.md``. Needs ``pip install
+torchtitan_loom[eval]``. Bad input: one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from torchtitan_loom.tools.holdout import MODES, check
+from torchtitan_loom.tools.loading import LoadError, check_loops, load
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_THRESHOLD = 0.005
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.lm_eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("ckpt", help="run folder, step-N checkpoint directory or export folder")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--limit", type=int, default=None, help="at most N documents per task")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (scores do not depend on it)")
+    p.add_argument("--loops", type=int, default=None, help="score after loop H' (1..H); default H")
+    p.add_argument("--param-dtype", default="fp32", choices=tuple(PARAM_DTYPES), help="parameter dtype while scoring")
+    p.add_argument("--holdout-check", default="on", choices=MODES, help="compare the recomputed held-out loss "
+                   "with the logged one: on = refuse on a gap, record = only record it, off = skip")
+    p.add_argument("--holdout-threshold", type=float, default=DEFAULT_THRESHOLD, help="largest allowed gap")
+    p.add_argument("--tasks-dir", default=None, help="extra directory of lm-eval task YAML files")
+    p.add_argument("--only-tasks-dir", action="store_true", help="index only --tasks-dir (skips lm-eval's own "
+                   "~15k task configs, which take ~30 s to index)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
+    p.add_argument("--tokenizer", default=None, help="override the pack's tokenizer (must match it)")
+    p.add_argument("--out", default=None, help="results root; default <CKPT>/eval_results")
+    return p
+
+
+def _commit() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _task_manager(ns: argparse.Namespace, tasks: list[str]):
+    from lm_eval.tasks import TaskManager
+
+    if ns.tasks_dir is not None and not os.path.isdir(ns.tasks_dir):
+        raise LoadError(f"--tasks-dir {ns.tasks_dir}: not a directory")
+    if ns.only_tasks_dir and ns.tasks_dir is None:
+        raise LoadError("--only-tasks-dir needs --tasks-dir")
+    tm = TaskManager(include_path=ns.tasks_dir, include_defaults=not ns.only_tasks_dir)
+    known = set(tm.all_tasks)
+    for name in tasks:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise LoadError(f"--tasks: lm-eval knows no task {name!r}{hint}")
+    return tm
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    """Markdown table: task, metric, value, stderr."""
+    lines = ["| task | metric | value | stderr |", "|---|---|---|---|"]
+    for task, metrics in sorted(results.items()):
+        for key, value in sorted(metrics.items()):
+            if not isinstance(value, (int, float)) or "_stderr" in key or key in ("alias", "sample_len"):
+                continue
+            metric = key.split(",")[0]
+            err = metrics.get(key.replace(metric, metric + "_stderr", 1))
+            err_s = f"{err:.4f}" if isinstance(err, (int, float)) else "-"
+            lines.append(f"| {task} | {metric} | {value:.4f} | {err_s} |")
+    return "\n".join(lines)
+
+
+def _samples(samples: dict[str, list[dict]] | None) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for task, rows in (samples or {}).items():
+        out[task] = [{"doc_id": r["doc_id"], "target": r["target"],
+                      "resps": [[list(x) if isinstance(x, tuple) else x for x in resp] for resp in r["filtered_resps"]]
+                      if r["filtered_resps"] and isinstance(r["filtered_resps"][0], (list, tuple))
+                      else r["filtered_resps"],
+                      **{m: r[m] for m in r.get("metrics", []) if m in r}} for r in rows]
+    return out
+
+
+def write_results(root: str, payload: dict[str, Any]) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = os.path.join(root, stamp)
+    n = 1
+    while os.path.exists(out):
+        n += 1
+        out = os.path.join(root, f"{stamp}-{n}")
+    os.makedirs(out)
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump(payload, fh, indent=2, default=str)
+        fh.write("\n")
+    with open(os.path.join(out, "summary.md"), "w") as fh:
+        fh.write(f"# lm-eval of {payload['checkpoint']} (step {payload['step']})\n\n")
+        fh.write(summary_table(payload["results"]) + "\n")
+    return out
+
+
+def run(ns: argparse.Namespace) -> str | None:
+    """Check, score, write; returns the results folder on rank 0 (None on other ranks)."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise LoadError("lm-eval is not installed: pip install 'torchtitan_loom[eval]'") from None
+    from lm_eval import simple_evaluate
+
+    from torchtitan_loom.distributed import utils as dist_utils
+    from torchtitan_loom.tools.lm_eval_adapter import LoomLM
+
+    if ns.batch_size < 1:
+        raise LoadError(f"--batch-size {ns.batch_size}: must be >= 1")
+    if ns.limit is not None and ns.limit < 1:
+        raise LoadError(f"--limit {ns.limit}: must be >= 1")
+    if ns.holdout_threshold < 0:
+        raise LoadError(f"--holdout-threshold {ns.holdout_threshold}: must be >= 0")
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
+    tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise LoadError("--tasks is empty: name at least one lm-eval task")
+    info = dist_utils.init_distributed(ns.device)
+    loaded = load(ns.ckpt, device=str(info.device), tokenizer=ns.tokenizer)
+    loops = check_loops(ns.loops, loaded.args.num_loops)
+    tm = _task_manager(ns, tasks)
+    holdout = check(loaded, ns.holdout_check, ns.holdout_threshold, info.device, info.rank, info.world_size)
+    if info.rank == 0 and holdout.recomputed is not None:
+        logged = "none logged" if holdout.logged is None else f"logged {holdout.logged:.5f}"
+        print(f"holdout check ({holdout.mode}): recomputed eval loss {holdout.recomputed:.5f}, {logged}")
+    model = loaded.model
+    if ns.param_dtype != "fp32":
+        saved = [m.expert_bias.clone() for m in model.moe_layers()]
+        model.to(PARAM_DTYPES[ns.param_dtype])
+        for m, bias in zip(model.moe_layers(), saved):  # the expert bias decides routing: it stays fp32
+            m.expert_bias = bias
+    lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
+    res = simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=ns.limit, log_samples=True,
+                          bootstrap_iters=1000)
+    if info.rank != 0:
+        return None
+    payload = {
+        "checkpoint": os.path.abspath(loaded.checkpoint), "step": loaded.step, "commit": _commit(),
+        "model": {"name": loaded.name, "flavor": loaded.flavor, "args": dataclasses.asdict(loaded.args)},
+        "config": None if loaded.config is None else dataclasses.asdict(loaded.config),
+        "scoring": {"tasks": tasks, "limit": ns.limit, "batch_size": ns.batch_size, "loops": loops,
+                    "param_dtype": ns.param_dtype, "capacity": "off", "world_size": info.world_size,
+                    "lm_eval_version": getattr(lm_eval, "__version__", None)},
+        "holdout": holdout.as_dict(),
+        "results": res["results"],
+        "samples": _samples(res.get("samples")),
+    }
+    out = write_results(ns.out or os.path.join(loaded.checkpoint, "eval_results"), payload)
+    print(summary_table(res["results"]))
+    print(f"results: {os.path.join(out, 'results.json')}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torchtitan_loom.distributed import utils as dist_utils
+
+    ns = build_parser().parse_args(argv)
+    finished = False
+    try:
+        run(ns)
+        finished = True
+    except LoadError as exc:
+        print(f"lm_eval error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        dist_utils.destroy_distributed(wait_for_all=finished)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

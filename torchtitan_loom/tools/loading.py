@@ -1,0 +1,191 @@
+"""Load a trained model for inference: the one loader behind generate, lm_eval and export --format hf.
+
+CKPT may be a run folder (the newest complete checkpoint under it or its ``checkpoint/``), a
+``step-N`` DCP directory (read in this one process, whatever world size saved it) or an export
+folder of ``tools/export.py`` (``model_args.json`` + ``model.safetensors``). The model comes back
+in fp32, in eval mode, with MoE capacity dropping off (a token's experts must not depend on which
+other tokens share its call) and the "sdpa" attention kernel (the same math as the others).
+
+The tokenizer is the one the training pack recorded in its ``metadata.json`` (``byte`` or a
+Hugging Face ``tokenizer.json``); ``tokenizer=`` overrides it only with a tokenizer that matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
+from torchtitan_loom.components.tokenizer import Tokenizer, build_tokenizer, same_tokenizer_name
+
+
+class LoadError(ValueError):
+    """A checkpoint, tokenizer or pack that cannot be used; the message names it and what is valid."""
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What the inference tools need from a checkpoint."""
+
+    model: torch.nn.Module
+    args: Any  # the model args as trained (capacity and backend as saved)
+    checkpoint: str  # the resolved directory (DCP step-N or export folder)
+    step: int | None
+    config: Any | None  # the run's JobConfig (from config.toml), when the checkpoint has one
+    pack_path: Path | None  # the training pack (holdout + tokenizer), when it can be found
+    tokenizer: Tokenizer | None
+    flavor: str | None = None
+    name: str = "loom"
+
+
+def is_export_dir(path: str) -> bool:
+    info = layout.read_json(os.path.join(path, MODEL_ARGS_FILE))
+    return bool(info) and "file" in info
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The export folder or the complete DCP directory that ``path`` names (LoadError otherwise)."""
+    from torchtitan_loom.tools.export import ExportError, find_checkpoint
+
+    if not os.path.exists(path):
+        raise LoadError(f"checkpoint {path}: no such file or directory; pass a run folder, a step-N "
+                        "checkpoint directory or an export folder")
+    if is_export_dir(path):
+        return path
+    try:
+        return find_checkpoint(path)
+    except ExportError as exc:
+        raise LoadError(f"checkpoint {exc}") from None
+
+
+def inference_args(args: Any) -> Any:
+    """The args the inference model runs with: capacity off, the sdpa kernel."""
+    return args.replace(capacity_factor=0, attn_backend="sdpa")
+
+
+def _build(spec: Any, args: Any, tensors: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = spec.model_cls(inference_args(args))
+    model.to_empty(device=device)
+    tensors = {k: v.float() if torch.is_floating_point(v) else v for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise LoadError(f"checkpoint tensors do not fit the model: missing {sorted(missing)[:4]}, "
+                        f"unexpected {sorted(unexpected)[:4]}")
+    return model.eval()
+
+
+def _read_config(directory: str) -> Any | None:
+    path = os.path.join(directory, "config.toml")
+    if not os.path.isfile(path):
+        return None
+    from torchtitan_loom.config import ConfigError, load_config
+
+    try:
+        return load_config(["--job.config_file", path])
+    except ConfigError:
+        return None  # a config of another version: the model still loads, the holdout check cannot run
+
+
+def _pack_path(config: Any | None) -> Path | None:
+    if config is None:
+        return None
+    if config.data.path:
+        return Path(config.data.path)
+    from torchtitan_loom.components.data import bundled_corpus_path
+
+    return bundled_corpus_path(config.data.cache_dir or None)
+
+
+def pack_tokenizer_info(pack: Path) -> dict[str, Any]:
+    """tokenizer_info of a pack's metadata.json (LoadError when unreadable)."""
+    from torchtitan_loom.components.data.pack_format import PackError, read_metadata
+
+    try:
+        return read_metadata(Path(pack))["tokenizer_info"]
+    except PackError as exc:
+        raise LoadError(str(exc)) from None
+
+
+def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
+    """The pack's tokenizer, or ``override`` when it matches the pack (same name and vocab)."""
+    info = pack_tokenizer_info(pack) if pack is not None and (Path(pack) / "metadata.json").is_file() else None
+    name = override
+    if info is not None:
+        recorded = str(info.get("name_or_path", ""))
+        if override is not None and not same_tokenizer_name(override, recorded):
+            raise LoadError(f"--tokenizer {override!r} does not match the pack {pack}, which was tokenised "
+                            f"with {recorded!r}; pass that tokenizer or leave --tokenizer unset")
+        name = override or recorded
+        if name != "byte" and not Path(name).exists() and export_dir and Path(export_dir, "tokenizer.json").is_file():
+            name = export_dir  # the pack's HF tokenizer moved; the export carries a copy
+    elif name is None and export_dir and Path(export_dir, "tokenizer.json").is_file():
+        name = export_dir
+    if name is None:
+        raise LoadError("no tokenizer: the checkpoint's training pack is not readable here; pass --tokenizer "
+                        "('byte' or the tokenizer.json the pack was written with)")
+    try:
+        tok = build_tokenizer(name)
+    except (ValueError, ImportError) as exc:
+        raise LoadError(str(exc)) from None
+    if info is not None and int(info["vocab_size"]) != tok.vocab_size:
+        raise LoadError(f"tokenizer {name!r} has {tok.vocab_size} ids, the pack {pack} recorded "
+                        f"{info['vocab_size']}; pass the tokenizer the pack was written with")
+    if tok.vocab_size > model_vocab:
+        raise LoadError(f"tokenizer {name!r} has {tok.vocab_size} ids, more than the model's vocab_size {model_vocab}")
+    return tok
+
+
+def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_tokenizer: bool = True) -> Loaded:
+    """Resolve ``path``, rebuild the model in fp32 with capacity off, find config, pack and tokenizer."""
+    from torchtitan_loom.tools.export import model_spec, read_export
+
+    ckpt = resolve_checkpoint(path)
+    if is_export_dir(ckpt):
+        info, tensors = read_export(ckpt)
+        config = _read_config(ckpt)
+        step = info.get("step")
+        export_dir: str | None = ckpt
+    else:
+        from torchtitan_loom.components.checkpoint.state import load_full
+
+        info = read_model_args(ckpt)
+        if info is None:
+            raise LoadError(f"checkpoint {ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom load")
+        tensors = load_full(ckpt, prefix="model.")
+        config = _read_config(ckpt)
+        step = (layout.read_json(os.path.join(ckpt, "meta.json")) or {}).get("step")
+        export_dir = None
+    spec, args = model_spec(info)
+    model = _build(spec, args, tensors, device)
+    try:
+        pack = _pack_path(config)
+    except Exception as exc:  # noqa: BLE001 - a missing or broken pack only matters for the tokenizer
+        raise LoadError(f"the checkpoint's training pack cannot be opened: {exc}") from None
+    tok = load_tokenizer(pack, tokenizer, args.vocab_size, export_dir) if need_tokenizer else None
+    return Loaded(model=model, args=args, checkpoint=ckpt, step=step, config=config, pack_path=pack,
+                  tokenizer=tok, flavor=info.get("flavor"), name=info["name"])
+
+
+def check_loops(loops: int | None, num_loops: int) -> int:
+    """--loops H' (1 <= H' <= H); None = H."""
+    if loops is None:
+        return num_loops
+    if not 1 <= loops <= num_loops:
+        raise LoadError(f"--loops {loops}: out of range; valid 1..{num_loops} (the model's H)")
+    return loops
+
+
+def run_folder(checkpoint: str) -> str | None:
+    """The run's dump folder (the one holding metrics.jsonl) above a step-N directory."""
+    d = os.path.abspath(checkpoint)
+    for _ in range(4):
+        if os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            return d
+        d = os.path.dirname(d)
+    return None
