@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval")
 
-from conftest import TASKS_DIR  # noqa: E402
+# The tiny local tasks (lm-eval YAML + jsonl); nothing can be downloaded in tests.
+TASKS_DIR = os.path.join(os.path.dirname(__file__), "tiny_tasks")
+
 from torchtitan_loom.tools import export as export_tool  # noqa: E402
 from torchtitan_loom.tools import lm_eval as eval_tool  # noqa: E402
 from torchtitan_loom.tools.loading import load  # noqa: E402
