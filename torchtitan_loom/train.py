@@ -22,6 +22,7 @@ import torch
 from torchtitan_loom.components.checkpoint import CheckpointError, CheckpointManager
 from torchtitan_loom.components.data import PackError, build_eval_loader, build_train_loader, bundled_corpus_path
 from torchtitan_loom.components.float8 import build_float8_converter
+from torchtitan_loom.components.gc_control import GarbageCollection
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops, throughput
@@ -283,9 +284,18 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         last_time, last_step = time.perf_counter(), self.state.step
         exit_code = 0
+        gc_control = GarbageCollection(t.gc_freq)
+        first_step = True
         while self.state.step < t.steps:
             out = self.train_step(next(data_iter))
             step = self.state.step
+            gc_control.step(step)
+            if first_step and self.info.world_size > 1:  # init is over: the shorter train timeout from now on
+                now_s = dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds,
+                                                   dist_utils.mesh_groups(self.parallel_dims))
+                self.log(f"comm: collective timeout {cfg.comm.init_timeout_seconds} s during init, "
+                         f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)")
+            first_step = False
             scalars: dict[str, Any] = {}
             if step % cfg.metrics.log_freq == 0 or step == t.steps or out.skip_reason:
                 now = time.perf_counter()
@@ -317,6 +327,7 @@ class Trainer:
                 break
         self.checkpointer.close()
         self.metrics.close()
+        gc_control.close()
         return exit_code
 
     def _write_spike_abort(self, step: int, reason: str) -> None:
@@ -351,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(dry_run(cfg, *resolved))
         return 0
-    info = dist_utils.init_distributed(cfg.training.device)
+    info = dist_utils.init_distributed(cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds)
     finished = False
     try:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)

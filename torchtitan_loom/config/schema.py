@@ -89,6 +89,9 @@ class Training:
                                "model args' init_seed; the start line prints it).")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower).")
     device: str = opt("auto", "auto: cuda when available, else cpu.", choices=DEVICES)
+    gc_freq: int = opt(50, "Python's automatic GC is off; gc.collect(1) runs after every N-th step on every rank "
+                           "at once, so no rank stalls at a random step and holds the others up; 0 leaves "
+                           "Python's GC on.")
 
 
 @dataclass
@@ -144,6 +147,9 @@ class Metrics:
     enable_tensorboard: bool = opt(True, "Write TensorBoard event files under <dump_folder>/<tb_folder>.")
     tb_folder: str = opt("tb", "TensorBoard sub-folder of job.dump_folder.")
     log_rank: int = opt(0, "The rank that writes logs.")
+    enable_wandb: bool = opt(False, "Also log the same scalars to Weights & Biases (pip install wandb; project "
+                                    "from $WANDB_PROJECT, default torchtitan_loom; WANDB_MODE=offline writes "
+                                    "under <dump_folder>/wandb without a network).")
 
 
 @dataclass
@@ -162,7 +168,9 @@ class Checkpoint:
                                      "folder: its newest complete one), used when this run has no checkpoint "
                                      "yet; optimizer, schedule, data and step start fresh.")
     async_mode: str = opt("disabled", "async: stage to CPU memory, then write in a background thread over "
-                                      "its own gloo group while training continues.",
+                                      "its own gloo group while training continues. async_with_pinned_mem: the "
+                                      "same, staging into CPU buffers allocated once and reused by every save "
+                                      "(page-locked on CUDA, copied with non-blocking DMA).",
                           choices=ASYNC_MODES)
     save_on_signal: bool = opt(True, "On SIGTERM or SIGUSR1: finish the current step, save, exit 0.")
     exit_after_step: int = opt(0, "Save and exit 0 after this global step (job chains under a time "
@@ -231,6 +239,14 @@ class Float8:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout of the process group's collectives from start until the first "
+                                         "training step (rendezvous, init, checkpoint load, compile).")
+    train_timeout_seconds: int = opt(100, "Timeout of every collective once the first step finished (a hung "
+                                          "rank fails the job after this long instead of the init timeout).")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -246,6 +262,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -266,4 +283,5 @@ SECTION_DOCS = {
     "activation_checkpoint": "Activation recomputation per block, loop or segment.",
     "compile": "torch.compile per block.",
     "float8": "Float8 training via torchao (issue #7).",
+    "comm": "Process-group timeouts (TorchTitan's [comm]).",
 }

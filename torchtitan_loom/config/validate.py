@@ -66,6 +66,28 @@ def _pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
         return None
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _vocab_errors(cfg: JobConfig, args: Any) -> list[str]:
+    """model.vocab_size against each pack's tokenizer: the embedding needs a row for every token id.
+    The suggestion rounds the tokenizer's size up to a multiple of 256 (LOOM_SPEC §8.2)."""
+    errors = []
+    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        try:
+            with open(os.path.join(path, "metadata.json")) as fh:
+                tok_vocab = int(json.load(fh)["tokenizer_info"]["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a missing or broken pack is reported by _pack_max_seq_len / open_pack
+        if args.vocab_size < tok_vocab:
+            set_by = "model.vocab_size" if cfg.model.vocab_size is not None else f"the flavor '{cfg.model.flavor}'"
+            errors.append(f"model.vocab_size = {args.vocab_size} (from {set_by}) is smaller than the tokenizer of "
+                          f"{key}='{path}' ({tok_vocab:,} ids); set --model.vocab_size "
+                          f"{_round_up(tok_vocab, 256)} (its size rounded up to a multiple of 256)")
+    return errors
+
+
 def _float8_errors(cfg: JobConfig) -> list[str]:
     """[float8]: torchao present, recipes known, the device able to run them (or emulate)."""
     if not cfg.float8.enable:
@@ -199,6 +221,13 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
             if max_len is not None and t.seq_len > max_len - 1:
                 errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at most "
                               f"{max_len} tokens, so seq_len must be ≤ {max_len - 1}")
+    if args is not None:
+        errors += _vocab_errors(cfg, args)
+    if t.gc_freq < 0:
+        errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        if getattr(cfg.comm, key) < 1:
+            errors.append(f"comm.{key} = {getattr(cfg.comm, key)}: must be ≥ 1")
     errors += _parallelism_errors(cfg, dims, args)
     errors += _float8_errors(cfg)
     errors += _checkpoint_errors(cfg, args if not errors else None)
