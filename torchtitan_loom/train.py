@@ -133,7 +133,8 @@ class Trainer:
                                              dp_world=self.parallel_dims.dp, tokenizer_name=self.tokenizer_name)
         self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.tb_folder, rank=info.rank,
-                                     log_rank=cfg.metrics.log_rank)
+                                     log_rank=cfg.metrics.log_rank, enable_wandb=cfg.metrics.enable_wandb,
+                                     wandb_config=cfg.to_dict())
         # The head runs once per segment, so it counts once per segment (see the model docstring).
         self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
         self.peak_flops = peak_flops(self.device)

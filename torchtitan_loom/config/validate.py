@@ -223,6 +223,12 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                               f"{max_len} tokens, so seq_len must be ≤ {max_len - 1}")
     if args is not None:
         errors += _vocab_errors(cfg, args)
+    if cfg.metrics.enable_wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            errors.append("metrics.enable_wandb = true: the wandb package is not installed; "
+                          "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false")
     if t.gc_freq < 0:
         errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
