@@ -27,6 +27,7 @@ from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops, throughput
 from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
+from torchtitan_loom.components.progress import estimate_step, matmul_tflops, start_lines
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import Resolved, resolve
@@ -95,6 +96,7 @@ class Trainer:
         self.spec = get_train_spec(cfg.model.name)
         with torch.device("meta"):
             model = self.spec.model_cls(model_args)
+        self._log_start(model)
         self.float8 = build_float8_converter(cfg.float8, t.device)  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
@@ -124,7 +126,7 @@ class Trainer:
                                       ema=g.ema, warmup_steps=g.warmup_steps)
         self.state = TrainState()
 
-        data_path = cfg.data.path or bundled_corpus_path(cfg.data.cache_dir or None)
+        data_path = cfg.data.path or bundled_corpus_path(cfg.data.cache_dir or None, log=self.log)
         self.data_path = data_path
         self.vocab_size = model.args.vocab_size
         self.tokenizer_name = cfg.data.tokenizer or None  # checked against the pack's own record
@@ -147,6 +149,7 @@ class Trainer:
                      + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}")
         # Built last, once everything it saves exists; train() loads (TorchTitan's order).
         self.resumed = False
+        self.last_eval: tuple[int, list[float]] | None = None
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader,
@@ -155,6 +158,16 @@ class Trainer:
             total_steps=t.steps, device=self.device, rank=info.rank, world_size=info.world_size, log=self.log)
 
     # ------------------------------------------------------------------ helpers
+    def _log_start(self, meta_model: Any) -> None:
+        """Within seconds of start: what is built and a rough per-rank estimate of one step (components/progress.py)."""
+        if self.info.rank != self.cfg.metrics.log_rank:
+            return
+        segs = segments(meta_model.num_loops, self.cfg.training.bp_segment_len)
+        est = estimate_step(self.cfg, self.model_args, self.parallel_dims, meta_model.param_counts(),
+                            meta_model.flops_per_token(self.cfg.training.seq_len, head_calls=len(segs)), len(segs))
+        for line in start_lines(self.cfg, est, self.device, matmul_tflops(self.device, self.compute_dtype)):
+            self.log(line)
+
     def log(self, msg: str) -> None:
         if self.info.rank == self.cfg.metrics.log_rank:
             print(f"[torchtitan_loom] {msg}", flush=True)
@@ -235,6 +248,8 @@ class Trainer:
         """Full H loops on the holdout; the loss after every loop comes from running the loops one
         at a time with the carry, which equals the full forward (tested by the model)."""
         cfg, t = self.cfg, self.cfg.training
+        started = time.perf_counter()
+        self.log(f"eval at step {self.state.step}: {cfg.eval.tokens:,} holdout tokens, {self.num_loops} loops ...")
         loader = build_eval_loader(self.data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                    batch_rows=cfg.eval.batch_size or t.global_batch_size, dp_rank=self.info.rank,
                                    dp_world=self.parallel_dims.dp, val_path=cfg.data.val_path or None,
@@ -258,6 +273,10 @@ class Trainer:
         losses = (ce_H / n_tok.clamp(min=1)).tolist()
         result = {"eval_loss": losses[-1], "eval_tokens": int(n_tok.item())}
         result.update({f"eval_loss_loop_{i + 1}": v for i, v in enumerate(losses)})
+        took = time.perf_counter() - started
+        self.log(f"eval done in {took:.1f} s ({n_tok.item() / max(took, 1e-9):,.0f} tokens/s): loss after loop "
+                 + " / ".join(f"{v:.4f}" for v in losses))
+        self.last_eval = (self.state.step, losses)
         return result
 
     # -------------------------------------------------------------------- loop
@@ -308,7 +327,9 @@ class Trainer:
                 scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(out.seg_losses)})
                 scalars.update(memory_stats(self.device))
             if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
+                eval_started = time.perf_counter()
                 scalars.update(self.evaluate())
+                last_time += time.perf_counter() - eval_started  # tokens/s counts training time only
             if scalars:
                 extra = {"expert_load": out.counts_LHE.tolist()}
                 if out.skip_reason:
@@ -377,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
             for line in str(exc).splitlines():
                 print(f"{kind} error: {line}", file=sys.stderr)
             return 2
-        trainer.log(f"done: {trainer.state.step} steps, exit code {code}")
+        summary = f"done: {trainer.state.step} steps, exit code {code}; outputs in {os.path.abspath(cfg.job.dump_folder)}"
+        if trainer.last_eval is not None:
+            at, losses = trainer.last_eval
+            summary += f"; last eval (step {at}) loss after loop " + " / ".join(f"{v:.4f}" for v in losses)
+        trainer.log(summary)
         finished = True
         return code
     finally:
