@@ -164,7 +164,8 @@ class Trainer:
             return
         segs = segments(meta_model.num_loops, self.cfg.training.bp_segment_len)
         est = estimate_step(self.cfg, self.model_args, self.parallel_dims, meta_model.param_counts(),
-                            meta_model.flops_per_token(self.cfg.training.seq_len, head_calls=len(segs)), len(segs))
+                            meta_model.flops_per_token(self.cfg.training.seq_len, head_calls=len(segs)),
+                            meta_model.num_loops, len(segs))
         for line in start_lines(self.cfg, est, self.device, matmul_tflops(self.device, self.compute_dtype)):
             self.log(line)
 

@@ -42,21 +42,24 @@ class StepEstimate:
 
 
 def estimate_step(cfg: Any, model_args: Any, dims: Any, counts: dict[str, int], flops_per_token: float,
-                  num_segments: int) -> StepEstimate:
+                  num_loops: int, num_segments: int) -> StepEstimate:
+    """Sizes read from the args by name (dim, n_layers, vocab_size, top_k, expert_intermediate_size);
+    a model without some of them (another TrainSpec) gets those terms as 0."""
     t = cfg.training
     act_bytes = 2 if t.mixed_precision_param == "bfloat16" else 4
     tokens_mb = t.micro_batch_size * t.seq_len
-    D, L = model_args.dim, model_args.n_layers
-    k = model_args.top_k + (0 if model_args.top_k_includes_shared else model_args.num_shared_experts)
-    loops_per_segment = -(-model_args.num_loops // num_segments)
+    size = lambda name, default=0: int(getattr(model_args, name, default))  # noqa: E731
+    D, L = size("dim"), size("n_layers", 1)
+    k = size("top_k") + (0 if getattr(model_args, "top_k_includes_shared", True) else size("num_shared_experts"))
+    loops_per_segment = -(-num_loops // num_segments)
     # Saved per token by one block call: attention ~10 D values (norms, qkv, output, gates); each of
     # the k experts its input copy and gate / up / activation (D + 3 I).
-    per_block = 10 * D + k * (D + 3 * model_args.expert_intermediate_size)
+    per_block = 10 * D + k * (D + 3 * size("expert_intermediate_size"))
     if cfg.activation_checkpoint.mode != "none":  # block inputs kept, one block recomputed at a time
         per_call = D * L * loops_per_segment + per_block
     else:
         per_call = per_block * L * loops_per_segment
-    logits = 3 * model_args.vocab_size * 4  # fp32 logits, softmax and gradient
+    logits = 3 * size("vocab_size") * 4  # fp32 logits, softmax and gradient
     activation = tokens_mb * (per_call * act_bytes + logits)
     state = 16 * counts["total"] / max(dims.dp_shard, 1)
     rows_per_rank = t.global_batch_size // dims.dp
