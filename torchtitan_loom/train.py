@@ -27,7 +27,7 @@ from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops, throughput
 from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
-from torchtitan_loom.components.progress import estimate_step, matmul_tflops, start_lines
+from torchtitan_loom.components.progress import final_line, start_report
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import Resolved, resolve
@@ -96,7 +96,10 @@ class Trainer:
         self.spec = get_train_spec(cfg.model.name)
         with torch.device("meta"):
             model = self.spec.model_cls(model_args)
-        self._log_start(model)
+        if info.rank == cfg.metrics.log_rank:  # within seconds of start, before anything is allocated
+            for line in start_report(cfg, model_args, self.parallel_dims, model,
+                                     len(segments(model.num_loops, t.bp_segment_len)), self.device, self.compute_dtype):
+                self.log(line)
         self.float8 = build_float8_converter(cfg.float8, t.device)  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
@@ -158,17 +161,6 @@ class Trainer:
             total_steps=t.steps, device=self.device, rank=info.rank, world_size=info.world_size, log=self.log)
 
     # ------------------------------------------------------------------ helpers
-    def _log_start(self, meta_model: Any) -> None:
-        """Within seconds of start: what is built and a rough per-rank estimate of one step (components/progress.py)."""
-        if self.info.rank != self.cfg.metrics.log_rank:
-            return
-        segs = segments(meta_model.num_loops, self.cfg.training.bp_segment_len)
-        est = estimate_step(self.cfg, self.model_args, self.parallel_dims, meta_model.param_counts(),
-                            meta_model.flops_per_token(self.cfg.training.seq_len, head_calls=len(segs)),
-                            meta_model.num_loops, len(segs))
-        for line in start_lines(self.cfg, est, self.device, matmul_tflops(self.device, self.compute_dtype)):
-            self.log(line)
-
     def log(self, msg: str) -> None:
         if self.info.rank == self.cfg.metrics.log_rank:
             print(f"[torchtitan_loom] {msg}", flush=True)
@@ -399,11 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in str(exc).splitlines():
                 print(f"{kind} error: {line}", file=sys.stderr)
             return 2
-        summary = f"done: {trainer.state.step} steps, exit code {code}; outputs in {os.path.abspath(cfg.job.dump_folder)}"
-        if trainer.last_eval is not None:
-            at, losses = trainer.last_eval
-            summary += f"; last eval (step {at}) loss after loop " + " / ".join(f"{v:.4f}" for v in losses)
-        trainer.log(summary)
+        trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.last_eval))
         finished = True
         return code
     finally:

@@ -42,7 +42,7 @@ def test_saved_dataset_packs_like_jsonl_with_an_eta(reference_pack, tmp_path, mo
     assert cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "hf"), *PACK_FLAGS]) == 0
     same_pack(reference_pack, tmp_path / "hf")
     err = capsys.readouterr().err
-    assert f"64 docs" in err and f"% of {len(DOCS)} docs, ETA" in err, err
+    assert "64 docs" in err and f"% of {len(DOCS)} docs, ETA" in err, err
     meta = json.loads((tmp_path / "hf" / "metadata.json").read_text())
     assert meta["hf_dataset"] == {"name": str(saved), "config": None, "split": "train"}
 

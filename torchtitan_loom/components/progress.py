@@ -105,3 +105,19 @@ def start_lines(cfg: Any, est: StepEstimate, device: torch.device, rate_tflops: 
                      f"{seconds / 60:,.1f} min on this CPU ({mem:.0f} GiB RAM); it will run, but a GPU or a "
                      f"smaller flavor / micro_batch_size / seq_len is what this config is meant for")
     return lines
+
+
+def start_report(cfg: Any, model_args: Any, dims: Any, meta_model: Any, num_segments: int, device: torch.device,
+                 dtype: torch.dtype) -> list[str]:
+    """The start lines for a model still on the meta device (nothing allocated yet)."""
+    fpt = meta_model.flops_per_token(cfg.training.seq_len, head_calls=num_segments)
+    est = estimate_step(cfg, model_args, dims, meta_model.param_counts(), fpt, meta_model.num_loops, num_segments)
+    return start_lines(cfg, est, device, matmul_tflops(device, dtype))
+
+
+def final_line(steps: int, code: int, dump_folder: str, last_eval: tuple[int, list[float]] | None) -> str:
+    line = f"done: {steps} steps, exit code {code}; outputs in {os.path.abspath(dump_folder)}"
+    if last_eval is not None:
+        at, losses = last_eval
+        line += f"; last eval (step {at}) loss after loop " + " / ".join(f"{v:.4f}" for v in losses)
+    return line
