@@ -137,6 +137,7 @@ def test_warmup_steps_is_exact_and_the_later_source_wins(tmp_path):
     (["--activation_checkpoint.mode", "selective"], "use activation_checkpoint.mode = block"),
     (["--lr_scheduler.decay_type", "cosine"], "use lr_scheduler.kind = wsd"),
     (["--training.dataset", "c4"], "tools.pack --hf-dataset"),
+    (["--metrics.disable_color_printing"], "console lines are plain text"),
 ])
 def test_keys_without_meaning_get_one_line_and_exit_2(argv, expected, capsys):
     assert main(["--check-config", *argv]) == 2
@@ -152,7 +153,7 @@ def test_keys_without_meaning_get_one_line_and_exit_2(argv, expected, capsys):
     (4, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
     (1, ["--activation_checkpoint.mode", "full", "--compile.enable"]),
     (1, ["--activation_checkpoint.mode=full", "--compile.enable", "--training.local_batch_size=4",
-         "--metrics.save_tb_folder", "tb2", "--lr_scheduler.warmup_steps", "20"]),
+         "--metrics.save_tb_folder", "tb2", "--lr_scheduler.warmup_steps", "20", "--validation.freq", "50"]),
 ])
 def test_torchtitan_command_lines_work_unchanged(world, argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -46,6 +46,7 @@ ALIASES: dict[str, Alias] = {
     "debug.seed": Alias("training.seed"),
     "debug.deterministic": Alias("training.deterministic"),
     "metrics.save_tb_folder": Alias("metrics.tb_folder"),
+    "validation.freq": Alias("eval.interval"),
     "lr_scheduler.warmup_steps": Alias("lr_scheduler.warmup_ratio", per_training_step=True),
     "lr_scheduler.min_lr_factor": Alias("lr_scheduler.min_ratio"),
     "lr_scheduler.decay_type": Alias(
@@ -83,6 +84,9 @@ NO_MEANING: dict[str, str] = {
                                                  "tensor parallelism",
     "activation_checkpoint.selective_ac_option": "activation_checkpoint.mode = block, loop or segment",
     "compile.components": "compile.enable compiles every block (the loss is not compiled separately)",
+    "metrics.disable_color_printing": "console lines are plain text (no colors to disable)",
+    "metrics.save_for_all_ranks": "metrics.log_rank picks the one rank that writes metrics",
+    "validation.enable": "held-out evaluation runs every eval.interval steps (validation.freq); 0 disables it",
     "checkpoint.last_save_model_only": "python -m torchtitan_loom.tools.export writes a model-only copy",
     "checkpoint.export_dtype": "python -m torchtitan_loom.tools.export writes a model-only copy",
 }
