@@ -10,6 +10,8 @@
 # --job.config_file is given), LOG_RANK (ranks whose output is shown, default 0), NNODES /
 # NODE_RANK / MASTER_ADDR / MASTER_PORT for several nodes (WORLD_SIZE / RANK from a scheduler are
 # read as node count / node rank when NNODES / NODE_RANK are unset, as in the seed launcher).
+# LAUNCHER=srun (scripts/slurm/multinode.sbatch): this process is one rank, started by srun as
+# Slurm task SLURM_PROCID of SLURM_NTASKS; MASTER_ADDR / MASTER_PORT come from the sbatch script.
 # Every other argument is a config override (--section.key value), passed through unchanged.
 set -euo pipefail
 
@@ -17,7 +19,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
 CONFIG_FILE="${CONFIG_FILE:-${ROOT}/train_configs/debug_model.toml}"
 LOG_RANK="${LOG_RANK:-0}"
-if [[ -z "${NGPU:-}" ]]; then
+if [[ "${LAUNCHER:-}" == "srun" ]]; then
+  NGPU=1  # one rank per process; OMP threads = the CPUs Slurm gave this task
+elif [[ -z "${NGPU:-}" ]]; then
   NGPU="$("${PYTHON}" -c 'import torch; print(torch.cuda.device_count() or 1)' 2>/dev/null || echo 1)"
 fi
 NNODES="${NNODES:-${WORLD_SIZE:-1}}"
@@ -43,6 +47,11 @@ export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 
 launch=(-m torchtitan_loom.train "${config_args[@]}" "${overrides[@]}")
+if [[ "${LAUNCHER:-}" == "srun" ]]; then
+  # Each rank checks the config itself before any process group exists (exit 2 on every rank).
+  export RANK="${SLURM_PROCID}" LOCAL_RANK="${SLURM_LOCALID}" WORLD_SIZE="${SLURM_NTASKS}"
+  exec "${PYTHON}" "${launch[@]}"
+fi
 if (( NNODES == 1 && NGPU == 1 )); then
   # One process needs no rendezvous; running it directly keeps its exit code (2 = config error or
   # spike abort), which torchrun would turn into 1.

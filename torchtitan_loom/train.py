@@ -26,6 +26,7 @@ from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError, build_eval_loader, build_train_loader, bundled_corpus_path
 from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
 from torchtitan_loom.components.float8 import build_float8_converter
+from torchtitan_loom.components.gc_control import GarbageCollection
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops, throughput
@@ -33,6 +34,7 @@ from torchtitan_loom.components.optimizer import apply_config_hyperparameters, b
 from torchtitan_loom.components.profiling import MemorySnapshotter, maybe_profile
 from torchtitan_loom.components.routing_stats import RoutingStats
 from torchtitan_loom.components.run_folder import RunFolderError, RunLock, new_run_id, record_launch, replace_old_run
+from torchtitan_loom.components.progress import final_line, start_report
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import Resolved, resolve
@@ -106,6 +108,10 @@ class Trainer:
         self.spec = get_train_spec(cfg.model.name)
         with torch.device("meta"):
             model = self.spec.model_cls(model_args)
+        if info.rank == cfg.metrics.log_rank:  # within seconds of start, before anything is allocated
+            for line in start_report(cfg, model_args, self.parallel_dims, model,
+                                     len(segments(model.num_loops, t.bp_segment_len)), self.device, self.compute_dtype):
+                self.log(line)
         self.float8 = build_float8_converter(cfg.float8, t.device)  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
@@ -138,7 +144,7 @@ class Trainer:
                                       ema=g.ema, warmup_steps=g.warmup_steps)
         self.state = TrainState()
 
-        data_path = cfg.data.path or bundled_corpus_path(cfg.data.cache_dir or None)
+        data_path = cfg.data.path or bundled_corpus_path(cfg.data.cache_dir or None, log=self.log)
         self.data_path = data_path
         self.vocab_size = model.args.vocab_size
         self.tokenizer_name = cfg.data.tokenizer or None  # checked against the pack's own record
@@ -147,7 +153,8 @@ class Trainer:
                                              dp_world=self.parallel_dims.dp, tokenizer_name=self.tokenizer_name)
         self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.tb_folder, rank=info.rank,
-                                     log_rank=cfg.metrics.log_rank, run_id=self.run_id)
+                                     log_rank=cfg.metrics.log_rank, run_id=self.run_id,
+                                     enable_wandb=cfg.metrics.enable_wandb, wandb_config=cfg.to_dict())
         # The head runs once per segment, so it counts once per segment (see the model docstring).
         self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
         self.peak_flops = peak_flops(self.device)
@@ -160,6 +167,7 @@ class Trainer:
                      + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}")
         # Built last, once everything it saves exists; train() loads (TorchTitan's order).
         self.resumed, self.resumed_from = False, None
+        self.last_eval: tuple[int, list[float]] | None = None
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader,
@@ -271,6 +279,8 @@ class Trainer:
         forwards return the routed expert ids, summed into RoutingStats (valid tokens only; None for a
         model without routed experts)."""
         cfg, t = self.cfg, self.cfg.training
+        started = time.perf_counter()
+        self.log(f"eval at step {self.state.step}: {cfg.eval.tokens:,} holdout tokens, {self.num_loops} loops ...")
         loader = build_eval_loader(self.data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                    batch_rows=cfg.eval.batch_size or t.global_batch_size, dp_rank=self.info.rank,
                                    dp_world=self.parallel_dims.dp, val_path=cfg.data.val_path or None,
@@ -308,6 +318,10 @@ class Trainer:
         losses = (ce_H / n_tok.clamp(min=1)).tolist()
         result = {"eval_loss": losses[-1], "eval_tokens": int(n_tok.item())}
         result.update({f"eval_loss_loop_{i + 1}": v for i, v in enumerate(losses)})
+        took = time.perf_counter() - started
+        self.log(f"eval done in {took:.1f} s ({n_tok.item() / max(took, 1e-9):,.0f} tokens/s): loss after loop "
+                 + " / ".join(f"{v:.4f}" for v in losses))
+        self.last_eval = (self.state.step, losses)
         if routing is not None:
             result.update(routing.summary())
         return result, routing
@@ -359,6 +373,8 @@ class Trainer:
         snapshots = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.info.rank, self.device, self.log)
         tools.callback(snapshots.close)
         divergence = DivergenceMonitor(cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips)
+        gc_control = GarbageCollection(t.gc_freq)
+        first_step = True
         while self.state.step < t.steps:
             position = self.dataloader.state_dict()
             try:
@@ -374,6 +390,13 @@ class Trainer:
             if profiler is not None:
                 profiler.step()
             snapshots.step(step)
+            gc_control.step(step)
+            if first_step and self.info.world_size > 1:  # init is over: the shorter train timeout from now on
+                now_s = dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds,
+                                                   dist_utils.mesh_groups(self.parallel_dims))
+                self.log(f"comm: collective timeout {cfg.comm.init_timeout_seconds} s during init, "
+                         f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)")
+            first_step = False
             scalars: dict[str, Any] = {}
             if step % cfg.metrics.log_freq == 0 or step == t.steps or out.skip_reason:
                 now = time.perf_counter()
@@ -386,8 +409,10 @@ class Trainer:
                 scalars.update(memory_stats(self.device))
             routing = None
             if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
+                eval_started = time.perf_counter()
                 eval_scalars, routing = self.evaluate_with_routing()
                 scalars.update(eval_scalars or {})
+                last_time += time.perf_counter() - eval_started  # tokens/s counts training time only
             if scalars:
                 every = cfg.metrics.expert_load_every
                 with_load = routing is not None if every == 0 else step % every == 0
@@ -417,6 +442,7 @@ class Trainer:
         tools.close()
         self.checkpointer.close()
         self.metrics.close()
+        gc_control.close()
         return exit_code
 
     def _write_spike_abort(self, msg: str) -> None:
@@ -459,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                 lock.release()
             print(f"run folder error: {exc}", file=sys.stderr)
             return 2
-    info = dist_utils.init_distributed(cfg.training.device)
+    info = dist_utils.init_distributed(cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds)
     finished = False
     try:
         if info.world_size > 1:  # rank 0's launch id for every rank's metrics
@@ -485,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 130
             print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
             return 1
-        trainer.log(f"done: {trainer.state.step} steps, exit code {code}")
+        trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.last_eval))
         if info.rank == 0:
             done = code == 0 and trainer.state.step >= cfg.training.steps
             record_launch(cfg, run_id, "finished" if done else "stopped", trainer.state.step)

@@ -42,7 +42,8 @@ def test_default_run_trains_and_logs(tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(dump / "tb"))
+    (launch,) = (dump / "tb").iterdir()  # one sub-folder per launch
+    acc = EventAccumulator(str(launch))
     acc.Reload()
     tags = acc.Tags()["scalars"]
     loss_tag = next(t for t in tags if t.endswith("loss") and "eval" not in t and "segment" not in t)

@@ -59,7 +59,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
     with MetricsLogger(str(tmp_path)) as logger:
         logger.log(1, {"loss": 3.5, "loss_segment_2": 3.75, "mfu": None})
         logger.log(2, {"loss": 3.0, "eval_loss_loop_3": 3.125})
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(logger.tb_dir)
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert tags == {"train/loss", "train/loss_segment_2", "eval/loss_loop_3"}  # None not written

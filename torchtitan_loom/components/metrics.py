@@ -1,4 +1,4 @@
-"""Training metrics: JSONL + TensorBoard logger, console line, tokens/s, TFLOP/s and MFU, memory.
+"""Training metrics: JSONL + TensorBoard (+ optional wandb) logger, console line, tokens/s, TFLOP/s and MFU, memory.
 
 Scalar names used by the trainer (all optional except ``step``): ``loss``, ``loss_segment_j``,
 ``lr``, ``grad_norm``, ``tokens_per_s``, ``tflops``, ``mfu`` (percent), ``skipped``, memory keys
@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -104,23 +105,38 @@ def tb_tag(name: str) -> str:
     return "train/" + name
 
 
+def launch_dir(root: str) -> str:
+    """A new ``<root>/<YYYYmmdd-HHMMSS>`` (``-1``, ``-2``... appended when taken): one per launch."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = os.path.join(root, stamp), 0
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(root, f"{stamp}-{n}")
+    return path
+
+
 class MetricsLogger:
     """Writes one JSON line per ``log`` call to ``<dump_folder>/<jsonl_name>`` and the numeric
-    scalars to TensorBoard under ``<dump_folder>/<tb_folder>/``. Only ``rank == log_rank``
-    writes anything (other ranks create no files). The JSONL file is opened in append mode so a
-    resumed run continues the same file.
+    scalars to TensorBoard under ``<dump_folder>/<tb_folder>/<launch>/`` (one sub-folder per launch,
+    so a resumed or restarted run never interleaves with an earlier event stream; TensorBoard pointed
+    at ``<tb_folder>`` shows every launch as its own run) and, with ``enable_wandb``, to a Weights &
+    Biases run (same scalars and tags; its files under ``<dump_folder>/wandb``). Only
+    ``rank == log_rank`` writes anything (other ranks create no files). The JSONL file is opened in
+    append mode so a resumed run continues the same file.
     """
 
     def __init__(self, dump_folder: str, *, enable_tensorboard: bool = True, tb_folder: str = "tb",
                  jsonl_name: str = "metrics.jsonl", rank: int = 0, log_rank: int = 0,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, enable_wandb: bool = False,
+                 wandb_config: dict | None = None) -> None:
         self.active = rank == log_rank
         self.run_id = run_id  # written into every JSON line: one id per launch
         self._launch_note: dict[str, Any] = {}
         self.jsonl_path = os.path.join(dump_folder, jsonl_name)
-        self.tb_dir = os.path.join(dump_folder, tb_folder) if enable_tensorboard else None
+        self.tb_dir = launch_dir(os.path.join(dump_folder, tb_folder)) if enable_tensorboard else None
         self._jsonl = None
         self._writer = None
+        self._wandb = None
         if not self.active:
             return
         os.makedirs(dump_folder, exist_ok=True)
@@ -129,6 +145,11 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
 
             self._writer = SummaryWriter(log_dir=self.tb_dir)
+        if enable_wandb:
+            import wandb  # optional: validate.py checked that it is installed
+
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "torchtitan_loom"),
+                                     dir=dump_folder, config=wandb_config or {})
 
     def log(self, step: int, scalars: dict[str, float | int | None],
             extra: dict | None = None) -> None:
@@ -157,6 +178,8 @@ class MetricsLogger:
                 if value is not None:
                     self._writer.add_scalar(tb_tag(name), value, global_step=int(step))
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log({tb_tag(k): v for k, v in values.items() if v is not None}, step=int(step))
 
     @property
     def writes_images(self) -> bool:
@@ -181,6 +204,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsLogger":
         return self

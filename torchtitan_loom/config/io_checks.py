@@ -73,8 +73,8 @@ def pack_errors(path: str, key: str, cfg: Any, args: Any) -> list[str]:
         if top >= args.vocab_size:
             return [f"{key} = '{path}': the pack's token ids reach {top} (tokenizer {info.get('name_or_path')!r}, "
                     f"{info['vocab_size']} ids) but model.flavor '{cfg.model.flavor}' has vocab_size "
-                    f"{args.vocab_size}; use a flavor whose vocabulary covers the tokenizer, or re-pack with "
-                    f"a smaller tokenizer"]
+                    f"{args.vocab_size}; set --model.vocab_size (at least {top + 1}, a multiple of 256 by "
+                    f"LOOM_SPEC §8.2) or re-pack with a smaller tokenizer"]
         open_pack(path, seq_len=cfg.training.seq_len, vocab_size=args.vocab_size)
     except PackError as exc:
         return [f"{key}: {exc}"]

@@ -15,6 +15,7 @@ import types
 import typing
 from typing import Any
 
+from torchtitan_loom.config.aliases import ALIASES, AliasError, aliases_of, translate
 from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig
 
 if sys.version_info >= (3, 11):
@@ -114,6 +115,10 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
 
 def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     sections = section_types()
+    try:  # a TorchTitan spelling becomes ours here, before any check (aliases.py)
+        dotted, value, _ = translate(dotted.replace("-", "_"), value)
+    except AliasError as exc:
+        raise ConfigError(str(exc)) from None
     if "." not in dotted:
         raise ConfigError(f"'{dotted}': options are --section.key{_nearest(dotted, list(sections))}")
     sec, key = dotted.split(".", 1)
@@ -163,19 +168,51 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {exc}") from None
 
 
+def _flatten(prefix: str, table: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Dotted keys of a TOML table; nested tables (TorchTitan's [quantize.linear.float8]) join with dots."""
+    out: list[tuple[str, Any]] = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out += _flatten(f"{prefix}.{key}", value)
+        else:
+            out.append((f"{prefix}.{key}", value))
+    return out
+
+
+def _per_step(written: str, key: str, value: Any, from_cli: bool) -> tuple[str, str, int]:
+    """A step count given for a fraction-of-training key (warmup_steps): checked now, divided later."""
+    steps = _coerce(written, int, value, from_cli)
+    if steps < 0:
+        raise ConfigError(f"{written} = {steps}: must be ≥ 0")
+    return written, key, steps
+
+
 def load_config(argv: list[str]) -> JobConfig:
     """Build the JobConfig from argv (without the program name). Raises ConfigError."""
     pairs = parse_cli(argv)
     cfg = JobConfig()
     config_file = next((v for k, v in pairs if k in ("job.config_file", "job.config-file")), "")
+    sources: list[tuple[str, Any, bool]] = []
     if config_file:
         for sec, table in _read_toml(config_file).items():
             if not isinstance(table, dict):
                 raise ConfigError(f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}")
-            for key, value in table.items():
-                _set(cfg, f"{sec}.{key}", value, from_cli=False)
-    for key, value in pairs:
-        _set(cfg, key, value, from_cli=True)
+            sources += [(k, v, False) for k, v in _flatten(sec, table)]
+    sources += [(k, v, True) for k, v in pairs]
+    # Step counts for fraction keys wait for the final training.steps; a later canonical write wins.
+    pending: dict[str, tuple[str, str, int]] = {}
+    for key, value, from_cli in sources:
+        alias = ALIASES.get(key.replace("-", "_"))
+        if alias is not None and alias.per_training_step:
+            pending[alias.key] = _per_step(key, alias.key, value, from_cli)
+            continue
+        _set(cfg, key, value, from_cli)
+        pending.pop(key.replace("-", "_"), None)
+    for written, key, steps in pending.values():
+        total = cfg.training.steps
+        if total < 1 or steps > total:
+            raise ConfigError(f"{written} = {steps}: must lie in [0, training.steps = {total}]")
+        _set(cfg, key, steps / total, from_cli=False)
     return cfg
 
 
@@ -188,10 +225,20 @@ def help_text() -> str:
         for key, (tp, f) in section_fields(cls).items():
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             extra = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
-            lines.append(f"  --{sec}.{key}  {type_name(tp)} = {default!r}{extra}")
+            lines.append(f"  --{sec}.{key}  {type_name(tp)} = {default!r}{extra}{_alias_note(f'{sec}.{key}')}")
             lines.append(f"      {f.metadata.get('doc', '')}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _alias_note(key: str) -> str:
+    """' (TorchTitan: --a.b, values x = y)' for a key with TorchTitan spellings or value translations."""
+    notes = [f"--{tt}" + (" (steps, → steps / training.steps)" if ALIASES[tt].per_training_step else "")
+             for tt in aliases_of(key)]
+    for tt, a in ALIASES.items():
+        if a.key == key and a.values:
+            notes.append(", ".join(f"{tt.rsplit('.', 1)[1]} {v!r} = {o!r}" for v, o in a.values.items()))
+    return f"  (TorchTitan: {'; '.join(notes)})" if notes else ""
 
 
 def _toml_value(v: Any) -> str:

@@ -91,6 +91,9 @@ class Training:
                                "model args' init_seed; the start line prints it).")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower).")
     device: str = opt("auto", "auto: cuda when available, else cpu.", choices=DEVICES)
+    gc_freq: int = opt(50, "Python's automatic GC is off; gc.collect(1) runs after every N-th step on every rank "
+                           "at once, so no rank stalls at a random step and holds the others up; 0 leaves "
+                           "Python's GC on.")
 
 
 @dataclass
@@ -156,6 +159,9 @@ class Metrics:
     routing_images: bool = opt(True, "At every eval, write TensorBoard images: a loop × expert load heatmap "
                                      "per layer and the eval loss after each loop (matplotlib when installed, "
                                      "else plain heatmap pixels).")
+    enable_wandb: bool = opt(False, "Also log the same scalars to Weights & Biases (pip install wandb; project "
+                                    "from $WANDB_PROJECT, default torchtitan_loom; WANDB_MODE=offline writes "
+                                    "under <dump_folder>/wandb without a network).")
 
 
 @dataclass
@@ -189,7 +195,9 @@ class Checkpoint:
                                      "folder: its newest complete one), used when this run has no checkpoint "
                                      "yet; optimizer, schedule, data and step start fresh.")
     async_mode: str = opt("disabled", "async: stage to CPU memory, then write in a background thread over "
-                                      "its own gloo group while training continues.",
+                                      "its own gloo group while training continues. async_with_pinned_mem: the "
+                                      "same, staging into CPU buffers allocated once and reused by every save "
+                                      "(page-locked on CUDA, copied with non-blocking DMA).",
                           choices=ASYNC_MODES)
     save_on_signal: bool = opt(True, "On SIGTERM, SIGUSR1 or SIGINT (acknowledged at once): stop at the next "
                                      "micro-batch (of eval, or of a step before its first update; else after "
@@ -260,6 +268,14 @@ class Float8:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout of the process group's collectives from start until the first "
+                                         "training step (rendezvous, init, checkpoint load, compile).")
+    train_timeout_seconds: int = opt(100, "Timeout of every collective once the first step finished (a hung "
+                                          "rank fails the job after this long instead of the init timeout).")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -276,6 +292,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -297,4 +314,5 @@ SECTION_DOCS = {
     "activation_checkpoint": "Activation recomputation per block, loop or segment.",
     "compile": "torch.compile per block.",
     "float8": "Float8 training via torchao (issue #7).",
+    "comm": "Process-group timeouts (TorchTitan's [comm]).",
 }

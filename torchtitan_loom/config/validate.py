@@ -99,6 +99,25 @@ def _number_errors(cfg: JobConfig) -> list[str]:
     for key in ("warmup_steps", "max_consecutive_skips"):
         if getattr(g, key) < 0:
             errors.append(f"spike_guard.{key} = {getattr(g, key)}: must be ≥ 0")
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _vocab_errors(cfg: JobConfig, args: Any) -> list[str]:
+    """model.vocab_size against each pack's tokenizer: the embedding needs a row for every token id.
+    The suggestion rounds the tokenizer's size up to a multiple of 256 (LOOM_SPEC §8.2)."""
+    errors = []
+    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        try:
+            with open(os.path.join(path, "metadata.json")) as fh:
+                tok_vocab = int(json.load(fh)["tokenizer_info"]["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a missing or broken pack is reported by _pack_max_seq_len / open_pack
+        if args.vocab_size < tok_vocab:
+            set_by = "model.vocab_size" if cfg.model.vocab_size is not None else f"the flavor '{cfg.model.flavor}'"
+            errors.append(f"model.vocab_size = {args.vocab_size} (from {set_by}) is smaller than the tokenizer of "
+                          f"{key}='{path}' ({tok_vocab:,} ids); set --model.vocab_size "
+                          f"{_round_up(tok_vocab, 256)} (its size rounded up to a multiple of 256)")
     return errors
 
 
@@ -238,6 +257,8 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if args is not None and t.seq_len > args.max_seq_len:
         errors.append(f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
                       f"max_seq_len = {args.max_seq_len}")
+    vocab_errors = _vocab_errors(cfg, args) if args is not None else []
+    errors += vocab_errors
     if not cfg.parallelism.dry_run:  # the dry run lays out ranks; it reads no data
         for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
             if path:
@@ -245,13 +266,24 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                 if max_len is not None and t.seq_len > max_len - 1:
                     errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
                                   f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1}")
-                elif max_len is not None and args is not None:
+                elif max_len is not None and args is not None and not vocab_errors:  # one line per problem
                     errors += pack_errors(path, key, cfg, args)
         errors += bundled_errors(cfg)
         errors += folder_errors(cfg)
     if getattr(args, "attn_backend", None) == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
         errors.append("model.attn_backend = 'flash_attn': the flash-attn package is not installed "
                       "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'")
+    if cfg.metrics.enable_wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            errors.append("metrics.enable_wandb = true: the wandb package is not installed; "
+                          "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false")
+    if t.gc_freq < 0:
+        errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        if getattr(cfg.comm, key) < 1:
+            errors.append(f"comm.{key} = {getattr(cfg.comm, key)}: must be ≥ 1")
     errors += _parallelism_errors(cfg, dims, args)
     errors += _float8_errors(cfg)
     errors += relaunch_errors(cfg)

@@ -55,6 +55,39 @@ def init_distributed(requested_device: str, timeout_s: float = 300.0) -> DistInf
     return DistInfo(rank=rank, world_size=world, device=device)
 
 
+def group_timeout_s(group: dist.ProcessGroup | None = None) -> float:
+    """The timeout (seconds) in effect on ``group`` (default: the world group), read back from its backend."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    group = group or _get_default_group()
+    backend = group._get_backend(group._device_types[0])
+    return backend.options._timeout.total_seconds()
+
+
+def mesh_groups(parallel_dims) -> list[dist.ProcessGroup]:
+    """The process group of every dimension of every mesh that ParallelDims built."""
+    return [mesh.get_group(i) for name in parallel_dims.mesh_shapes()
+            if (mesh := parallel_dims.get_optional_mesh(name)) is not None for i in range(mesh.ndim)]
+
+
+def set_pg_timeouts(timeout_s: float, groups: list[dist.ProcessGroup]) -> list[float]:
+    """Give the world group and ``groups`` a new collective timeout (TorchTitan's train timeout).
+
+    A barrier first: a slow rank still in its init-time work (compile, checkpoint load) must not see a
+    faster rank's collectives time out under the shorter value. Returns the timeouts read back.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return []
+    from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+    dist.barrier()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    every = [_get_default_group(), *groups]
+    for group in every:
+        _set_pg_timeout(timeout, group)
+    return [group_timeout_s(g) for g in every]
+
+
 def destroy_distributed(wait_for_all: bool = True) -> None:
     """Tear down the process group; after a normal finish, first wait for every rank.
 

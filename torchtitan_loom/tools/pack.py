@@ -1,10 +1,12 @@
 """Packer CLI: corpus files → packed-document pack (LOOM_SPEC §8.1); `--verify DIR` checks one.
 
     python -m torchtitan_loom.tools.pack --jsonl 'data/*.jsonl' --tokenizer byte --out packs/mine
+    python -m torchtitan_loom.tools.pack --hf-dataset HuggingFaceFW/fineweb-edu --hf-config sample-10BT \
+        --streaming --tokenizer path/to/tokenizer.json --out packs/fineweb-edu
     python -m torchtitan_loom.tools.pack --verify packs/mine
 
 Documents are read in input order (all --jsonl files, then --text, then --parquet, each list in
-the order given with globs sorted), tokenised in parallel by --workers processes (results are
+the order given with globs sorted, then the --hf-dataset rows in dataset order), tokenised in parallel by --workers processes (results are
 consumed in order, so the pack does not depend on the number of workers), EOS-terminated and
 chunked into records of --seq-len tokens.
 """
@@ -48,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--parquet", nargs="+", default=[], metavar="FILE",
                      help="parquet files or globs (needs pyarrow); one document per row, "
                           "text in --text-field")
+    src.add_argument("--hf-dataset", default=None, metavar="NAME",
+                     help="a Hugging Face dataset (needs the optional extra: pip install 'torchtitan_loom[data]'): "
+                          "a hub name, a builder such as parquet/json with --hf-data-files, or a directory "
+                          "written by Dataset.save_to_disk; one document per row, text in --text-field")
+    src.add_argument("--hf-config", default=None, metavar="C", help="configuration (subset) of --hf-dataset")
+    src.add_argument("--hf-split", default="train", metavar="S", help="split of --hf-dataset")
+    src.add_argument("--hf-data-files", nargs="+", default=None, metavar="FILE",
+                     help="data files of a builder --hf-dataset (parquet, json, text, ...)")
+    src.add_argument("--streaming", action="store_true",
+                     help="read --hf-dataset row by row as it downloads, never materialising it (no Arrow cache)")
     src.add_argument("--text-field", default="text", help="field / column holding the text in jsonl and parquet")
     src.add_argument("--text-split", choices=("file", "blankline", "line"), default="file",
                      help="how --text files split into documents: the whole file, paragraphs "
@@ -136,7 +148,41 @@ def _parquet_docs(path: Path, field: str) -> Iterator[str]:
         yield from (t for t in pf.read_row_group(g, columns=[field]).column(field).to_pylist() if t is not None)
 
 
-def read_documents(args: argparse.Namespace) -> Iterator[str]:
+def open_hf_dataset(args: argparse.Namespace):
+    """(rows, number of rows or None): --hf-dataset as a Dataset, or an IterableDataset with --streaming."""
+    try:
+        import datasets
+    except ImportError:
+        raise SystemExit("error: --hf-dataset needs the optional datasets package: "
+                         "pip install 'torchtitan_loom[data]'") from None
+    name = args.hf_dataset
+    if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):  # save_to_disk
+        ds = datasets.load_from_disk(name)
+        if isinstance(ds, datasets.DatasetDict):
+            if args.hf_split not in ds:
+                raise SystemExit(f"error: --hf-split {args.hf_split!r} not in {name!r} (splits: {list(ds)})")
+            ds = ds[args.hf_split]
+        total = len(ds)
+        return (ds.to_iterable_dataset() if args.streaming else ds), total
+    ds = datasets.load_dataset(name, args.hf_config, split=args.hf_split, data_files=args.hf_data_files,
+                               streaming=args.streaming)
+    if not args.streaming:
+        return ds, len(ds)
+    splits = getattr(ds.info, "splits", None) or {}
+    known = splits.get(args.hf_split) if hasattr(splits, "get") else None
+    return ds, (known.num_examples or None) if known is not None else None
+
+
+def _hf_docs(rows, field: str) -> Iterator[str]:
+    for i, row in enumerate(rows):
+        if field not in row:
+            raise SystemExit(f"error: --hf-dataset row {i} has no column {field!r} (columns: {list(row)}); "
+                             "set --text-field")
+        if row[field] is not None:
+            yield row[field]
+
+
+def read_documents(args: argparse.Namespace, hf_rows=None) -> Iterator[str]:
     """All input documents in a fixed order."""
     for f in expand(args.jsonl, "--jsonl"):
         yield from _jsonl_docs(f, args.text_field)
@@ -144,6 +190,8 @@ def read_documents(args: argparse.Namespace) -> Iterator[str]:
         yield from _text_docs(f, args.text_split)
     for f in expand(args.parquet, "--parquet"):
         yield from _parquet_docs(f, args.text_field)
+    if hf_rows is not None:
+        yield from _hf_docs(hf_rows, args.text_field)
 
 
 def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -183,18 +231,24 @@ def _ordered_parallel(pool, name: str, eos_token: str | None, batches: Iterator[
 
 
 class Progress:
-    """Periodic 'docs, tokens and their rates' line on stderr."""
+    """Periodic 'docs, tokens and their rates' line on stderr, with an ETA when the document count is known."""
 
-    def __init__(self) -> None:
+    def __init__(self, total_docs: int | None = None) -> None:
         self.t0 = self.last = time.perf_counter()
+        self.total_docs = total_docs
 
     def update(self, docs: int, tokens: int, final: bool = False) -> None:
         now = time.perf_counter()
         if final or now - self.last >= PROGRESS_EVERY_S:
             self.last = now
             dt = max(now - self.t0, 1e-9)
-            print(f"pack: {docs:,} docs ({docs / dt:,.0f}/s), {tokens:,} tokens ({tokens / dt:,.0f}/s)"
-                  + (f", done in {dt:.1f}s" if final else ""), file=sys.stderr, flush=True)
+            line = f"pack: {docs:,} docs ({docs / dt:,.0f}/s), {tokens:,} tokens ({tokens / dt:,.0f}/s)"
+            if final:
+                line += f", done in {dt:.1f}s"
+            elif self.total_docs and docs:
+                eta = (self.total_docs - docs) / (docs / dt)
+                line += f", {100 * docs / self.total_docs:.1f}% of {self.total_docs:,} docs, ETA {eta:,.0f}s"
+            print(line, file=sys.stderr, flush=True)
 
 
 def run_pack(args: argparse.Namespace) -> Path:
@@ -212,9 +266,15 @@ def run_pack(args: argparse.Namespace) -> Path:
                          f"{str(e).splitlines()[0] if str(e) else 'no message'}); pass 'byte' or a valid "
                          f"tokenizer.json (or a directory holding one)") from None
     info = {"vocab_size": tok.vocab_size, "name_or_path": tok.name_or_path, "eos_token_id": tok.eos_id}
-    progress = Progress()
-    with PackWriter(args.out, info, args.seq_len, extra_metadata={"created_by": "torchtitan_loom.tools.pack"}) as w:
-        batches = _batches(read_documents(args))
+    hf_rows, hf_total = open_hf_dataset(args) if args.hf_dataset else (None, None)
+    # The ETA needs every input's document count: known when the HF dataset is the only input.
+    only_hf = hf_rows is not None and not (args.jsonl or args.text or args.parquet)
+    progress = Progress(hf_total if only_hf else None)
+    extra = {"created_by": "torchtitan_loom.tools.pack"}
+    if args.hf_dataset:
+        extra["hf_dataset"] = {"name": args.hf_dataset, "config": args.hf_config, "split": args.hf_split}
+    with PackWriter(args.out, info, args.seq_len, extra_metadata=extra) as w:
+        batches = _batches(read_documents(args, hf_rows))
         if args.workers == 1:
             encoded = ([tok.encode_array(t) for t in b] for b in batches)
             pool = None
@@ -266,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verify is not None:
-        if args.out is not None or args.jsonl or args.text or args.parquet:
+        if args.out is not None or args.jsonl or args.text or args.parquet or args.hf_dataset:
             parser.error("--verify DIR checks an existing pack; do not combine it with inputs or --out")
         try:
             stats = verify(args.verify)
@@ -276,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in stats.items():
             print(f"{k}: {v}")
         return 0
-    if args.out is None or not (args.jsonl or args.text or args.parquet):
-        parser.error("packing needs --out and at least one of --jsonl / --text / --parquet (or use --verify DIR)")
+    if args.out is None or not (args.jsonl or args.text or args.parquet or args.hf_dataset):
+        parser.error("packing needs --out and at least one of --jsonl / --text / --parquet / --hf-dataset "
+                     "(or use --verify DIR)")
     try:
         out = run_pack(args)
     except (ValueError, ImportError, FileExistsError) as e:

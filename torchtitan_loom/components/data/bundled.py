@@ -9,6 +9,7 @@ directory is always complete).
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -24,7 +25,8 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "torchtitan_loom"
 
 
-def ensure_built(final: Path, build: Callable[[Path], object], verify: Callable[[Path], bool]) -> Path:
+def ensure_built(final: Path, build: Callable[[Path], object], verify: Callable[[Path], bool],
+                 log: Callable[[str], None] | None = None) -> Path:
     """Return `final` once it exists and verifies, building it with `build(final)` if needed.
 
     `build` must write atomically and raise FileExistsError if `final` appeared meanwhile.
@@ -38,17 +40,22 @@ def ensure_built(final: Path, build: Callable[[Path], object], verify: Callable[
         except OSError:
             pass  # another process moved it first
     final.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if log is not None:
+        log(f"building the bundled corpus into {final} (first use; later runs reuse it) ...")
     try:
         build(final)
     except FileExistsError:
         pass  # another process won the race; its directory is complete
+    if log is not None:
+        log(f"bundled corpus ready in {time.perf_counter() - started:.1f} s")
     if not verify(final):
         raise PackError(f"pack {str(final)!r}: the bundled corpus was built but does not verify; "
                         "delete the directory and retry")
     return final
 
 
-def bundled_corpus_path(cache_dir: str | Path | None = None) -> Path:
+def bundled_corpus_path(cache_dir: str | Path | None = None, log: Callable[[str], None] | None = None) -> Path:
     """Directory of the bundled synthetic corpus (byte tokenizer, records of 257 tokens, so the
     model trains at seq_len 256), built on first use under `cache_dir`."""
     from torchtitan_loom.components.data import synthetic_corpus as sc
@@ -63,4 +70,4 @@ def bundled_corpus_path(cache_dir: str | Path | None = None) -> Path:
             return False
         return pack.metadata.get("corpus") == sc.CORPUS_NAME
 
-    return ensure_built(final, sc.write_bundled_pack, verify)
+    return ensure_built(final, sc.write_bundled_pack, verify, log)

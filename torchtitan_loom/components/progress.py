@@ -1,0 +1,123 @@
+"""What a person waiting on the trainer is told up front: what is being built, a rough memory and
+time estimate of one step on this device, and a warning when that is far beyond the machine.
+
+The estimate is deliberately simple (the dry run and benchmarks/memory_time.py are the precise
+tools): per rank, parameters + gradients + AdamW state in fp32 (16 bytes per parameter, divided by
+the FSDP degree), plus the activations one micro-batch keeps for one backprop segment (K loops × L
+blocks; truncated backprop frees the previous segment, micro-batches run one after another), plus
+the logits and their gradient. Time: the step's training FLOPs on this rank over the rate that a
+matmul reaches on this device right now (measured in a fraction of a second), i.e. a lower bound.
+Nothing here refuses to run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_GIB = float(1 << 30)
+# Warn on CPU when one step needs more than this share of the RAM, or at least this many seconds.
+RAM_SHARE_WARN = 0.8
+STEP_SECONDS_WARN = 60.0
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    params: int
+    active: int
+    state_gib: float
+    """Parameters, gradients and AdamW moments on one rank."""
+    activation_gib: float
+    """Activations one micro-batch keeps for one segment, plus logits and their gradient."""
+    step_tflop: float
+    """Training FLOPs of one step on one rank."""
+
+    @property
+    def total_gib(self) -> float:
+        return self.state_gib + self.activation_gib
+
+
+def estimate_step(cfg: Any, model_args: Any, dims: Any, counts: dict[str, int], flops_per_token: float,
+                  num_loops: int, num_segments: int) -> StepEstimate:
+    """Sizes read from the args by name (dim, n_layers, vocab_size, top_k, expert_intermediate_size);
+    a model without some of them (another TrainSpec) gets those terms as 0."""
+    t = cfg.training
+    act_bytes = 2 if t.mixed_precision_param == "bfloat16" else 4
+    tokens_mb = t.micro_batch_size * t.seq_len
+    size = lambda name, default=0: int(getattr(model_args, name, default))  # noqa: E731
+    D, L = size("dim"), size("n_layers", 1)
+    k = size("top_k") + (0 if getattr(model_args, "top_k_includes_shared", True) else size("num_shared_experts"))
+    loops_per_segment = -(-num_loops // num_segments)
+    # Saved per token by one block call: attention ~10 D values (norms, qkv, output, gates); each of
+    # the k experts its input copy and gate / up / activation (D + 3 I).
+    per_block = 10 * D + k * (D + 3 * size("expert_intermediate_size"))
+    if cfg.activation_checkpoint.mode != "none":  # block inputs kept, one block recomputed at a time
+        per_call = D * L * loops_per_segment + per_block
+    else:
+        per_call = per_block * L * loops_per_segment
+    logits = 3 * size("vocab_size") * 4  # fp32 logits, softmax and gradient
+    activation = tokens_mb * (per_call * act_bytes + logits)
+    state = 16 * counts["total"] / max(dims.dp_shard, 1)
+    rows_per_rank = t.global_batch_size // dims.dp
+    return StepEstimate(params=counts["total"], active=counts["active"], state_gib=state / _GIB,
+                        activation_gib=activation / _GIB,
+                        step_tflop=flops_per_token * rows_per_rank * t.seq_len / 1e12)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.2) -> float:
+    """The rate (TFLOP/s) of a square matmul on ``device`` in ``dtype``, measured for ~``seconds``."""
+    n = 512 if device.type == "cpu" else 4096
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        done += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * done / max(time.perf_counter() - start, 1e-9) / 1e12
+
+
+def device_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / _GIB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / _GIB
+
+
+def start_lines(cfg: Any, est: StepEstimate, device: torch.device, rate_tflops: float) -> list[str]:
+    """The first line (what is built, its estimate) and, on CPU, a warning when it is far beyond the machine."""
+    mem = device_memory_gib(device)
+    seconds = est.step_tflop / max(rate_tflops, 1e-9)
+    where = (f"{torch.get_num_threads()} CPU threads, {mem:.0f} GiB RAM" if device.type == "cpu"
+             else f"{torch.cuda.get_device_name(device)}, {mem:.0f} GiB")
+    lines = [f"building {cfg.model.name}/{cfg.model.flavor}: {est.params / 1e6:,.2f}M parameters "
+             f"({est.active / 1e6:,.2f}M active per token); estimated per rank: {est.total_gib:.2f} GiB "
+             f"({est.state_gib:.2f} parameters + gradients + AdamW, {est.activation_gib:.2f} activations of one "
+             f"micro-batch), ≥ {seconds:,.1f} s per step at the {rate_tflops * 1e3:,.0f} GFLOP/s a "
+             f"{cfg.training.mixed_precision_param} matmul reaches on {device.type} ({where})"]
+    if device.type == "cpu" and (est.total_gib > RAM_SHARE_WARN * mem or seconds > STEP_SECONDS_WARN):
+        lines.append(f"warning: one step of this config needs ~{est.total_gib:.1f} GiB and at least "
+                     f"{seconds / 60:,.1f} min on this CPU ({mem:.0f} GiB RAM); it will run, but a GPU or a "
+                     f"smaller flavor / micro_batch_size / seq_len is what this config is meant for")
+    return lines
+
+
+def start_report(cfg: Any, model_args: Any, dims: Any, meta_model: Any, num_segments: int, device: torch.device,
+                 dtype: torch.dtype) -> list[str]:
+    """The start lines for a model still on the meta device (nothing allocated yet)."""
+    fpt = meta_model.flops_per_token(cfg.training.seq_len, head_calls=num_segments)
+    est = estimate_step(cfg, model_args, dims, meta_model.param_counts(), fpt, meta_model.num_loops, num_segments)
+    return start_lines(cfg, est, device, matmul_tflops(device, dtype))
+
+
+def final_line(steps: int, code: int, dump_folder: str, last_eval: tuple[int, list[float]] | None) -> str:
+    line = f"done: {steps} steps, exit code {code}; outputs in {os.path.abspath(dump_folder)}"
+    if last_eval is not None:
+        at, losses = last_eval
+        line += f"; last eval (step {at}) loss after loop " + " / ".join(f"{v:.4f}" for v in losses)
+    return line
