@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torchtitan_loom.components.metrics import memory_stats, peak_flops  # noqa: E402
+from torchtitan_loom.components.metrics import memory_stats, peak_flops, throughput  # noqa: E402
 from torchtitan_loom.config import ConfigError, load_config  # noqa: E402
 from torchtitan_loom.config.validate import resolve  # noqa: E402
 from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E402
@@ -162,12 +162,11 @@ def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None
         if trace is not None:
             shares = profile_steps(lambda: trainer.train_step(next(batches)), PROFILE_STEPS, trace, device)
         t = cfg.training
-        tokens_per_s = steps * t.global_batch_size * t.seq_len / elapsed
-        flops_per_token = trainer.model.flops_per_token(t.seq_len, head_calls=len(trainer.segments))
-        peak = peak_flops(device)
+        # The trainer's own FLOP count and formula (components/metrics.throughput), as in its log line.
+        flops_per_token = trainer.flops_per_token
+        rate = throughput(steps * t.global_batch_size * t.seq_len, elapsed, flops_per_token, peak_flops(device))
         mem = memory_stats(device)
-        return {"status": "ok", "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
-                "mfu": 100.0 * tokens_per_s * flops_per_token / peak if peak else None,
+        return {"status": "ok", **rate,
                 "peak_memory_gib": mem.get("memory_max_allocated_gib", mem.get("memory_max_rss_gib")),
                 "memory_kind": "cuda max allocated" if device.type == "cuda" else "process max RSS",
                 "step_time_s": elapsed / steps, "flops_per_token": flops_per_token,

@@ -1,7 +1,6 @@
 """Config system: TOML + CLI overrides + precedence, --help, and one-line errors with exit code 2."""
 
 import dataclasses
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -99,6 +99,9 @@ def _number_errors(cfg: JobConfig) -> list[str]:
     for key in ("warmup_steps", "max_consecutive_skips"):
         if getattr(g, key) < 0:
             errors.append(f"spike_guard.{key} = {getattr(g, key)}: must be ≥ 0")
+    return errors
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
