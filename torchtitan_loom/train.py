@@ -374,75 +374,77 @@ class Trainer:
         tools.callback(snapshots.close)
         divergence = DivergenceMonitor(cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips)
         gc_control = GarbageCollection(t.gc_freq)
+        tools.callback(gc_control.close)  # automatic GC back on, also when the loop raises
         first_step = True
-        while self.state.step < t.steps:
-            position = self.dataloader.state_dict()
-            try:
-                out = self.train_step(next(data_iter))
-            except StepAbandoned:  # a stop signal before the step's first update: nothing changed
-                self.optimizer.zero_grad(set_to_none=True)
-                self.dataloader.load_state_dict(position)  # the batch is trained after the resume
-                stop = self.checkpointer.after_step(self.state.step, last=True) if self.state.step else None
-                self.log(stop or f"stopped before step {self.state.step + 1}")
-                exit_code = self.checkpointer.watcher.exit_code()
-                break
-            step = self.state.step
-            if profiler is not None:
-                profiler.step()
-            snapshots.step(step)
-            gc_control.step(step)
-            if first_step and self.info.world_size > 1:  # init is over: the shorter train timeout from now on
-                now_s = dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds,
-                                                   dist_utils.mesh_groups(self.parallel_dims))
-                self.log(f"comm: collective timeout {cfg.comm.init_timeout_seconds} s during init, "
-                         f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)")
-            first_step = False
-            scalars: dict[str, Any] = {}
-            if step % cfg.metrics.log_freq == 0 or step == t.steps or out.skip_reason:
-                now = time.perf_counter()
-                rate = throughput(tokens_per_step * (step - last_step), now - last_time, self.flops_per_token,
-                                  self.peak_flops)
-                last_time, last_step = now, step
-                scalars = {"loss": out.seg_losses[-1], "lr": out.lr, "grad_norm": out.grad_norm, **rate,
-                           "skipped": int(out.skip_reason is not None), "tokens_seen": self.state.tokens_seen}
-                scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(out.seg_losses)})
-                scalars.update(memory_stats(self.device))
-            routing = None
-            if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
-                eval_started = time.perf_counter()
-                eval_scalars, routing = self.evaluate_with_routing()
-                scalars.update(eval_scalars or {})
-                last_time += time.perf_counter() - eval_started  # tokens/s counts training time only
-            if scalars:
-                every = cfg.metrics.expert_load_every
-                with_load = routing is not None if every == 0 else step % every == 0
-                extra = {"expert_load": out.counts_LHE.tolist()} if with_load else {}
+        try:
+            while self.state.step < t.steps:
+                position = self.dataloader.state_dict()
+                try:
+                    out = self.train_step(next(data_iter))
+                except StepAbandoned:  # a stop signal before the step's first update: nothing changed
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.dataloader.load_state_dict(position)  # the batch is trained after the resume
+                    stop = self.checkpointer.after_step(self.state.step, last=True) if self.state.step else None
+                    self.log(stop or f"stopped before step {self.state.step + 1}")
+                    exit_code = self.checkpointer.watcher.exit_code()
+                    break
+                step = self.state.step
+                if profiler is not None:
+                    profiler.step()
+                snapshots.step(step)
+                gc_control.step(step)
+                if first_step and self.info.world_size > 1:  # init is over: the shorter train timeout from now on
+                    now_s = dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds,
+                                                       dist_utils.mesh_groups(self.parallel_dims))
+                    self.log(f"comm: collective timeout {cfg.comm.init_timeout_seconds} s during init, "
+                             f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)")
+                first_step = False
+                scalars: dict[str, Any] = {}
+                if step % cfg.metrics.log_freq == 0 or step == t.steps or out.skip_reason:
+                    now = time.perf_counter()
+                    rate = throughput(tokens_per_step * (step - last_step), now - last_time, self.flops_per_token,
+                                      self.peak_flops)
+                    last_time, last_step = now, step
+                    scalars = {"loss": out.seg_losses[-1], "lr": out.lr, "grad_norm": out.grad_norm, **rate,
+                               "skipped": int(out.skip_reason is not None), "tokens_seen": self.state.tokens_seen}
+                    scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(out.seg_losses)})
+                    scalars.update(memory_stats(self.device))
+                routing = None
+                if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
+                    eval_started = time.perf_counter()
+                    eval_scalars, routing = self.evaluate_with_routing()
+                    scalars.update(eval_scalars or {})
+                    last_time += time.perf_counter() - eval_started  # tokens/s counts training time only
+                if scalars:
+                    every = cfg.metrics.expert_load_every
+                    with_load = routing is not None if every == 0 else step % every == 0
+                    extra = {"expert_load": out.counts_LHE.tolist()} if with_load else {}
+                    if out.skip_reason:
+                        extra["skip_reason"] = out.skip_reason
+                    self.metrics.log(step, scalars, extra)
+                    if routing is not None:
+                        self.log_eval_images(step, scalars, routing)
+                    self.log(format_console_line(step, scalars))
                 if out.skip_reason:
-                    extra["skip_reason"] = out.skip_reason
-                self.metrics.log(step, scalars, extra)
-                if routing is not None:
-                    self.log_eval_images(step, scalars, routing)
-                self.log(format_console_line(step, scalars))
-            if out.skip_reason:
-                self.log(f"step {step}: skipped {out.skip_reason}")
-            abort = divergence.after_step(step, out.skip_reason, model_finite(self.model))
-            if out.skip_reason and divergence.streak_started:  # the last good checkpoint survives pruning
-                kept = self.checkpointer.protect_newest()
-                if kept:
-                    self.log(f"first skipped step of a streak: {kept} is kept (never pruned)")
-            if abort:  # never saved: the step may hold the diverged update
-                self._write_spike_abort(abort)
-                exit_code = SPIKE_EXIT_CODE
-                break
-            stop = self.checkpointer.after_step(step, last=step == t.steps)  # saves; preemption → stop
-            if stop:
-                self.log(stop)
-                exit_code = self.checkpointer.watcher.exit_code()
-                break
-        tools.close()
+                    self.log(f"step {step}: skipped {out.skip_reason}")
+                abort = divergence.after_step(step, out.skip_reason, model_finite(self.model))
+                if out.skip_reason and divergence.streak_started:  # the last good checkpoint survives pruning
+                    kept = self.checkpointer.protect_newest()
+                    if kept:
+                        self.log(f"first skipped step of a streak: {kept} is kept (never pruned)")
+                if abort:  # never saved: the step may hold the diverged update
+                    self._write_spike_abort(abort)
+                    exit_code = SPIKE_EXIT_CODE
+                    break
+                stop = self.checkpointer.after_step(step, last=step == t.steps)  # saves; preemption → stop
+                if stop:
+                    self.log(stop)
+                    exit_code = self.checkpointer.watcher.exit_code()
+                    break
+        finally:
+            tools.close()
         self.checkpointer.close()
         self.metrics.close()
-        gc_control.close()
         return exit_code
 
     def _write_spike_abort(self, msg: str) -> None:

@@ -69,7 +69,7 @@ def test_diversity_scalars_and_expert_load_only_at_eval(run):
 
 def test_tensorboard_scalars_and_images(run):
     dump, trainer, _ = run
-    acc = EventAccumulator(str(dump / "tb"), size_guidance={"images": 0})
+    acc = EventAccumulator(trainer.metrics.tb_dir, size_guidance={"images": 0})  # tb/<launch>/
     acc.Reload()
     scalars = acc.Tags()["scalars"]
     for tag in ("routing/distinct_experts", "routing/overlap", "routing/load_entropy", "routing/dead_experts",
@@ -97,7 +97,7 @@ def test_numpy_fallback_heatmap_pixels(tmp_path):
     assert (image[:, :c, :c] == image[:, :1, :1]).all()  # one colour per cell
     with MetricsLogger(str(tmp_path)) as logger:
         logger.log_image("routing/load_layer_0", image, step=7)
-    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    acc = EventAccumulator(logger.tb_dir, size_guidance={"images": 0})
     acc.Reload()
     event = acc.Images("routing/load_layer_0")[0]
     assert (event.step, event.width, event.height) == (7, 3 * c, 2 * c)

@@ -123,7 +123,10 @@ def test_pack_vocabulary_larger_than_the_model(tmp_path):
             w.add_document(np.arange(i, i + 20, dtype=np.int64) % 999)
         w.finish(epochs=2, holdout_tokens=100, seed=0)
     msg = errors_of("--job.dump_folder", str(tmp_path / "run"), "--data.path", str(out), "--training.seq_len", "32")
-    assert f"data.path = '{out}'" in msg and "model.flavor 'debug' has vocab_size 512" in msg
+    # One line: the vocabulary check names the pack, the flavor's size and the override to use.
+    assert len(msg.splitlines()) == 1, msg
+    assert f"data.path='{out}'" in msg and "model.vocab_size = 512 (from the flavor 'debug')" in msg
+    assert "--model.vocab_size 1024" in msg
 
 
 def test_packer_names_the_non_utf8_line(tmp_path, capsys):

@@ -39,8 +39,19 @@ def snapshot_files(folder):
     return out
 
 
-def test_other_num_loops_is_one_config_error_listing_fields_and_shapes(trained, tiny_pack):
+def without_run_record(dump, tmp_path):
+    """A copy of the run folder without run.json: a run from before run records, where only the
+    checkpoint's own model check can tell that the config does not fit."""
+    copy = tmp_path / "old_run"
+    shutil.copytree(dump, copy, ignore=shutil.ignore_patterns("run.json", "RUN.lock"))
+    return copy
+
+
+def test_other_num_loops_is_one_config_error_listing_fields_and_shapes(trained, tiny_pack, tmp_path):
     dump, _ = trained
+    with pytest.raises(ConfigError, match=r"holds a different run \(model.num_loops: None → 4\)"):
+        resolve(load_config(cli(tiny_pack, dump, "--model.num_loops", "4")), 1)  # the run record refuses first
+    dump = without_run_record(dump, tmp_path)
     with pytest.raises(ConfigError) as exc:
         resolve(load_config(cli(tiny_pack, dump, "--model.num_loops", "4")), 1)
     msg = str(exc.value)
@@ -50,8 +61,8 @@ def test_other_num_loops_is_one_config_error_listing_fields_and_shapes(trained, 
     assert "another job.dump_folder" in msg
 
 
-def test_other_flavor_fails_before_anything_is_written(trained, tiny_pack, capsys):
-    dump, _ = trained
+def test_other_flavor_fails_before_anything_is_written(trained, tiny_pack, capsys, tmp_path):
+    dump = without_run_record(trained[0], tmp_path)
     before = snapshot_files(dump)
     code = main(cli(tiny_pack, dump, "--model.flavor", "loom_329m", "--training.seq_len", "32"))
     err = capsys.readouterr().err

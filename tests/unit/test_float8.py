@@ -229,14 +229,14 @@ def test_float8_preset_is_loom_1p7b_plus_the_float8_section():
     from pathlib import Path
 
     configs = Path(__file__).resolve().parents[2] / "train_configs"
-    base = load_config(["--job.config_file", str(configs / "loom_1p7b.toml"), "--data.path", ""])
-    f8 = load_config(["--job.config_file", str(configs / "loom_1p7b_float8.toml"), "--data.path", ""])
+    base = load_config(["--job.config_file", str(configs / "loom_1p7b.toml"), "--parallelism.dry_run", "true"])
+    f8 = load_config(["--job.config_file", str(configs / "loom_1p7b_float8.toml"), "--parallelism.dry_run", "true"])
     assert f8.float8.enable and f8.float8.recipe == "tensorwise" and f8.float8.experts
     assert f8.float8.enable_fsdp_float8_all_gather and f8.float8.precompute_float8_dynamic_scale_for_fsdp
     for section in ("model", "training", "optimizer", "lr_scheduler", "spike_guard", "eval", "parallelism",
                     "checkpoint", "data", "metrics", "compile", "activation_checkpoint"):
         assert getattr(f8, section) == getattr(base, section), section
-    f8 = load_config(["--job.config_file", str(configs / "loom_1p7b_float8.toml"), "--data.path", "",
+    f8 = load_config(["--job.config_file", str(configs / "loom_1p7b_float8.toml"), "--parallelism.dry_run", "true",
                       "--float8.emulate", "--training.device", "cpu"])
     assert resolve(f8, 8).model_args.num_loops == 9  # valid as shipped once the device can run it
 

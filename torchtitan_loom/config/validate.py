@@ -277,8 +277,6 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         errors.append("model.attn_backend = 'flash_attn': the flash-attn package is not installed "
                       "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'")
     if cfg.metrics.enable_wandb:
-        import importlib.util
-
         if importlib.util.find_spec("wandb") is None:
             errors.append("metrics.enable_wandb = true: the wandb package is not installed; "
                           "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false")
