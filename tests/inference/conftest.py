@@ -12,8 +12,8 @@ from test_checkpoint import make_trainer, run  # noqa: E402
 TASKS_DIR = os.path.join(os.path.dirname(__file__), "tiny_tasks")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_inference():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
