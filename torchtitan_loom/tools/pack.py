@@ -279,7 +279,9 @@ def run_pack(args: argparse.Namespace) -> Path:
             encoded = ([tok.encode_array(t) for t in b] for b in batches)
             pool = None
         else:
-            pool = mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(args.workers)
+            # forkserver, not fork: forking a process that runs threads (torch, loggers, a caller's
+            # own) can deadlock the workers; seen as a hang of pool.terminate() after an input error.
+            pool = mp.get_context("forkserver" if sys.platform == "linux" else "spawn").Pool(args.workers)
             encoded = _ordered_parallel(pool, args.tokenizer, args.eos_token, batches, 4 * args.workers)
         try:
             for arrays in encoded:
