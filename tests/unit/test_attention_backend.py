@@ -11,6 +11,7 @@ from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.attention import build_attention_mask, mask_backend, resolve_attn_backend
 from torchtitan_loom.train import Trainer
+from batches import two_document_batch  # tests/unit/batches.py
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -36,12 +37,7 @@ def test_auto_is_the_default_and_masks_name_their_kernel():
     assert mask_backend((torch.tensor([0, 2, 4], dtype=torch.int32), 4)) == "flash_attn"
 
 
-def _batch(B=2, S=16):
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 512, (B, S), generator=g)
-    positions = torch.cat([torch.arange(6), torch.arange(S - 6)]).expand(B, S)
-    doc_ids = torch.tensor([0] * 6 + [1] * (S - 6)).expand(B, S)
-    return tokens, positions, doc_ids
+_batch = two_document_batch
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])

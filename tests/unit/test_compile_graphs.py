@@ -16,16 +16,12 @@ from torchtitan_loom.components.loss import token_ce_sum
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.parallelize import apply_compile
+from batches import two_document_batch  # tests/unit/batches.py
 
 HOST_SYNC_TARGETS = ("item", "tolist", "_local_scalar_dense")
 
 
-def _batch(B=2, S=16):
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 512, (B, S), generator=g)
-    positions = torch.cat([torch.arange(6), torch.arange(S - 6)]).expand(B, S)
-    doc_ids = torch.tensor([0] * 6 + [1] * (S - 6)).expand(B, S)
-    return tokens, positions, doc_ids
+_batch = two_document_batch
 
 
 def _targets(gm: torch.fx.GraphModule) -> set[str]:

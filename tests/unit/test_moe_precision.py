@@ -9,6 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.moe import gemm_path, moe_gemm_fallbacks
+from batches import two_document_batch  # tests/unit/batches.py
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 
@@ -45,12 +46,7 @@ class _Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _batch(B=2, S=16):
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 512, (B, S), generator=g)
-    positions = torch.cat([torch.arange(6), torch.arange(S - 6)]).expand(B, S)
-    doc_ids = torch.tensor([0] * 6 + [1] * (S - 6)).expand(B, S)
-    return tokens, positions, doc_ids
+_batch = two_document_batch
 
 
 def test_experts_compute_in_bf16_under_autocast_and_the_spec_fp32_parts_stay_fp32():
