@@ -130,14 +130,14 @@ def train_duration(ctx: Context) -> str:
 
 
 def install_duration(ctx: Context) -> str:
-    venv = ctx.runner.work / "venv"
-    pip = f"{venv}/bin/python -m pip install -q"
-    base = ctx.runner.run(f"python -m venv {venv} && {pip} torch==2.13.0 && {pip} -e .")
+    pip = "/tmp/venv/bin/python -m pip install -q"  # a new virtual environment in the work folder
+    base = ctx.runner.run(f"python -m venv /tmp/venv && {pip} torch==2.13.0 && {pip} -e .")
     extras = ctx.runner.run(f'{pip} -e ".[dev,eval,hf,data,wandb]"')
-    return prose(f"Installing into a new virtual environment took {duration(base.wall_s)} for the first command and "
-            f"{duration(extras.wall_s)} more for the test extras (lm-eval, transformers, datasets, wandb), with "
-            f"pip's downloads served from this machine's wheel cache; over a network add the download of torch "
-            f"and the extras.")
+    return prose(f"Installing into a new virtual environment took {duration(base.wall_s)} of wall time "
+            f"({duration(base.cpu_s)} of CPU time) for the first command and {duration(extras.wall_s)} "
+            f"({duration(extras.cpu_s)} of CPU time) more for the test extras (lm-eval, transformers, datasets, "
+            f"wandb), with pip's downloads served from this machine's wheel cache and other jobs on the cores; "
+            f"over a network add the download of torch and the extras.")
 
 
 def suite_duration(ctx: Context) -> str:
