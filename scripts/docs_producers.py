@@ -67,7 +67,12 @@ class Context:
         return self.cache[key]
 
     def run(self, command: str) -> Result:
-        return self.once(command, lambda: self.runner.run(command))
+        def fresh() -> Result:  # a rerun in a kept work folder starts a new run, as the docs' reader does
+            for folder in re.findall(r"--job\.dump_folder (\S+)", command):
+                shutil.rmtree(self.runner.real(folder), ignore_errors=True)
+            return self.runner.run(command)
+
+        return self.once(command, fresh)
 
 
 def prose(text: str, indent: str = "") -> str:
@@ -124,9 +129,10 @@ def default_run_console(ctx: Context) -> str:
 def train_duration(ctx: Context) -> str:
     res = ctx.run(DEFAULT_RUN)
     corpus = re.search(r"bundled corpus ready in ([\d.]+) s", res.console)
-    built = f", building the bundled corpus on first use included ({corpus[1]} s)" if corpus else ""
-    return prose(f"The training run used {duration(res.cpu_s)} of CPU time ({machine()}{built}): about its wall time "
-            f"on a quiet 2-core machine; with other jobs on the cores it took {duration(res.wall_s)} here.")
+    built = f", {corpus[1]} s of it building the bundled corpus on first use" if corpus else ""
+    return prose(f"The training run takes {duration(res.cpu_s)} of CPU time{built} ({machine()}); on a quiet "
+                 f"2-core machine that is about its wall time (with other jobs on the cores it took "
+                 f"{duration(res.wall_s)} here).")
 
 
 def install_duration(ctx: Context) -> str:
