@@ -24,6 +24,8 @@ from torchtitan_loom.components.checkpoint import CheckpointError, CheckpointMan
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError, build_eval_loader, build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.diagnostics import build_diagnostics
+from torchtitan_loom.components.downstream import ScoringStopped, build_scorer, describe
 from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.gc_control import GarbageCollection
@@ -86,6 +88,8 @@ class StepResult:
     """int64 kept assignments per layer, loop and expert, summed over micro-batches and ranks."""
     n_valid: float
     """Valid target tokens of the global batch."""
+    diag: dict[str, float | None] | None = None
+    """The branch diagnostics of a diagnostic step (components/diagnostics.py), else None."""
 
 
 class Trainer:
@@ -133,6 +137,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_loops = model.num_loops
         self.segments = segments(self.num_loops, t.bp_segment_len)
+        self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
         counts = model.param_counts()
 
         o, s, g = cfg.optimizer, cfg.lr_scheduler, cfg.spike_guard
@@ -151,6 +156,7 @@ class Trainer:
         self.dataloader = build_train_loader(data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                              global_batch_rows=t.global_batch_size, dp_rank=info.rank,
                                              dp_world=self.parallel_dims.dp, tokenizer_name=self.tokenizer_name)
+        self.downstream = build_scorer(cfg.eval, data_path, self.tokenizer_name, self.vocab_size, self.device)
         self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.tb_folder, rank=info.rank,
                                      log_rank=cfg.metrics.log_rank, run_id=self.run_id,
@@ -210,6 +216,7 @@ class Trainer:
         counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
         grad_norm, skip_reason = None, None
+        diag = self.diagnostics.begin(self.state.step + 1)  # None on most steps: nothing extra
         for j, (a, b) in enumerate(self.segments):
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -219,16 +226,20 @@ class Trainer:
                 if j == 0 and not self.info.world_size > 1 and self.checkpointer.watcher.requested():
                     raise StepAbandoned
                 with self.autocast():
-                    out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
-                                     loop_start=a, loop_end=b, carry=carries[m])
+                    out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=a, loop_end=b,
+                                     carry=carries[m], observe=None if diag is None else diag.observer(m, mb["doc_ids"] >= 0))
                 ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
                 loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (len(micro) * num_dp)
                 loss.backward()
                 carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
                 counts_LHE[:, a - 1:b] += out.counts_LTE
+                if diag is not None:
+                    diag.add_forward(a, out.observed_LTNK)
             # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
             self.finish_gradients()
+            if diag is not None:
+                diag.add_gradients(j, self.params)
             # The segment's one host sync: [loss sum, grad-norm², non-finite flag] from ONE small
             # all-reduce, read together with n_valid; the guard and the clip both use it.
             # The preemption flag rides along, so the ranks agree on a stop without a sync of its own.
@@ -264,7 +275,7 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += int(n_valid)
         return StepResult(seg_losses=seg_losses, grad_norm=grad_norm, lr=lr, skip_reason=skip_reason,
-                          counts_LHE=counts_LHE, n_valid=n_valid)
+                          counts_LHE=counts_LHE, n_valid=n_valid, diag=None if diag is None else diag.finish())
 
     # -------------------------------------------------------------------- eval
     def evaluate(self) -> dict[str, float] | None:
@@ -325,6 +336,26 @@ class Trainer:
         if routing is not None:
             result.update(routing.summary())
         return result, routing
+
+    def score_downstream(self, step: int) -> dict[str, float] | None:
+        """The downstream scores of the live model (components/downstream.py); None when a stop
+        signal interrupted them (dropped, as an interrupted eval is)."""
+        self.log(f"downstream at step {step}: {', '.join(self.cfg.eval.downstream_tasks)}"
+                 + (f" (at most {self.cfg.eval.downstream_limit} documents each)" if self.cfg.eval.downstream_limit
+                    else "") + " ...")
+        started = time.perf_counter()
+        self.model.eval()
+        try:
+            scores = self.downstream.score(self.model, self.num_loops,
+                                           lambda: bool(self.checkpointer.watcher.requested()), self.autocast)
+        except ScoringStopped:
+            self.log(f"downstream at step {step}: stopped by a signal after {time.perf_counter() - started:.1f} s, "
+                     "its scores are dropped")
+            return None
+        finally:
+            self.model.train()
+        self.log(f"downstream done in {time.perf_counter() - started:.1f} s: {describe(scores)}")
+        return scores
 
     def log_eval_images(self, step: int, scalars: dict[str, Any], routing: RoutingStats) -> None:
         """TensorBoard images of an eval: one loop × expert load heatmap per layer, the loss per loop."""
@@ -415,6 +446,13 @@ class Trainer:
                     eval_scalars, routing = self.evaluate_with_routing()
                     scalars.update(eval_scalars or {})
                     last_time += time.perf_counter() - eval_started  # tokens/s counts training time only
+                every = cfg.eval.downstream_interval
+                if every and (step % every == 0 or step == t.steps):
+                    scoring_started = time.perf_counter()
+                    scalars.update(self.score_downstream(step) or {})
+                    last_time += time.perf_counter() - scoring_started
+                if out.diag:
+                    scalars.update(out.diag)
                 if scalars:
                     every = cfg.metrics.expert_load_every
                     with_load = routing is not None if every == 0 else step % every == 0
