@@ -446,6 +446,7 @@ class Trainer:
                     eval_scalars, routing = self.evaluate_with_routing()
                     scalars.update(eval_scalars or {})
                     last_time += time.perf_counter() - eval_started  # tokens/s counts training time only
+                console = bool(scalars)  # the scores and the diagnostics have lines of their own / none
                 every = cfg.eval.downstream_interval
                 if every and (step % every == 0 or step == t.steps):
                     scoring_started = time.perf_counter()
@@ -462,7 +463,8 @@ class Trainer:
                     self.metrics.log(step, scalars, extra)
                     if routing is not None:
                         self.log_eval_images(step, scalars, routing)
-                    self.log(format_console_line(step, scalars))
+                    if console:
+                        self.log(format_console_line(step, scalars))
                 if out.skip_reason:
                     self.log(f"step {step}: skipped {out.skip_reason}")
                 abort = divergence.after_step(step, out.skip_reason, model_finite(self.model))

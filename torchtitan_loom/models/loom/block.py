@@ -104,7 +104,8 @@ class LoomBlock(nn.Module):
         moe_in_BSD = rms_norm(x_BSD, self.eps)
         m_BSD, kept_E, z_sq = self.moe(moe_in_BSD, router_w_ED)
         expert_BSK = self.moe.select(moe_in_BSD, router_w_ED) if return_topk else None
-        branches = (a_BSD, m_BSD) if return_branches else None
+        # Values only: observing must not add outputs to the autograd graph (nor FSDP's hooks on them).
+        branches = (a_BSD.detach(), m_BSD.detach()) if return_branches else None
         if self.ffn_branch_norm is not None:
             m_BSD = self.ffn_branch_norm(m_BSD)
         x_BSD = x_BSD + gamma * m_BSD
