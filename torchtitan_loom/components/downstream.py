@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,45 +60,68 @@ class ScoringStopped(Exception):
 
 
 class DownstreamScorer:
-    """Scores a model on the configured tasks (built once, so the task index is read once)."""
+    """Built once by the trainer (the task index is read once); ``score(step)`` after the steps
+    ``eval.downstream_interval`` asks for.
 
-    def __init__(self, tasks: list[str], tasks_dir: str | None, only_tasks_dir: bool, limit: int,
-                 batch_size: int, tokenizer: Any, device: torch.device) -> None:
-        self.tasks, self.limit, self.batch_size = list(tasks), limit or None, batch_size
-        self.tokenizer, self.device = tokenizer, device
-        self.manager = task_manager(tasks_dir, only_tasks_dir)
+    Args:
+        cfg: the ``[eval]`` config section (``downstream_*``).
+        model: the training model (ModelProtocol); put in eval mode while scoring, then back.
+        tokenizer: the training pack's tokenizer.
+        autocast: the step's autocast context, around every forward (the same numerics as training).
+        stop_requested: asked before every batch; truthy drops the scores of this round.
+    """
 
-    def score(self, model: Any, loops: int, should_stop: Callable[[], bool],
-              context: Callable[[], Any]) -> dict[str, float]:
-        """lm-eval's scores of `model` after `loops` loops, flattened (see flat_scores); raises
-        ScoringStopped when should_stop() turns true. `context()` wraps every forward (autocast)."""
+    def __init__(self, cfg: Any, *, model: Any, tokenizer: Any, device: torch.device, autocast: Callable[[], Any],
+                 stop_requested: Callable[[], int], log: Callable[[str], None]) -> None:
+        self.cfg, self.model, self.tokenizer, self.device, self.log = cfg, model, tokenizer, device, log
+        self._autocast, self._stop_requested = autocast, stop_requested
+        self.manager = task_manager(cfg.downstream_tasks_dir or None, cfg.downstream_only_tasks_dir)
+
+    def due(self, step: int, last_step: int) -> bool:
+        every = self.cfg.downstream_interval
+        return bool(every) and (step % every == 0 or step == last_step)
+
+    def score(self, step: int) -> dict[str, float] | None:
+        """The scores after all loops (see flat_scores), with a start and a done line; None when a
+        stop signal interrupted them (dropped, as an interrupted eval is)."""
         from lm_eval import simple_evaluate
 
         from torchtitan_loom.tools.lm_eval_adapter import LoomLM
 
-        lm = LoomLM(model, self.tokenizer, self.device, loops, batch_size=self.batch_size,
-                    split_over_ranks=False, should_stop=should_stop, forward_context=context)
+        cfg = self.cfg
+        limit = f" (at most {cfg.downstream_limit} documents each)" if cfg.downstream_limit else ""
+        self.log(f"downstream at step {step}: {', '.join(cfg.downstream_tasks)}{limit} ...")
+        started = time.perf_counter()
+        lm = LoomLM(self.model, self.tokenizer, self.device, self.model.num_loops, batch_size=cfg.downstream_batch_size,
+                    split_over_ranks=False, should_stop=lambda: bool(self._stop_requested()),
+                    forward_context=self._autocast)
         states = random.getstate(), np.random.get_state()
         devices = [self.device] if self.device.type == "cuda" else []
+        self.model.eval()
         try:
             with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-                res = simple_evaluate(model=lm, tasks=self.tasks, task_manager=self.manager, limit=self.limit,
-                                      log_samples=False, bootstrap_iters=0, verbosity="ERROR")
+                res = simple_evaluate(model=lm, tasks=list(cfg.downstream_tasks), task_manager=self.manager,
+                                      limit=cfg.downstream_limit or None, log_samples=False, bootstrap_iters=0,
+                                      verbosity="ERROR")
+        except ScoringStopped:
+            self.log(f"downstream at step {step}: stopped by a signal after {time.perf_counter() - started:.1f} s, "
+                     "its scores are dropped")
+            return None
         finally:
+            self.model.train()
             random.setstate(states[0])
             np.random.set_state(states[1])
-        return flat_scores(res["results"])
+        scores = flat_scores(res["results"])
+        shown = ", ".join(f"{k[len('downstream/'):]} {v:.4f}" for k, v in scores.items()) or "no scores"
+        self.log(f"downstream done in {time.perf_counter() - started:.1f} s: {shown}")
+        return scores
 
 
-def describe(scores: dict[str, float]) -> str:
-    """``task/metric value, ...`` for the done line."""
-    return ", ".join(f"{k[len('downstream/'):]} {v:.4f}" for k, v in scores.items()) or "no scores"
-
-
-def build_scorer(eval_cfg: Any, data_path: str, tokenizer_override: str | None, vocab_size: int,
-                 device: torch.device) -> DownstreamScorer | None:
+def build_scorer(cfg: Any, *, model: Any, data_path: str, tokenizer_name: str | None, vocab_size: int,
+                 device: torch.device, autocast: Callable[[], Any], stop_requested: Callable[[], int],
+                 log: Callable[[str], None]) -> DownstreamScorer | None:
     """The run's scorer (None when eval.downstream_interval is 0), with the training pack's tokenizer."""
-    if not eval_cfg.downstream_interval:
+    if not cfg.downstream_interval:
         return None
     from pathlib import Path
 
@@ -105,9 +129,8 @@ def build_scorer(eval_cfg: Any, data_path: str, tokenizer_override: str | None, 
     from torchtitan_loom.tools.loading import LoadError, load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(Path(data_path), tokenizer_override, vocab_size)
+        tokenizer = load_tokenizer(Path(data_path), tokenizer_name, vocab_size)
     except LoadError as exc:
         raise PackError(f"downstream scoring: {exc}") from None
-    return DownstreamScorer(eval_cfg.downstream_tasks, eval_cfg.downstream_tasks_dir or None,
-                            eval_cfg.downstream_only_tasks_dir, eval_cfg.downstream_limit,
-                            eval_cfg.downstream_batch_size, tokenizer, device)
+    return DownstreamScorer(cfg, model=model, tokenizer=tokenizer, device=device, autocast=autocast,
+                            stop_requested=stop_requested, log=log)
