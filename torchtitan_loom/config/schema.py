@@ -169,7 +169,7 @@ class Metrics:
                                      "per layer and the eval loss after each loop (matplotlib when installed, "
                                      "else plain heatmap pixels).")
     diag_interval: int = opt(0, "Branch diagnostics every N global steps, from the step's own forward passes "
-                                "(diag/<branch>/<stat>/layer_<l>/loop_<t>, docs/seeing-inside-the-loops.md); "
+                                "(diag/<branch>/<stat>/layer_<l>/loop_<t>, docs/inside_the_loops.md); "
                                 "0 disables. The LOOM presets use 50.")
     diag_activations: bool = opt(True, "At diagnostic steps: each branch output's mean token L2 norm and element "
                                        "variance per layer and loop.")

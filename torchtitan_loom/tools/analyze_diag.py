@@ -113,7 +113,7 @@ def report_section(metrics_path: str, out: str) -> list[str]:
         return []
     lines = ["## Branch diagnostics over training", "",
              f"From `{metrics_path}` (metrics.diag_interval). Each panel is one diagnostic step; rows are "
-             "layers, columns loops. Definitions: docs/seeing-inside-the-loops.md.", ""]
+             "layers, columns loops. Definitions: docs/inside_the_loops.md.", ""]
     for (branch, stat), by_step in sorted(data["branch"].items()):
         name = f"diag_{branch}_{stat}.png"
         fig = stat_figure(by_step, f"{branch} output: {TITLES.get(stat, stat)}")
