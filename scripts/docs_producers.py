@@ -42,6 +42,7 @@ DRY_RUN = ("python -m torchtitan_loom.train --job.config_file train_configs/loom
 MEMORY_TIME = "python benchmarks/memory_time.py --steps 2"
 RESHARD = "python benchmarks/memory_time.py --reshard --steps 3"
 METRICS_SIZE = "python benchmarks/metrics_size.py"
+DIAG_COST = "python benchmarks/diag_cost.py --cpu --preset debug --rounds 10 --out /tmp/diag_cost"
 PRESETS = ("debug_model", "loom_329m", "loom_1p7b")
 HEATMAP = "docs/routing_heatmap_debug.png"
 STEP_RE = re.compile(r"\] step +(\d+) \|")
@@ -282,6 +283,15 @@ def metrics_size(ctx: Context) -> str:
             f"{v['train+load']:,.0f} bytes with it).")
 
 
+def diag_cost(ctx: Context) -> str:
+    res = ctx.run(DIAG_COST)
+    rows = _table(res.stdout)
+    shares = [float(r.split("|")[-2].strip().lstrip("+").rstrip("%")) for r in rows[2:] if "%" in r]
+    return ("```\n$ " + DIAG_COST + "\n```\n\n" + "\n".join(rows) + "\n\n"
+            + prose(f"At the presets' diag_interval of 50 no switch adds more than {max(max(shares), 0):.2f}% "
+                    f"of step time here (the target is under 3%)."))
+
+
 def analysis_tables(ctx: Context) -> str:
     train = ctx.run(DEFAULT_RUN)
     res = ctx.run(ANALYZE)
@@ -352,6 +362,7 @@ PRODUCERS: dict[str, Producer] = {
     "memory-time-table": Producer((MEMORY_TIME,), memory_time_table),
     "checksum-cost": Producer((), checksum_cost),
     "metrics-size": Producer((METRICS_SIZE,), metrics_size),
+    "diag-cost": Producer((DIAG_COST,), diag_cost),
     "analysis-tables": Producer((DEFAULT_RUN, ANALYZE), analysis_tables),
     "short-run": Producer((SHORT_RUN,), short_run),
     "generate-console": Producer((GENERATE,), generate_console),
