@@ -131,14 +131,9 @@ class SegmentCost(NamedTuple):
     """FSDP unit name -> times the forward calls it."""
     idle_params: int
     """Parameters without a gradient in this segment (e.g. the routers of other loops)."""
-    moe_calls: int
-    """Routed-expert layer calls in the forward (expert-parallel all-to-alls happen per call)."""
-    moe_rows: int
-    """Rows one routed-expert call dispatches (tokens × routed top-k)."""
-    moe_dim: int
-    """Width of a dispatched row."""
-    moe_experts: int
-    """Routed experts per layer (the counts exchanged per call)."""
+    all_to_alls: tuple[tuple[str, int, int], ...]
+    """(what, calls, bytes per call) of every all-to-all (expert parallelism) on one rank; bytes a
+    rank receives that depend on the routing are given at their mean over the ranks."""
     activation_bytes: int
     """Peak bytes of activations (saved for backward, plus the recompute and backward working set)."""
     logits_bytes: int

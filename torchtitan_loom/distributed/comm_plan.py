@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from torchtitan_loom.distributed.expert_parallel import all_to_alls_per_call
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
 from torchtitan_loom.protocols import FsdpUnit, ModelCost
@@ -110,11 +109,8 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
         else:
             out.append(Collective("all_reduce", "gradients", "dp", world, world, 1,
                                   (cost.total_params - seg.idle_params) * rb))
-        if dims.ep_enabled:
-            recompute = cfg.activation_checkpoint.mode != "none"
-            for what, nbytes in all_to_alls_per_call(seg.moe_rows, seg.moe_dim, seg.moe_experts, pb, recompute):
-                out.append(Collective("all_to_all", f"experts {what}", "ep", dims.ep, dims.ep,
-                                      seg.moe_calls * micro, nbytes))
+        for what, calls, nbytes in seg.all_to_alls:
+            out.append(Collective("all_to_all", what, "ep", dims.ep, dims.ep, calls * micro, nbytes))
         out.append(Collective("all_reduce", "step statistics", "dp", world, world, 1, 4 * 8))
     out.append(Collective("all_reduce", "valid tokens", "dp", world, world, 1, 8))
     if cost.expert_counts:

@@ -1,5 +1,5 @@
 """What a LOOM step costs, for the dry run's estimate (TrainSpec.cost_fn): the FSDP units of
-models/loom/parallelize.py, FLOPs per segment, and the activation bytes of one micro-batch for each
+models/loom/infra/parallelize.py, FLOPs per segment, and the activation bytes of one micro-batch for each
 activation-checkpoint mode.
 
 Activation bytes are counted tensor by tensor from what autograd saves (read off a saved-tensor hook
@@ -29,7 +29,8 @@ import torch
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
-from torchtitan_loom.models.loom.parallelize import fsdp_units
+from torchtitan_loom.models.loom.infra.expert_parallel import all_to_alls_per_call
+from torchtitan_loom.models.loom.infra.parallelize import fsdp_units
 from torchtitan_loom.protocols import ModelCost, SegmentCost
 
 _F32, _I64 = 4, 8
@@ -62,8 +63,11 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
         idle = L * (args.num_loops - T) * router_numel if args.router_per_loop else 0
         flops = N * (T * loop_flops + head_flops)
         recompute = 0.0 if mode == "none" else N * T * loop_flops / 3  # the forward third, once more
-        return SegmentCost(unit_calls=calls, idle_params=idle, moe_calls=L * T, moe_rows=N * k, moe_dim=args.dim,
-                           moe_experts=E, activation_bytes=acts.peak(mode, T), logits_bytes=acts.logits(),
+        a2a = ()
+        if dims.ep_enabled:  # per MoE call: L per loop
+            a2a = tuple((f"experts {what}", L * T, nbytes) for what, nbytes in
+                        all_to_alls_per_call(N * k, args.dim, E, c, recompute=mode != "none"))
+        return SegmentCost(unit_calls=calls, idle_params=idle, all_to_alls=a2a, activation_bytes=acts.peak(mode, T), logits_bytes=acts.logits(),
                            carry_bytes=acts.carry(), flops=flops, recompute_flops=recompute)
 
     units = fsdp_units(model, dims)
