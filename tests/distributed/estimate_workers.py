@@ -1,7 +1,7 @@
 """Rank side of test_estimate_comm.py: count every collective one training step makes.
 
-Each case builds the real Trainer on the gloo group, runs one step (lazy initialisation), then
-records the second step under a dispatch mode that sees every c10d and functional collective, as
+Each case builds the real Trainer on the gloo group and records its first step (FSDP's lazy
+initialisation makes no collective) under a dispatch mode that sees every c10d and functional collective, as
 FSDP2, expert parallelism and the trainer issue them. Every rank writes its own record:
 kind -> [calls, bytes] (bytes of the tensors passed, as distributed/comm_plan.py defines them).
 """
@@ -66,11 +66,9 @@ def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
             argv = spec["base"] + case["argv"] + ["--job.dump_folder", os.path.join(spec["out"], case["name"])]
             cfg = load_config(argv)
             trainer = Trainer(cfg, resolve(cfg, world), info)
-            data = iter(trainer.dataloader)
-            trainer.train_step(next(data))
             counter = CountCollectives()
             with counter:
-                trainer.train_step(next(data))
+                trainer.train_step(next(iter(trainer.dataloader)))
             with open(os.path.join(spec["out"], f"{case['name']}.{rank}.json"), "w") as fh:
                 json.dump(counter.totals, fh)
     finally:

@@ -121,12 +121,12 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
     if not est.collectives:
         lines.append("    none (one rank)")
     else:
-        lines.append(f"    {'collective':<15} {'unit / purpose':<36} {'group':<22} {'per segment':>11} "
+        lines.append(f"    {'collective':<15} {'unit / purpose':<36} {'group':<26} {'per segment':>11} "
                      f"{'MiB per call':>12} {'GiB per step':>12} {'ms per step':>11}")
         for c in _folded(est.collectives):
             link = "node" if c.span <= hw.gpus_per_node else "network"
             per_seg = f"{c.calls / n_seg:g}" if c.calls % n_seg == 0 else "-"
-            lines.append(f"    {c.kind:<15} {c.what:<36} {f'{c.group} {c.size} ({link})':<22} {per_seg:>11} "
+            lines.append(f"    {c.kind:<15} {c.what:<36} {f'{c.group} {c.size} ({link})':<26} {per_seg:>11} "
                          f"{c.nbytes / _MIB:12.3f} {c.calls * c.nbytes / _GIB:12.3f} "
                          f"{seconds(c, hw) * 1e3:11.2f}")
         lines.append("    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
