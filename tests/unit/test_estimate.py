@@ -45,7 +45,7 @@ def test_assumptions_are_printed_and_drive_the_step_time():
     text = "\n".join(report(slow, args, dims))
     assert "peak 100 TFLOP/s per GPU" in text and "5 GB/s between nodes" in text
     for part in ("gathered parameters", "activations of one micro-batch (none)", "logits", "all_gather",
-                 "reduce_scatter", "routers", "FLOPs per step", "MFU", "recommended:"):
+                 "reduce_scatter", "replicated parameters", "FLOPs per step", "MFU", "recommended:"):
         assert part in text, part
 
 

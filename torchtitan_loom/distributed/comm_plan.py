@@ -67,8 +67,8 @@ def shard_degree(unit: FsdpUnit, dims: ParallelDims) -> int:
     return dims.dp_shard if unit.mesh == "fsdp" else dims.dp_shard_mod_ep
 
 
-def router_numel(cost: ModelCost, dims: ParallelDims) -> int:
-    """Parameters outside every FSDP unit (replicated under FSDP: the routers)."""
+def replicated_numel(cost: ModelCost, dims: ParallelDims) -> int:
+    """Parameters outside every FSDP unit (replicated over the data-parallel ranks under FSDP)."""
     ep = dims.ep if dims.ep_enabled else 1
     in_units = sum(math.prod(s) * (ep if u.mesh == "efsdp" else 1) for u in cost.units for s in u.shapes)
     return cost.total_params - in_units
@@ -103,9 +103,9 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
                 if r > 1:
                     out.append(Collective("all_reduce", unit.name, "dp_replicate", r, world, reductions,
                                           numel // n * rb))
-            routers = router_numel(cost, dims) - seg.idle_params
-            if routers > 0:
-                out.append(Collective("all_reduce", "routers", "dp", world, world, 1, routers * rb))
+            replicated = replicated_numel(cost, dims) - seg.idle_params
+            if replicated > 0:
+                out.append(Collective("all_reduce", "replicated parameters", "dp", world, world, 1, replicated * rb))
         else:
             out.append(Collective("all_reduce", "gradients", "dp", world, world, 1,
                                   (cost.total_params - seg.idle_params) * rb))

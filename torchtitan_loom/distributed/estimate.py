@@ -11,7 +11,7 @@ Model-specific numbers (FSDP units, FLOPs and activation bytes per segment) come
              intra_node_gbps when the group's ranks lie in one node of gpus_per_node, else
              inter_node_gbps
   step       max(compute, FSDP collectives) + the rest: FSDP prefetches its gathers and reduces
-             behind the compute, while the expert all-to-alls, the router and step-statistic
+             behind the compute, while the expert all-to-alls, the replicated-parameter and step-statistic
              all-reduces sit on the critical path
   MFU        model FLOPs / (step × peak_tflops)
 """
@@ -67,7 +67,7 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     if dims.fsdp_enabled:
         gathered = [comm_plan.padded_numel(u, comm_plan.shard_degree(u, dims)) for u in cost.units]
         local = sum(g // comm_plan.shard_degree(u, dims) for g, u in zip(gathered, cost.units))
-        local += comm_plan.router_numel(cost, dims)
+        local += comm_plan.replicated_numel(cost, dims)
         keep_all = cfg.parallelism.fsdp_reshard_after_forward != "always"
         gathered_bytes = pb * (sum(gathered) if keep_all else 2 * max(gathered))
         per_segment_sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch") == "segment"
@@ -159,24 +159,18 @@ def _folded(collectives: list[Collective]) -> list[Collective]:
 
 def candidate_layouts(cfg: Any, model_args: Any, world: int) -> list[tuple[Any, ParallelDims]]:
     """Every valid (dp_replicate, dp_shard, ep) of `world` ranks for this config, as configs + dims."""
-    from torchtitan_loom.config.validate import parallelism_errors
+    from torchtitan_loom.config.validate import _parallel_dims, parallelism_errors
 
-    experts = getattr(model_args, "num_routed_experts", None)
     out = []
     for replicate in (r for r in range(1, world + 1) if world % r == 0):
         shard = world // replicate
-        for ep in (e for e in range(1, shard + 1) if shard % e == 0 and (experts or 1) % e == 0):
-            if ep > 1 and shard == 1:
-                continue
-            try:
-                dims = ParallelDims.create(dp_replicate=replicate, dp_shard=shard, ep=ep, world_size=world,
-                                           num_experts=experts)
-            except ValueError:
-                continue
+        for ep in (e for e in range(1, shard + 1) if shard % e == 0 and (e == 1 or shard > 1)):
             candidate = copy.deepcopy(cfg)
             candidate.parallelism.dp_replicate, candidate.parallelism.dp_shard = replicate, shard
             candidate.parallelism.ep = ep
-            if not parallelism_errors(candidate, dims, model_args):
+            problems: list[str] = []
+            dims = _parallel_dims(candidate, world, model_args, problems)  # the config's own rules, once
+            if dims is not None and not problems and not parallelism_errors(candidate, dims, model_args):
                 out.append((candidate, dims))
     return out
 
