@@ -218,7 +218,15 @@ def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int
     except (PackError, ValueError, OSError) as exc:
         raise AnalyzeError(f"--data {data}: {exc}") from None
     result = evaluate(model, loader, torch.device("cpu"), samples, sample_tokens)
-    return write_report(result, info, ckpt, data, out, pack.tokenizer_name, layer)
+    from pathlib import Path
+
+    from torchtitan_loom.tools.loading import LoadError, recorded_tokenizer
+
+    try:  # resolved against the pack, never the current directory
+        tokenizer = recorded_tokenizer(Path(pack.path), pack.tokenizer_name)
+    except LoadError:
+        tokenizer = ""  # token labels fall back to ids
+    return write_report(result, info, ckpt, data, out, tokenizer, layer)
 
 
 def main(argv: list[str] | None = None) -> int:
