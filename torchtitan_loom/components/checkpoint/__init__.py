@@ -5,8 +5,9 @@
     safe_read.py   every read of a checkpoint: DCP's pickles admitted by an allow-list, never code
     integrity.py   checksums (CRC-32 per file), the marker's format version, finiteness checks
     resolve.py     which checkpoint a run loads; the up-front config check used by validate.py
-    preemption.py  SIGTERM/SIGUSR1 → finish the step, save, exit 0
     manager.py     CheckpointManager: the save policy, sync/async save, load
+
+Stop signals (what makes a run save and exit early) are components/preemption.py's.
 """
 
 from torchtitan_loom.components.checkpoint.manager import CheckpointManager
