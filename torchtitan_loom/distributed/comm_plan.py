@@ -9,8 +9,12 @@ FSDP's post-backward reshards, so the next one gathers again) and 2·c times wit
 gradient is reduce-scattered once (autograd sums the c contributions first); with HSDP the
 reduce-scattered shard is then all-reduced over the replicas. Activation checkpointing adds no
 gather (the recompute runs while the unit is gathered for backward). A unit on a mesh of one rank
-makes no call. With ``parallelism.fsdp_sync = "segment"`` the micro-batches of a segment share one
-gather (parameters stay gathered, gradients accumulate unsharded) and one reduction after the last.
+makes no call. With ``parallelism.fsdp_sync = "segment"`` (reduction and reshard-after-backward off
+for all but a segment's last micro-batch, gradients accumulated unsharded) a unit is gathered c
+times per segment with "never" (once, then c − 1 times in the last backward) and (M + 1)·c times
+with "always" over M micro-batches; it is reduced once per segment, twice when c > 1 and M > 1
+(the post-backward of the last micro-batch's first backward pass already finds the gradients of
+the earlier micro-batches and reduces them).
 
 Bytes are those of the tensors passed: an all-gather's gathered output, a reduce-scatter's
 unsharded input (FSDP pads each parameter's split dimension to a multiple of the shard degree),
@@ -93,7 +97,8 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
                 group = "dp_shard" if unit.mesh == "fsdp" else "dp_shard_mod_ep"
                 numel, c = padded_numel(unit, n), seg.unit_calls[unit.name]
                 if per_segment_sync:
-                    gathers, reductions = (2 * c * micro if always else 1), 1
+                    gathers = (micro + 1) * c if always else c
+                    reductions = 2 if c > 1 and micro > 1 else 1
                 else:
                     gathers, reductions = (2 * c if always else c) * micro, micro
                 if n > 1:
