@@ -25,7 +25,6 @@ import resource
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,22 +46,12 @@ def _rss_bytes() -> int:
 def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict:
     """Build the Trainer for `argv` in this process, time `steps` steps after one warm-up step."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from torchtitan_loom.config import load_config
     from torchtitan_loom.config.validate import resolve
+    from torchtitan_loom.distributed.comm_count import CollectiveCounter
     from torchtitan_loom.distributed.utils import DistInfo, pick_device
     from torchtitan_loom.train import Trainer
-
-    class CountCollectives(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in ("c10d", "_c10d_functional"):
-                self.counts[func.__name__.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
 
     import tempfile
 
@@ -76,7 +65,7 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
         torch.cuda.reset_peak_memory_stats()
     base = _rss_bytes()
     trainer.train_step(next(data))  # warm-up
-    counter = CountCollectives()
+    counter = CollectiveCounter()
     with counter:
         trainer.train_step(next(data))
     if device.type == "cuda":

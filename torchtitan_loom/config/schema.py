@@ -24,7 +24,7 @@ from torchtitan_loom.components.optimizer import VALID_IMPLEMENTATIONS as OPTIMI
 from torchtitan_loom.distributed.activation_checkpoint import AC_MODES
 from torchtitan_loom.distributed.utils import DEVICES, DTYPES
 from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
-from torchtitan_loom.models.loom.parallelize import COMPILE_BACKENDS, RESHARD_AFTER_FORWARD
+from torchtitan_loom.models.loom.parallelize import COMPILE_BACKENDS, FSDP_SYNC, RESHARD_AFTER_FORWARD
 
 
 def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None):
@@ -222,6 +222,12 @@ class Parallelism:
         "default", "Free gathered parameters after forward (always) or keep them until backward (never). "
                    "default = never: each block runs K times per forward, so 'always' re-gathers it per loop.",
         choices=tuple(RESHARD_AFTER_FORWARD))
+    fsdp_sync: str = opt(
+        "segment", "When FSDP reduces gradients and frees gathered parameters within a backprop segment: "
+                   "segment = after its last micro-batch (one all-gather and one reduce-scatter per unit "
+                   "and segment; each rank holds unsharded fp32 gradients meanwhile), micro_batch = after "
+                   "every micro-batch's backward (sharded gradients only, traffic × micro-batches).",
+        choices=FSDP_SYNC)
     dry_run: bool = opt(False, "Validate the config, print the mesh layout, batch split and per-rank parameter "
                                "shards and memory for the world size, then exit 0 without training (one "
                                "process, fake process group).")
