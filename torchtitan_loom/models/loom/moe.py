@@ -210,6 +210,13 @@ class LoomMoE(nn.Module):
         self.experts = RoutedExperts(E, D, I, args.moe_impl)
         self.shared_experts = nn.ModuleList([SharedExpert(D, I) for _ in range(args.num_shared_experts)])
 
+    def experts_dtype(self, x_ND: torch.Tensor) -> torch.dtype:
+        """The dtype the routed experts cast their rows to (run_experts, expert parallel); a
+        converted module (float8, no `impl`) quantises the rows as they come."""
+        if getattr(self.experts, "impl", None) is None:
+            return x_ND.dtype
+        return expert_dtype(x_ND.device.type, self.experts.w13.dtype)
+
     def select(self, x_BSD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids [B, S, K] that forward() routes x to (before capacity dropping).
 
@@ -234,12 +241,17 @@ class LoomMoE(nn.Module):
         capacity = expert_capacity(N, K, self.num_experts, self.capacity_factor)
         order_A, counts_E, kept_E, gate_NK = capacity_plan(expert_NK, gate_NK, self.num_experts, capacity)
 
-        # Dispatch every assignment (dropped ones too, weighted 0: fixed shapes, no sync).
-        x_AD = x_ND[order_A // K]
+        # Dispatch every assignment (dropped ones too, weighted 0: fixed shapes, no sync), gathered
+        # in the experts' compute dtype (the one [A, D] copy of the rows; a cast after it would be
+        # a second one).
+        token_A = order_A // K
+        x_AD = x_ND.to(self.experts_dtype(x_ND))[token_A]
         out_AD = self.experts(x_AD, counts_E)
-        # Undo the expert grouping: row order_A[i] of the flat [N*K] layout is out_AD[i].
-        out_NKD = out_AD.new_empty(N * K, D).index_copy(0, order_A, out_AD).view(N, K, D)
-        y_ND = (out_NKD * gate_NK.unsqueeze(-1)).sum(dim=1)
+        # Combine: each output weighted by its gate and added into its token's row (no [N, K, D]
+        # buffer). The K terms of a token add up in expert order, not slot order: fp32 rounding.
+        gate_A = gate_NK.reshape(-1)[order_A]
+        weighted_AD = out_AD * gate_A.unsqueeze(-1)
+        y_ND = weighted_AD.new_zeros(N, D).index_add_(0, token_A, weighted_AD)
         for shared in self.shared_experts:
             y_ND = y_ND + shared(x_ND)
 
