@@ -83,6 +83,25 @@ def capacity_plan(
     return order_A, counts_E, counts_E.clamp_max(capacity), gate_NK
 
 
+def capacity_slots(token_A: torch.Tensor, gate_A: torch.Tensor, counts_E: torch.Tensor,
+                   capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept assignments laid out in E slots of `capacity` rows each (X = E*C), tensor ops only.
+
+    Takes the assignments in capacity_plan's order (grouped by expert, kept ones first in each
+    group) with their tokens and gate weights. Returns (token_X, gate_X): slot e*C + r holds the
+    r-th kept assignment of expert e; an unfilled slot points at token 0 with weight 0.
+    """
+    E, A = counts_E.numel(), token_A.numel()
+    device = token_A.device
+    expert_A = torch.repeat_interleave(torch.arange(E, device=device), counts_E, output_size=A)
+    rank_A = torch.arange(A, device=device) - (torch.cumsum(counts_E, 0) - counts_E)[expert_A]
+    # Dropped assignments all go to one extra slot, cut off below.
+    slot_A = torch.where(rank_A < capacity, expert_A * capacity + rank_A, E * capacity)
+    token_X = token_A.new_zeros(E * capacity + 1).scatter(0, slot_A, token_A)[:-1]
+    gate_X = gate_A.new_zeros(E * capacity + 1).scatter(0, slot_A, gate_A)[:-1]
+    return token_X, gate_X
+
+
 def swiglu(x_MD: torch.Tensor, w13_2ID: torch.Tensor, w2_DI: torch.Tensor) -> torch.Tensor:
     """W_d (silu(W_g x) * W_u x) with W_g, W_u the first and second halves of w13."""
     gate_MI, up_MI = (x_MD @ w13_2ID.t()).chunk(2, dim=-1)
@@ -241,15 +260,19 @@ class LoomMoE(nn.Module):
         capacity = expert_capacity(N, K, self.num_experts, self.capacity_factor)
         order_A, counts_E, kept_E, gate_NK = capacity_plan(expert_NK, gate_NK, self.num_experts, capacity)
 
-        # Dispatch every assignment (dropped ones too, weighted 0: fixed shapes, no sync), gathered
-        # in the experts' compute dtype (the one [A, D] copy of the rows; a cast after it would be
-        # a second one).
+        x_cast_ND = x_ND.to(self.experts_dtype(x_ND))  # before the gather: one [A, D] copy, not two
+        gate_A = gate_NK.reshape(-1)[order_A]
         token_A = order_A // K
-        x_AD = x_ND.to(self.experts_dtype(x_ND))[token_A]
-        out_AD = self.experts(x_AD, counts_E)
+        if capacity is not None and getattr(self.experts, "takes_capacity_slots", False):
+            # Only the kept assignments, in E fixed slots of C rows (padding weighted 0): shapes
+            # known on the host, so expert parallelism needs no split sizes from the device.
+            token_A, gate_A = capacity_slots(order_A // K, gate_A, counts_E, capacity)
+            out_AD = self.experts(x_cast_ND[token_A], kept_E, capacity=capacity)
+        else:
+            # Every assignment (dropped ones too, weighted 0: fixed shapes, no sync).
+            out_AD = self.experts(x_cast_ND[token_A], counts_E)
         # Combine: each output weighted by its gate and added into its token's row (no [N, K, D]
         # buffer). The K terms of a token add up in expert order, not slot order: fp32 rounding.
-        gate_A = gate_NK.reshape(-1)[order_A]
         weighted_AD = out_AD * gate_A.unsqueeze(-1)
         y_ND = weighted_AD.new_zeros(N, D).index_add_(0, token_A, weighted_AD)
         for shared in self.shared_experts:
