@@ -6,7 +6,7 @@ as a tensor argument (the model picks `routers[t-1]`), so a compiled block serve
 Counts of kept assignments are returned, never accumulated in buffers.
 
 Legend: B batch rows, S sequence length, D model dim, N tokens (B*S), E routed experts,
-K routed top-k, A assignments (N*K), I expert width.
+K routed top-k, A assignments (N*K), I expert width, C capacity, X capacity slots (E*C).
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ class LoomMoE(nn.Module):
         if capacity is not None and getattr(self.experts, "takes_capacity_slots", False):
             # Only the kept assignments, in E fixed slots of C rows (padding weighted 0): shapes
             # known on the host, so expert parallelism needs no split sizes from the device.
-            token_A, gate_A = capacity_slots(order_A // K, gate_A, counts_E, capacity)
+            token_A, gate_A = capacity_slots(token_A, gate_A, counts_E, capacity)  # [X]: X = E*C
             out_AD = self.experts(x_cast_ND[token_A], kept_E, capacity=capacity)
         else:
             # Every assignment (dropped ones too, weighted 0: fixed shapes, no sync).
