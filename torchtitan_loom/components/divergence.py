@@ -1,4 +1,4 @@
-"""When a run stops because it diverged (issue #11): a spike with ``abort_on_spike``, too many
+"""When a run stops because it diverged: a spike with ``abort_on_spike``, too many
 consecutive skipped steps, or a non-finite weight after a step. Each stop exits 2 and writes
 SPIKE_ABORT.txt; the step it stopped at is never saved (its update may already hold the
 diverged segments), and the newest checkpoint saved before the first skipped step of a streak
