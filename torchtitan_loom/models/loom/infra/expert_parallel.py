@@ -52,7 +52,7 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh):
         super().__init__()
         self.impl = experts.impl
-        self.kernel_device = experts.kernel_device  # see models/loom/target.py
+        self.kernel_device = getattr(experts, "kernel_device", None)  # see models/loom/target.py
         self.ep_mesh = ep_mesh
         # src_data_rank=None: each rank keeps its own slice, no communication. The model's init is
         # layout-independent (the same full tensor everywhere), and on meta there is no data at all.
