@@ -3,6 +3,7 @@
 import torch
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
+from torchtitan_loom.models.loom.cost import loom_cost
 from torchtitan_loom.models.loom.attention import resolve_attn_backend
 from torchtitan_loom.models.loom.model import LoomTransformer
 from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
@@ -42,7 +43,7 @@ def kernel_report(model: LoomTransformer, device_type: str, dtype: torch.dtype, 
 register_train_spec(
     "loom",
     TrainSpec(name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom,
-              kernel_report_fn=kernel_report),
+              kernel_report_fn=kernel_report, cost_fn=loom_cost),
 )
 
 __all__ = ["LoomModelArgs", "LoomTransformer", "loom_flavors", "parallelize_loom"]
