@@ -129,3 +129,10 @@ def test_eager_flex_on_cuda_would_show_as_scores():
         with rec:
             cuda_kernel(flex_attention, q, q, q, block_mask=mask).sum().backward()
     assert any(score_like(t) for op in rec.ops for t in op.outputs)
+
+
+def test_a_host_sync_in_the_segment_fails_the_trace():
+    """The budget check can fail: the per-expert loop reads its group sizes on the host."""
+    args = dataclasses.replace(ARGS, n_layers=1, moe_impl="loop")
+    with pytest.raises(AssertionError, match=r"host sync: aten._local_scalar_dense"):
+        trace_segment(args, micro_batch=1, seq_len=64, loops=(1, 1), precision="autocast")
