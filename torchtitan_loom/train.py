@@ -86,6 +86,8 @@ class StepResult:
     """int64 kept assignments per layer, loop and expert, summed over micro-batches and ranks."""
     n_valid: float
     """Valid target tokens of the global batch."""
+    non_finite: str | None = None
+    """Which statistic of which segment was non-finite (the run stops), None when all were finite."""
 
 
 class Trainer:
@@ -209,7 +211,7 @@ class Trainer:
         n_layers, n_experts = self.model.expert_counts_shape()
         counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
-        grad_norm, skip_reason = None, None
+        grad_norm, skip_reason, non_finite_in = None, None, None
         for j, (a, b) in enumerate(self.segments):
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -241,7 +243,14 @@ class Trainer:
                 raise StepAbandoned
             seg_loss = loss_sum / max(n_valid, 1.0)
             seg_losses.append(seg_loss)
-            skip_reason = self.spike_guard.check(j, seg_loss, non_finite == 0, self.state.step + 1)
+            # A non-finite loss or gradient is never stepped on, whatever the guard says; the loop then
+            # stops the run (only finite spikes are skipped and trained past).
+            bad = "loss" if not math.isfinite(seg_loss) else "gradient" if non_finite else None
+            if bad:
+                non_finite_in = f"non-finite {bad} in segment {j + 1} (loops {a}-{b})"
+                skip_reason = f"non-finite {bad}"
+            else:
+                skip_reason = self.spike_guard.check(j, seg_loss, True, self.state.step + 1)
             if skip_reason is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.state.skipped_segments += 1
@@ -264,7 +273,7 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += int(n_valid)
         return StepResult(seg_losses=seg_losses, grad_norm=grad_norm, lr=lr, skip_reason=skip_reason,
-                          counts_LHE=counts_LHE, n_valid=n_valid)
+                          counts_LHE=counts_LHE, n_valid=n_valid, non_finite=non_finite_in)
 
     # -------------------------------------------------------------------- eval
     def evaluate(self) -> dict[str, float] | None:
@@ -427,7 +436,7 @@ class Trainer:
                     self.log(format_console_line(step, scalars))
                 if out.skip_reason:
                     self.log(f"step {step}: skipped {out.skip_reason}")
-                abort = divergence.after_step(step, out.skip_reason, model_finite(self.model))
+                abort = divergence.after_step(step, out.skip_reason, model_finite(self.model), out.non_finite)
                 if out.skip_reason and divergence.streak_started:  # the last good checkpoint survives pruning
                     kept = self.checkpointer.protect_newest()
                     if kept:
