@@ -169,6 +169,7 @@ class Trainer:
                      + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}")
         # Built last, once everything it saves exists; train() loads (TorchTitan's order).
         self.resumed, self.resumed_from = False, None
+        self.launch_recorded = False  # run.json says "running" for this launch (rank 0)
         self.last_eval: tuple[int, list[float]] | None = None
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
@@ -289,11 +290,14 @@ class Trainer:
         model without routed experts)."""
         cfg, t = self.cfg, self.cfg.training
         started = time.perf_counter()
-        self.log(f"eval at step {self.state.step}: {cfg.eval.tokens:,} holdout tokens, {self.num_loops} loops ...")
         loader = build_eval_loader(self.data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                    batch_rows=cfg.eval.batch_size or t.global_batch_size, dp_rank=self.info.rank,
                                    dp_world=self.parallel_dims.dp, val_path=cfg.data.val_path or None,
                                    max_tokens=cfg.eval.tokens, tokenizer_name=self.tokenizer_name)
+        short = (f" (the holdout holds fewer than eval.tokens = {cfg.eval.tokens:,})"
+                 if loader.num_label_tokens < cfg.eval.tokens else "")
+        self.log(f"eval at step {self.state.step}: {loader.num_label_tokens:,} holdout tokens{short}, "
+                 f"{self.num_loops} loops ...")
         self.model.eval()
         ce_H = torch.zeros(self.num_loops, dtype=torch.float64, device=self.device)
         n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -367,6 +371,7 @@ class Trainer:
             with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
             record_launch(cfg, self.run_id, "running", self.state.step, resumed)
+            self.launch_recorded = True
 
     def train(self) -> int:
         cfg, t = self.cfg, self.cfg.training
@@ -462,6 +467,17 @@ class Trainer:
             write_abort(self.cfg.job.dump_folder, msg)
 
 
+def _record_end(trainer: Trainer | None, status: str) -> None:
+    """run.json's status at the end of a launch that recorded itself as running (rank 0): finished,
+    stopped (resumable: a signal, exit_after_step, Ctrl-C twice), diverged (exit 2) or failed."""
+    if trainer is None or not trainer.launch_recorded:
+        return
+    try:
+        record_launch(trainer.cfg, trainer.run_id, status, trainer.state.step)
+    except OSError as exc:  # e.g. the disk that ended the run is still full: say so, keep the exit code
+        print(f"warning: run.json not updated to {status!r}: {exc}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -509,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer = Trainer(cfg, resolved, info, run_id=run_id)
             code = trainer.train()
         except (CheckpointError, PackError) as exc:  # a checkpoint or a pack that does not fit this run
+            _record_end(trainer, "failed")  # a refused resume recorded nothing: run.json stays as it was
             kind = "checkpoint" if isinstance(exc, CheckpointError) else "data"
             for line in str(exc).splitlines():
                 print(f"{kind} error: {line}", file=sys.stderr)
@@ -518,14 +535,18 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.checkpointer.watcher.close()
                 trainer.metrics.close()
             if isinstance(exc, KeyboardInterrupt):
+                _record_end(trainer, "stopped")
                 print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
                 return 130
+            _record_end(trainer, "failed")
             print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
             return 1
+        except BaseException:
+            _record_end(trainer, "failed")
+            raise
         trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.last_eval))
-        if info.rank == 0:
-            done = code == 0 and trainer.state.step >= cfg.training.steps
-            record_launch(cfg, run_id, "finished" if done else "stopped", trainer.state.step)
+        done = code == 0 and trainer.state.step >= cfg.training.steps
+        _record_end(trainer, "finished" if done else "diverged" if code == SPIKE_EXIT_CODE else "stopped")
         finished = True
         return code
     finally:

@@ -86,6 +86,7 @@ class CheckpointManager:
         self._log = log
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._pending: _Pending | None = None
+        self._saved: dict[str, int] = {}  # kind → the step last saved (or in flight) by this process
         self._pg = None
         self._async = self.enabled and cfg.async_mode != "disabled"
         if self._async and self._distributed:
@@ -145,14 +146,15 @@ class CheckpointManager:
             stop = f"received {signal.Signals(signum).name}: stopped after step {step}"
         elif c.exit_after_step and step == c.exit_after_step and not last:
             stop = f"checkpoint.exit_after_step = {step} reached"
-        periodic = bool(last or stop or step % c.interval == 0)
-        snapshot = bool(c.snapshot_interval and step % c.snapshot_interval == 0)
+        # One save per step: a stop that follows this step's save (a signal during it) saves nothing more.
+        periodic = bool(last or stop or step % c.interval == 0) and self._saved.get("periodic") != step
+        snapshot = bool(c.snapshot_interval and step % c.snapshot_interval == 0) and self._saved.get("snapshot") != step
         if periodic or snapshot:
             self.save(step, periodic=periodic, snapshot=snapshot)
         if stop:
             self.wait()
             where = layout.final_dir(self.root, step, "periodic")
-            stop += f", saved {where}; exiting 0, relaunch the same command to resume"
+            stop += f", saved {where}; exiting {self.watcher.exit_code()}, relaunch the same command to resume"
         return stop
 
     def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
@@ -168,6 +170,7 @@ class CheckpointManager:
         tmp = layout.temp_dir(self.root, step, kind)
         try:
             self._save(step, kind, tmp, periodic, snapshot)
+            self._saved.update({k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on})
         except (Exception, CheckpointException) as exc:  # any write failure: clean up, say why, keep the rest
             self._pending = None
             self._failed(step, tmp, exc)
