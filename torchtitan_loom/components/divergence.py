@@ -1,6 +1,6 @@
-"""When a run stops because it diverged (issue #11): a non-finite loss or gradient (always), a
-spike with ``abort_on_spike``, too many consecutive skipped steps, or a non-finite weight after a
-step. Only finite spikes are ever skipped and trained past. Each stop exits 2 and writes
+"""When a run stops because it diverged: a non-finite loss or gradient (always), a spike with
+``abort_on_spike``, too many consecutive skipped steps, or a non-finite weight after a step. Only
+finite spikes are ever skipped and trained past. Each stop exits 2 and writes
 SPIKE_ABORT.txt; the step it stopped at is never saved (its update may already hold the
 diverged segments), and the newest checkpoint saved before the first skipped step of a streak
 is marked KEEP so pruning never removes it.

@@ -25,7 +25,7 @@ from torch import nn
 
 DENSE_RECIPES = ("tensorwise", "rowwise")
 EXPERT_RECIPES = ("auto", "fp8_rowwise", "mxfp8")
-# Module-name segments that are never converted (LOOM_SPEC §14 and the issue): the per-loop
+# Module-name segments that are never converted (LOOM_SPEC §14): the per-loop
 # routers (Parameters, not Linear, but listed so the rule is explicit), the embedding, the head.
 NEVER_CONVERT = ("routers", "tok_embeddings", "output")
 DIM_MULTIPLE = 16  # float8 GEMMs need both weight dims divisible by 16

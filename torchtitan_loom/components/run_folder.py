@@ -1,4 +1,4 @@
-"""The run folder's own bookkeeping (issue #11): a lock for the live run, the identity of the run
+"""The run folder's own bookkeeping: a lock for the live run, the identity of the run
 the folder holds, and what happens when another launch arrives.
 
     RUN.lock   host, pid, start time and run_id of the live launch (rank 0). A second launch is

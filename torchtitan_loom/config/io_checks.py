@@ -1,4 +1,4 @@
-"""Config checks that look at the filesystem (issue #11): the run folder can be written, the pack
+"""Config checks that look at the filesystem: the run folder can be written, the pack
 opens and fits the model, the bundled corpus can serve the configured sequence length and be
 built. Each returns one line per problem (key, path, what is valid); validate.py collects them
 before any process group exists."""

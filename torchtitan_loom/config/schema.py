@@ -313,6 +313,6 @@ SECTION_DOCS = {
     "parallelism": "Data parallel (FSDP2 / HSDP) and expert parallel degrees; dry run.",
     "activation_checkpoint": "Activation recomputation per block, loop or segment.",
     "compile": "torch.compile per block.",
-    "float8": "Float8 training via torchao (issue #7).",
+    "float8": "Float8 training via torchao.",
     "comm": "Process-group timeouts (TorchTitan's [comm]).",
 }
