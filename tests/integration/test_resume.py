@@ -178,3 +178,47 @@ def test_sigterm_saves_exits_0_and_the_next_launch_continues(tiny_pack, tmp_path
     assert f"(step {stopped})" in out
     rows = [json.loads(r)["step"] for r in metrics.read_text().splitlines()]
     assert rows == list(range(1, stopped + 3))          # continued at the next step, none repeated
+
+
+def _children(pid):
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killing_the_launcher_stops_the_ranks_and_they_save(tiny_pack, tmp_path):
+    # kill -9 of torchrun alone used to leave both ranks training to the end, unattended.
+    dump = tmp_path / "orphaned"
+    args = common(tiny_pack, steps=100000) + ["--job.dump_folder", str(dump), "--checkpoint.interval", "100000"]
+    env = dict(os.environ, NGPU="2", **ENV)
+    proc = subprocess.Popen(["./run_train.sh", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    ranks = []
+    try:
+        metrics, deadline = dump / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # both ranks train
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never started training"
+            time.sleep(0.2)
+        ranks = _children(proc.pid)  # run_train.sh exec'd torchrun, whose children are the ranks
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 240  # a bound against hanging, not a timing claim
+        while any(_alive(p) for p in ranks):
+            assert time.monotonic() < deadline, "the ranks kept training after their launcher died"
+            time.sleep(0.2)
+    finally:
+        for p in ranks:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    stopped = max(losses(dump))
+    assert layout.scan(str(dump / "checkpoint")).newest().step == stopped  # saved on the way out
+    assert json.loads((dump / "run.json").read_text())["status"] == "stopped"

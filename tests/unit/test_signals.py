@@ -5,6 +5,7 @@ signal leaves no trace: the resumed run is bit-identical to one never interrupte
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -103,3 +104,22 @@ def test_signal_is_acknowledged_within_a_second_from_the_command_line(tiny_pack,
     acks = [t for t, l in lines if f"received {signal.Signals(sig).name}: stopping" in l]
     assert acks and acks[0] - sent < 1.0, (acks, sent)
     assert layout.scan(str(dump / "checkpoint")).newest() is not None
+
+
+def test_an_unreachable_launcher_store_counts_as_the_launcher_gone():
+    from torchtitan_loom.components.checkpoint.preemption import LauncherWatch
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_USE_AGENT_STORE": "True", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    assert LauncherWatch.applies(env) and not LauncherWatch.applies({})
+    gone = threading.Event()
+    reasons = []
+    watch = LauncherWatch.start(env, poll_s=0.01, on_gone=lambda why: (reasons.append(why), gone.set()))
+    try:
+        assert gone.wait(60), "an unreachable store was never noticed"
+    finally:
+        watch.close()
+    assert reasons == [f"the launcher's store 127.0.0.1:{port} is unreachable"]
