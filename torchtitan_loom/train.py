@@ -1,11 +1,13 @@
 """The trainer: config → model on meta → parallelize → init → optimizer, data, metrics → loop.
 
 Read top to bottom: ``Trainer.__init__`` builds everything in TorchTitan order, ``train_step`` is
-LOOM's segmented step (LOOM_SPEC §6 with the §14 decisions), ``evaluate`` runs the held-out loss
-after every loop, ``train`` loads the checkpoint and runs the loop, ``main`` turns config, data and
-checkpoint errors into exit code 2. The model is reached only through ``protocols.ModelProtocol``.
+LOOM's segmented step (LOOM_SPEC §6 with the §14 decisions), ``train`` loads the checkpoint and runs
+the loop. Around it: the held-out eval is components/validate.py, the step's metrics
+components/step_metrics.py, stop signals components/preemption.py, and the launch with its exit
+codes launch.py (``main`` here). The model is reached only through ``protocols.ModelProtocol``.
 
-Legend: B rows, S sequence length, L layers, H loops, T loops of a segment, E routed experts.
+Legend (the package's, see protocols.py): B rows, S sequence length, L layers, H loops, T loops of a
+segment, E routed experts.
 """
 
 from __future__ import annotations
@@ -14,34 +16,34 @@ import contextlib
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchtitan_loom.components.checkpoint import CheckpointError, CheckpointManager
+from torchtitan_loom import launch
+from torchtitan_loom.components import exit_codes
+from torchtitan_loom.components.checkpoint import CheckpointManager
 from torchtitan_loom.components.checkpoint.integrity import model_finite
-from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
-from torchtitan_loom.components.data import PackError, build_eval_loader, build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
 from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.gc_control import GarbageCollection
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
-from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, peak_flops, throughput
+from torchtitan_loom.components.metrics import MetricsLogger, peak_flops
 from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
+from torchtitan_loom.components.preemption import PreemptionWatcher
 from torchtitan_loom.components.profiling import MemorySnapshotter, maybe_profile
-from torchtitan_loom.components.routing_stats import RoutingStats
-from torchtitan_loom.components.run_folder import RunFolderError, RunLock, new_run_id, record_launch, replace_old_run
-from torchtitan_loom.components.progress import final_line, start_report
+from torchtitan_loom.components.progress import start_report
+from torchtitan_loom.components.run_folder import new_run_id, record_launch
 from torchtitan_loom.components.spike_guard import SpikeGuard
-from torchtitan_loom.config import ConfigError, JobConfig, help_text, load_config, to_toml
-from torchtitan_loom.config.validate import Resolved, resolve
+from torchtitan_loom.components.step_metrics import StepMetrics
+from torchtitan_loom.components.validate import Validator
+from torchtitan_loom.config import JobConfig, to_toml
+from torchtitan_loom.config.validate import Resolved
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import ModelProtocol, get_train_spec
-
-SPIKE_EXIT_CODE = 2
 
 
 class StepAbandoned(Exception):
@@ -159,7 +161,6 @@ class Trainer:
                                      enable_wandb=cfg.metrics.enable_wandb, wandb_config=cfg.to_dict())
         # The head runs once per segment, so it counts once per segment (see the model docstring).
         self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
-        self.peak_flops = peak_flops(self.device)
         self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {counts['total']:,} parameters "
                  f"({counts['active']:,} active per token), H={self.num_loops}, segments={self.segments}, "
                  f"world={info.world_size}, device={self.device}, compute dtype={t.mixed_precision_param}, "
@@ -167,12 +168,20 @@ class Trainer:
         if info.world_size > 1:
             self.log("parallelism: " + "; ".join(line.strip() for line in self.parallel_dims.describe().splitlines())
                      + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}")
-        # Built last, once everything it saves exists; train() loads (TorchTitan's order).
+        # Built last, once everything they watch or save exists; train() loads (TorchTitan's order).
+        ck = cfg.checkpoint
+        self.stop_signals = PreemptionWatcher(ck.enable and ck.save_on_signal, self.device,
+                                              exit_after_step=ck.exit_after_step if ck.enable else 0)
+        self.validator = Validator(cfg.eval, model=self.model, data_path=data_path, val_path=cfg.data.val_path or None,
+                                   seq_len=t.seq_len, vocab_size=self.vocab_size, batch_rows=t.global_batch_size,
+                                   dp_rank=info.rank, dp_world=self.parallel_dims.dp,
+                                   tokenizer_name=self.tokenizer_name, device=self.device,
+                                   micro_batches=self.micro_batches, autocast=self.autocast,
+                                   stop_requested=self.stop_signals.requested, log=self.log)
         self.resumed, self.resumed_from = False, None
         self.launch_recorded = False  # run.json says "running" for this launch (rank 0)
-        self.last_eval: tuple[int, list[float]] | None = None
         self.checkpointer = CheckpointManager(
-            cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
+            ck, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader,
                     "spike_guard": self.spike_guard, "train_state": self.state},
             model_args=model_args, model_name=cfg.model.name, flavor=cfg.model.flavor, config_toml=to_toml(cfg),
@@ -212,14 +221,14 @@ class Trainer:
         n_layers, n_experts = self.model.expert_counts_shape()
         counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
-        grad_norm, skip_reason, non_finite_in = None, None, None
+        grad_norm, skip_reason, n_valid, non_finite_in = None, None, 0.0, None
         for j, (a, b) in enumerate(self.segments):
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
             for m, mb in enumerate(micro):
                 # No update yet: a stop abandons the step. Free on one process; with several the
                 # ranks agree through segment 1's statistics below (no collective per micro-batch).
-                if j == 0 and not self.info.world_size > 1 and self.checkpointer.watcher.requested():
+                if j == 0 and not self.info.world_size > 1 and self.stop_signals.requested():
                     raise StepAbandoned
                 with self.autocast():
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
@@ -232,21 +241,19 @@ class Trainer:
                 counts_LHE[:, a - 1:b] += out.counts_LTE
             # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
             self.finish_gradients()
-            # The segment's one host sync: [loss sum, grad-norm², non-finite flag] from ONE small
-            # all-reduce, read together with n_valid; the guard and the clip both use it.
-            # The preemption flag rides along, so the ranks agree on a stop without a sync of its own.
-            signal_flag = torch.tensor([float(self.checkpointer.watcher.received > 0)], dtype=torch.float64,
-                                       device=self.device)
-            stats = dist_utils.step_statistics(self.params, ce_total, extra=signal_flag)
-            loss_sum, norm_sq, non_finite, any_signal, n_valid = torch.cat([stats, n_valid_t]).tolist()
-            if j == 0 and any_signal:  # before the step's first update: nothing changed yet
-                self.checkpointer.watcher.agree()
+            # The segment's one host sync (read with n_valid); the guard and the clip both use it.
+            # The stop flag rides along, so the ranks agree on a stop without a sync of its own.
+            signal_flag = torch.tensor([float(self.stop_signals.received > 0)], dtype=torch.float64, device=self.device)
+            stats = dist_utils.step_statistics(self.params, ce_total, signal_flag, n_valid_t)
+            n_valid = stats.n_valid
+            if j == 0 and stats.stop_flag:  # before the step's first update: nothing changed yet
+                self.stop_signals.agree()
                 raise StepAbandoned
-            seg_loss = loss_sum / max(n_valid, 1.0)
+            seg_loss = stats.loss_sum / max(n_valid, 1.0)
             seg_losses.append(seg_loss)
             # A non-finite loss or gradient is never stepped on, whatever the guard says; the loop then
             # stops the run (only finite spikes are skipped and trained past).
-            bad = "loss" if not math.isfinite(seg_loss) else "gradient" if non_finite else None
+            bad = "loss" if not math.isfinite(seg_loss) else "gradient" if stats.non_finite else None
             if bad:
                 non_finite_in = f"non-finite {bad} in segment {j + 1} (loops {a}-{b})"
                 skip_reason = f"non-finite {bad}"
@@ -257,8 +264,8 @@ class Trainer:
                 self.state.skipped_segments += 1
                 skip_reason = f"segment {j + 1} (loops {a}-{b}): {skip_reason}"
                 break
-            dist_utils.clip_grads_with_total_norm(self.params, stats[dist_utils.STAT_GRAD_NORM_SQ],
-                                                  self.cfg.training.max_norm)
+            dist_utils.clip_grads_with_total_norm(self.params, stats.grad_norm_sq_t, self.cfg.training.max_norm)
+            norm_sq = stats.grad_norm_sq
             grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("nan")  # pre-clip norm
             self.optimizer.step()
             if self.float8_precompute:
@@ -276,83 +283,6 @@ class Trainer:
         return StepResult(seg_losses=seg_losses, grad_norm=grad_norm, lr=lr, skip_reason=skip_reason,
                           counts_LHE=counts_LHE, n_valid=n_valid, non_finite=non_finite_in)
 
-    # -------------------------------------------------------------------- eval
-    def evaluate(self) -> dict[str, float] | None:
-        """Held-out loss after every loop and the routing-diversity scalars (see evaluate_with_routing);
-        None when a stop signal interrupted it."""
-        return self.evaluate_with_routing()[0]
-
-    @torch.no_grad()
-    def evaluate_with_routing(self) -> tuple[dict[str, float] | None, RoutingStats | None]:
-        """Full H loops on the holdout; the loss after every loop comes from running the loops one
-        at a time with the carry, which equals the full forward (tested by the model). The same
-        forwards return the routed expert ids, summed into RoutingStats (valid tokens only; None for a
-        model without routed experts)."""
-        cfg, t = self.cfg, self.cfg.training
-        started = time.perf_counter()
-        loader = build_eval_loader(self.data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
-                                   batch_rows=cfg.eval.batch_size or t.global_batch_size, dp_rank=self.info.rank,
-                                   dp_world=self.parallel_dims.dp, val_path=cfg.data.val_path or None,
-                                   max_tokens=cfg.eval.tokens, tokenizer_name=self.tokenizer_name)
-        short = (f" (the holdout holds fewer than eval.tokens = {cfg.eval.tokens:,})"
-                 if loader.num_label_tokens < cfg.eval.tokens else "")
-        self.log(f"eval at step {self.state.step}: {loader.num_label_tokens:,} holdout tokens{short}, "
-                 f"{self.num_loops} loops ...")
-        self.model.eval()
-        ce_H = torch.zeros(self.num_loops, dtype=torch.float64, device=self.device)
-        n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
-        n_layers, n_experts = self.model.expert_counts_shape()
-        routing: RoutingStats | None = None
-        for batch in loader:
-            for mb in self.micro_batches(batch):
-                if self.checkpointer.watcher.requested():  # a stop signal: drop this eval
-                    self.model.train()
-                    return None, None
-                carry = None
-                for loop in range(1, self.num_loops + 1):
-                    with self.autocast():
-                        out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=loop,
-                                         loop_end=loop, carry=carry, return_topk=n_experts > 0)
-                    carry = out.carry
-                    if out.topk_LTBSK is not None:
-                        if routing is None:  # top-k from the ids' own shape: the trainer reads no model field
-                            routing = RoutingStats(n_layers, self.num_loops, n_experts, out.topk_LTBSK.shape[-1],
-                                                   self.device)
-                        if loop == 1:
-                            routing.start_batch(mb["doc_ids"] >= 0)  # padding has doc id -1
-                        routing.add_loop(out.topk_LTBSK[:, 0], carry.z_BSD)
-                    ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double()
-                n_tok += count_valid(mb["labels"])
-        self.model.train()
-        dist_utils.all_reduce(ce_H)
-        dist_utils.all_reduce(n_tok)
-        if routing is not None:
-            routing.all_reduce(dist_utils.all_reduce)
-        losses = (ce_H / n_tok.clamp(min=1)).tolist()
-        result = {"eval_loss": losses[-1], "eval_tokens": int(n_tok.item())}
-        result.update({f"eval_loss_loop_{i + 1}": v for i, v in enumerate(losses)})
-        took = time.perf_counter() - started
-        self.log(f"eval done in {took:.1f} s ({n_tok.item() / max(took, 1e-9):,.0f} tokens/s): loss after loop "
-                 + " / ".join(f"{v:.4f}" for v in losses))
-        self.last_eval = (self.state.step, losses)
-        if routing is not None:
-            result.update(routing.summary())
-        return result, routing
-
-    def log_eval_images(self, step: int, scalars: dict[str, Any], routing: RoutingStats) -> None:
-        """TensorBoard images of an eval: one loop × expert load heatmap per layer, the loss per loop."""
-        if not (self.cfg.metrics.routing_images and self.metrics.writes_images):
-            return
-        from torchtitan_loom.components.routing_plots import heatmap_image, loss_curve_image
-
-        share_LHE = routing.load_share_LHE().cpu().numpy()
-        for layer, share_HE in enumerate(share_LHE):
-            self.metrics.log_image(f"routing/load_layer_{layer}", heatmap_image(
-                share_HE, f"expert load, layer {layer}, step {step} (eval tokens)"), step)
-        losses = [scalars[f"eval_loss_loop_{t}"] for t in range(1, self.num_loops + 1)]
-        self.metrics.log_image("eval/loss_per_loop", loss_curve_image(
-            losses, f"held-out loss after each loop, step {step}"), step)
-
     # -------------------------------------------------------------------- loop
     def resume(self) -> None:
         """Load the checkpoint (if any), make the current config win over its optimizer values
@@ -360,7 +290,11 @@ class Trainer:
         ``train()`` calls it unless the caller already did (tests inspect a resumed trainer first)."""
         cfg = self.cfg
         self.resumed = True
-        self.resumed_from = resumed = self.checkpointer.load()
+        try:
+            self.resumed_from = resumed = self.checkpointer.load()
+        except BaseException:
+            self.stop_signals.close()  # train() will not run: leave the signal handlers as found
+            raise
         self.metrics.mark_launch(resumed)
         if resumed is not None:
             o = cfg.optimizer
@@ -374,185 +308,101 @@ class Trainer:
             self.launch_recorded = True
 
     def train(self) -> int:
+        """Run the steps left; returns the exit code (0 also after a stop that saved)."""
         cfg, t = self.cfg, self.cfg.training
         if not self.resumed:
             self.resume()
         data_iter = iter(self.dataloader)
-        tokens_per_step = t.global_batch_size * t.seq_len
-        last_time, last_step = time.perf_counter(), self.state.step
-        exit_code = 0
-        tools = contextlib.ExitStack()  # profiler and memory snapshots, closed when the loop ends
+        report = StepMetrics(cfg.metrics, self.metrics, tokens_per_step=t.global_batch_size * t.seq_len,
+                             flops_per_token=self.flops_per_token, peak_flops=peak_flops(self.device),
+                             device=self.device, first_step=self.state.step, log=self.log)
+        divergence = DivergenceMonitor(cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips)
+        tools = contextlib.ExitStack()  # profiler, memory snapshots and GC control, closed when the loop ends
         profiler = tools.enter_context(maybe_profile(cfg.profiling, cfg.job.dump_folder, self.info.rank, self.log,
                                                      step_offset=self.state.step))
         snapshots = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.info.rank, self.device, self.log)
         tools.callback(snapshots.close)
-        divergence = DivergenceMonitor(cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips)
         gc_control = GarbageCollection(t.gc_freq)
         tools.callback(gc_control.close)  # automatic GC back on, also when the loop raises
-        first_step = True
-        try:
-            while self.state.step < t.steps:
+        exit_code, first_step = None, self.state.step + 1
+        with tools:
+            while exit_code is None and self.state.step < t.steps:
                 position = self.dataloader.state_dict()
                 try:
                     out = self.train_step(next(data_iter))
                 except StepAbandoned:  # a stop signal before the step's first update: nothing changed
                     self.optimizer.zero_grad(set_to_none=True)
                     self.dataloader.load_state_dict(position)  # the batch is trained after the resume
-                    stop = self.checkpointer.after_step(self.state.step, last=True) if self.state.step else None
+                    stop = self._save_or_stop(self.state.step, last=True) if self.state.step else None
                     self.log(stop or f"stopped before step {self.state.step + 1}")
-                    exit_code = self.checkpointer.watcher.exit_code()
+                    exit_code = self.stop_signals.exit_code()
                     break
                 step = self.state.step
                 if profiler is not None:
                     profiler.step()
                 snapshots.step(step)
                 gc_control.step(step)
-                if first_step and self.info.world_size > 1:  # init is over: the shorter train timeout from now on
-                    now_s = dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds,
-                                                       dist_utils.mesh_groups(self.parallel_dims))
-                    self.log(f"comm: collective timeout {cfg.comm.init_timeout_seconds} s during init, "
-                             f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)")
-                first_step = False
-                scalars: dict[str, Any] = {}
-                if step % cfg.metrics.log_freq == 0 or step == t.steps or out.skip_reason:
-                    now = time.perf_counter()
-                    rate = throughput(tokens_per_step * (step - last_step), now - last_time, self.flops_per_token,
-                                      self.peak_flops)
-                    last_time, last_step = now, step
-                    scalars = {"loss": out.seg_losses[-1], "lr": out.lr, "grad_norm": out.grad_norm, **rate,
-                               "skipped": int(out.skip_reason is not None), "tokens_seen": self.state.tokens_seen}
-                    scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(out.seg_losses)})
-                    scalars.update(memory_stats(self.device))
-                routing = None
-                if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == t.steps):
-                    eval_started = time.perf_counter()
-                    eval_scalars, routing = self.evaluate_with_routing()
-                    scalars.update(eval_scalars or {})
-                    last_time += time.perf_counter() - eval_started  # tokens/s counts training time only
-                if scalars:
-                    every = cfg.metrics.expert_load_every
-                    with_load = routing is not None if every == 0 else step % every == 0
-                    extra = {"expert_load": out.counts_LHE.tolist()} if with_load else {}
-                    if out.skip_reason:
-                        extra["skip_reason"] = out.skip_reason
-                    self.metrics.log(step, scalars, extra)
-                    if routing is not None:
-                        self.log_eval_images(step, scalars, routing)
-                    self.log(format_console_line(step, scalars))
-                if out.skip_reason:
-                    self.log(f"step {step}: skipped {out.skip_reason}")
-                abort = divergence.after_step(step, out.skip_reason, model_finite(self.model), out.non_finite)
-                if out.skip_reason and divergence.streak_started:  # the last good checkpoint survives pruning
-                    kept = self.checkpointer.protect_newest()
-                    if kept:
-                        self.log(f"first skipped step of a streak: {kept} is kept (never pruned)")
-                if abort:  # never saved: the step may hold the diverged update
-                    self._write_spike_abort(abort)
-                    exit_code = SPIKE_EXIT_CODE
-                    break
-                stop = self.checkpointer.after_step(step, last=step == t.steps)  # saves; preemption → stop
-                if stop:
-                    self.log(stop)
-                    exit_code = self.checkpointer.watcher.exit_code()
-                    break
-        finally:
-            tools.close()
+                if step == first_step and self.info.world_size > 1:
+                    self._shorten_timeouts()  # init is over
+                exit_code = self._after_step(step, out, report, divergence)
+        self.close()
+        return exit_codes.OK if exit_code is None else exit_code
+
+    def _after_step(self, step: int, out: StepResult, report: StepMetrics, divergence: DivergenceMonitor) -> int | None:
+        """Metrics, eval, divergence and checkpoint after global step ``step``; an exit code to stop."""
+        t = self.cfg.training
+        scalars = report.train_scalars(step, out, self.state.tokens_seen) if report.is_log_step(
+            step, t.steps, out.skip_reason is not None) else {}
+        routing = None
+        if self.validator.due(step, t.steps):
+            with report.paused():  # tokens/s counts training time only
+                eval_scalars, routing = self.validator.validate(step)
+            scalars.update(eval_scalars or {})
+        if scalars:
+            report.write(step, scalars, out, routing)
+        if out.skip_reason:
+            self.log(f"step {step}: skipped {out.skip_reason}")
+        abort = divergence.after_step(step, out.skip_reason, model_finite(self.model), out.non_finite)
+        if out.skip_reason and divergence.streak_started:  # the last good checkpoint survives pruning
+            kept = self.checkpointer.protect_newest()
+            if kept:
+                self.log(f"first skipped step of a streak: {kept} is kept (never pruned)")
+        if abort:  # never saved: the step may hold the diverged update
+            self.log(abort)
+            if self.info.rank == 0:
+                write_abort(self.cfg.job.dump_folder, abort)
+            return exit_codes.BAD_INPUT
+        stop = self._save_or_stop(step, last=step == t.steps)
+        if stop:
+            self.log(stop)
+            return self.stop_signals.exit_code()
+        return None
+
+    def _save_or_stop(self, step: int, *, last: bool) -> str | None:
+        """Save what the checkpoint policy asks for; when the stop signals (or exit_after_step) stop
+        the run here, this step is saved and the returned line says so."""
+        reason = self.stop_signals.stop_after(step, last=last)
+        where = self.checkpointer.after_step(step, last=last, stopping=reason is not None)
+        if reason is None:
+            return None
+        return f"{reason}, saved {where}; exiting {self.stop_signals.exit_code()}, relaunch the same command to resume"
+
+    def _shorten_timeouts(self) -> None:
+        cfg = self.cfg
+        now_s = dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds, dist_utils.mesh_groups(self.parallel_dims))
+        self.log(f"comm: collective timeout {cfg.comm.init_timeout_seconds} s during init, "
+                 f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)")
+
+    def close(self) -> None:
+        """Finish in-flight saves, put the signal handlers back, close the metrics files."""
         self.checkpointer.close()
+        self.stop_signals.close()
         self.metrics.close()
-        return exit_code
-
-    def _write_spike_abort(self, msg: str) -> None:
-        self.log(msg)
-        if self.info.rank == 0:
-            write_abort(self.cfg.job.dump_folder, msg)
-
-
-def _record_end(trainer: Trainer | None, status: str) -> None:
-    """run.json's status at the end of a launch that recorded itself as running (rank 0): finished,
-    stopped (resumable: a signal, exit_after_step, Ctrl-C twice), diverged (exit 2) or failed."""
-    if trainer is None or not trainer.launch_recorded:
-        return
-    try:
-        record_launch(trainer.cfg, trainer.run_id, status, trainer.state.step)
-    except OSError as exc:  # e.g. the disk that ended the run is still full: say so, keep the exit code
-        print(f"warning: run.json not updated to {status!r}: {exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        return 0
-    check_only = "--check-config" in argv
-    argv = [a for a in argv if a != "--check-config"]
-    try:
-        cfg = load_config(argv)
-        world_size = cfg.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
-        resolved = resolve(cfg, world_size)
-    except ConfigError as exc:
-        for line in str(exc).splitlines():
-            print(f"config error: {line}", file=sys.stderr)
-        return 2
-    if check_only:  # run_train.sh checks the config for the whole world before starting ranks
-        return 0
-    if cfg.parallelism.dry_run:  # the layout for world_size ranks, in this one process
-        from torchtitan_loom.distributed.dry_run import dry_run
-
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(dry_run(cfg, *resolved))
-        return 0
-    run_id, lock = new_run_id(), None
-    if int(os.environ.get("RANK", "0")) == 0:  # before any process group: one live run per folder
-        try:
-            os.makedirs(cfg.job.dump_folder, exist_ok=True)
-            lock = RunLock(cfg.job.dump_folder, run_id, log=lambda m: print(f"[torchtitan_loom] {m}", flush=True))
-            replace_old_run(cfg)
-        except (RunFolderError, OSError) as exc:
-            if lock is not None:
-                lock.release()
-            print(f"run folder error: {exc}", file=sys.stderr)
-            return 2
-    info = dist_utils.init_distributed(cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds)
-    finished = False
-    try:
-        if info.world_size > 1:  # rank 0's launch id for every rank's metrics
-            run_id = dist_utils.broadcast_object(run_id)
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
-            print(to_toml(cfg))
-        trainer = None
-        try:
-            trainer = Trainer(cfg, resolved, info, run_id=run_id)
-            code = trainer.train()
-        except (CheckpointError, PackError) as exc:  # a checkpoint or a pack that does not fit this run
-            _record_end(trainer, "failed")  # a refused resume recorded nothing: run.json stays as it was
-            kind = "checkpoint" if isinstance(exc, CheckpointError) else "data"
-            for line in str(exc).splitlines():
-                print(f"{kind} error: {line}", file=sys.stderr)
-            return 2
-        except (CheckpointSaveError, KeyboardInterrupt) as exc:  # disk full; or SIGINT twice / checkpoints off
-            if trainer is not None:
-                trainer.checkpointer.watcher.close()
-                trainer.metrics.close()
-            if isinstance(exc, KeyboardInterrupt):
-                _record_end(trainer, "stopped")
-                print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
-                return 130
-            _record_end(trainer, "failed")
-            print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
-            return 1
-        except BaseException:
-            _record_end(trainer, "failed")
-            raise
-        trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.last_eval))
-        done = code == 0 and trainer.state.step >= cfg.training.steps
-        _record_end(trainer, "finished" if done else "diverged" if code == SPIKE_EXIT_CODE else "stopped")
-        finished = True
-        return code
-    finally:
-        dist_utils.destroy_distributed(wait_for_all=finished)
-        if lock is not None:
-            lock.release()
+    """``python -m torchtitan_loom.train [--help] [--check-config] [--section.key value ...]``."""
+    return launch.run(sys.argv[1:] if argv is None else argv, Trainer)
 
 
 if __name__ == "__main__":

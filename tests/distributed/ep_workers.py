@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
-from torchtitan_loom.distributed.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from torchtitan_loom.models.loom.infra.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.moe import LoomMoE
 

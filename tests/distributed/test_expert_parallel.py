@@ -1,4 +1,4 @@
-"""Expert parallelism (distributed/expert_parallel.py): index bookkeeping in-process, then one
+"""Expert parallelism (models/loom/infra/expert_parallel.py): index bookkeeping in-process, then one
 4-process gloo launch (ep_workers.run) that checks, on ep = 4 and on ep = 2 sub-meshes of a 2x2
 mesh: layer parity with the single-process LoomMoE (forward, kept counts, input and local
 expert-weight grads; grouped and loop impls; capacity dropping; experts and a rank with no rows),
@@ -9,7 +9,7 @@ model built on meta == the single-process model on each rank's own rows, and the
 import ep_workers  # next to this file (conftest puts it on sys.path for the spawned ranks)
 import torch
 
-from torchtitan_loom.distributed.expert_parallel import _local_expert_order, _split_sizes
+from torchtitan_loom.models.loom.infra.expert_parallel import _local_expert_order, _split_sizes
 
 LAUNCH_TIMEOUT_S = 150.0  # ~25 s of it is the compile check's tracing on 4 ranks sharing the cores
 

@@ -63,7 +63,7 @@ def test_diversity_scalars_and_expert_load_only_at_eval(run):
         assert last[f"stream_rms_loop_{t}"] == pytest.approx(1.0, abs=1e-3)  # RMS-normed after every loop
     assert 0 <= last["routing_dead_experts"] <= E
     # The eval's diversity equals a direct recomputation on the same checkpointed model.
-    direct, _ = trainer.evaluate_with_routing()
+    direct, _ = trainer.validator.validate(trainer.state.step)
     assert direct["routing_distinct_experts"] == pytest.approx(last["routing_distinct_experts"])
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointError, layout
-from torchtitan_loom.components.checkpoint.preemption import PreemptionWatcher
+from torchtitan_loom.components.preemption import PreemptionWatcher
 from torchtitan_loom.components.checkpoint.state import read_metadata
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
@@ -231,7 +231,7 @@ def test_disabled_manager_does_nothing(tiny_pack, tmp_path):
                        "--training.steps", "1", "--eval.interval", "0", "--metrics.enable_tensorboard", "false"])
     t = Trainer(cfg, resolve(cfg, 1), CPU)
     assert t.train() == 0 and not (tmp_path / "checkpoint").exists()
-    assert not t.checkpointer.watcher.installed
+    assert not t.stop_signals.installed
 
 
 @pytest.mark.parametrize("argv, expected", [

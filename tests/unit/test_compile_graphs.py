@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from torchtitan_loom.components.loss import token_ce_sum
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
-from torchtitan_loom.models.loom.parallelize import apply_compile
+from torchtitan_loom.models.loom.infra.parallelize import apply_compile
 from batches import two_document_batch  # tests/unit/batches.py
 
 HOST_SYNC_TARGETS = ("item", "tolist", "_local_scalar_dense")

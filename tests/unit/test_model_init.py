@@ -89,7 +89,7 @@ def test_spec_3_init_table():
 def test_activation_checkpointing_and_compile_keep_parameter_names():
     # init seeds and checkpoints key on parameter names: the wrappers must not add prefixes.
     from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
-    from torchtitan_loom.models.loom.parallelize import apply_compile
+    from torchtitan_loom.models.loom.infra.parallelize import apply_compile
 
     args = loom_flavors["debug"]
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""torch.compile per block (models/loom/parallelize.py: apply_compile): one segmented train step at
+"""torch.compile per block (models/loom/infra/parallelize.py: apply_compile): one segmented train step at
 H = 9, K = 3 (with per-loop activation checkpointing) compiles at most 3 graph variants for all the
 block calls (no per-loop recompile, even past dynamo's recompile limit of 8), breaks no graph, and
 matches eager without checkpointing.

@@ -22,9 +22,8 @@ from torchtitan_loom.components.lr_scheduler import VALID_KINDS as LR_KINDS
 from torchtitan_loom.components.optimizer import OPTIMIZER_NAMES
 from torchtitan_loom.components.optimizer import VALID_IMPLEMENTATIONS as OPTIMIZER_IMPLEMENTATIONS
 from torchtitan_loom.distributed.activation_checkpoint import AC_MODES
-from torchtitan_loom.distributed.utils import DEVICES, DTYPES
+from torchtitan_loom.distributed.utils import COMPILE_BACKENDS, DEVICES, DTYPES, RESHARD_AFTER_FORWARD
 from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
-from torchtitan_loom.models.loom.parallelize import COMPILE_BACKENDS, RESHARD_AFTER_FORWARD
 
 
 def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None):

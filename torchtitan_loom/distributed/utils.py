@@ -2,7 +2,7 @@
 
 Gradients live in three forms: FSDP-sharded DTensors (FSDP2 reduce-scatters them itself, summed,
 never averaged), replicated DTensors (the per-loop routers under FSDP, see
-models/loom/parallelize.py) and plain tensors (a replicated model without FSDP). Because the loss is
+models/loom/infra/parallelize.py) and plain tensors (a replicated model without FSDP). Because the loss is
 already divided by the GLOBAL valid-token count, every reduction here is a SUM over the
 data-parallel ranks: the result is the mean gradient whatever the world size.
 """
@@ -13,7 +13,7 @@ import datetime
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from torch.distributed.tensor import DTensor
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # training.mixed_precision_* values
+# The knobs every parallelize function honours: compile.backend and parallelism.fsdp_reshard_after_forward.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+RESHARD_AFTER_FORWARD = {"default": False, "never": False, "always": True}
 
 
 @dataclass(frozen=True)
@@ -200,20 +203,32 @@ def _scale_grads(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float
         torch._foreach_mul_([g for g in local if g.dtype == dtype], scale.to(dtype))
 
 
-# Positions in the vector returned by step_statistics.
-STAT_LOSS_SUM, STAT_GRAD_NORM_SQ, STAT_NON_FINITE = 0, 1, 2
+class StepStatistics(NamedTuple):
+    """One segment's statistics, summed over every rank (``step_statistics``)."""
+
+    loss_sum: float
+    """Summed token cross-entropy of the segment's last loop range."""
+    grad_norm_sq: float
+    """Squared global gradient norm, before clipping."""
+    non_finite: float
+    """Gradient pieces whose norm is not finite, on any rank (> 0: an inf or a NaN somewhere)."""
+    stop_flag: float
+    """Ranks that received a stop signal (> 0: every rank stops)."""
+    n_valid: float
+    """Valid target tokens of the global batch."""
+    grad_norm_sq_t: torch.Tensor
+    """``grad_norm_sq`` still on the device, for the clip (no second sync)."""
 
 
-def step_statistics(params: list[torch.nn.Parameter], loss_sum: torch.Tensor,
-                    extra: torch.Tensor | None = None) -> torch.Tensor:
-    """fp64 [3 + len(extra)] = [loss sum, gradient norm², non-finite flag, *extra], summed over all
-    ranks by ONE small all-reduce and left on the device (no host sync here). ``extra`` carries
-    other per-rank flags that must be agreed on (the preemption flag).
+def step_statistics(params: list[torch.nn.Parameter], loss_sum: torch.Tensor, stop_flag: torch.Tensor,
+                    n_valid_t: torch.Tensor) -> StepStatistics:
+    """The segment's ONE host sync: loss sum, gradient norm², non-finite flag and stop flag summed over
+    all ranks by one small fp64 all-reduce, read together with the already reduced ``n_valid_t``.
 
     The norm² follows clip_grad_norm's rule (any mix of meshes). The flag counts gradient pieces
-    whose norm is not finite, on any rank (> 0: some gradient holds an inf or a NaN): exactly
-    grads_finite's answer, since a piece's fp64 norm is finite iff all its fp32/bf16 values are.
-    The spike guard and the clip both read this one vector (see clip_grads_with_total_norm).
+    whose norm is not finite, on any rank: exactly grads_finite's answer, since a piece's fp64 norm
+    is finite iff all its fp32/bf16 values are. The spike guard and the clip
+    (clip_grads_with_total_norm) both read the result.
     """
     grads = [p.grad for p in params if p.grad is not None]
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -224,10 +239,10 @@ def step_statistics(params: list[torch.nn.Parameter], loss_sum: torch.Tensor,
         non_finite = (~torch.isfinite(pieces_G)).sum().to(torch.float64).reshape(1)
     else:
         norm_sq = non_finite = torch.zeros(1, dtype=torch.float64, device=loss.device)
-    parts = [loss.to(norm_sq.device), norm_sq, non_finite]
-    if extra is not None:
-        parts.append(extra.to(device=norm_sq.device, dtype=torch.float64).reshape(-1))
-    return all_reduce(torch.cat(parts))
+    flag = stop_flag.to(device=norm_sq.device, dtype=torch.float64).reshape(1)
+    reduced = all_reduce(torch.cat([loss.to(norm_sq.device), norm_sq, non_finite, flag]))
+    host = torch.cat([reduced, n_valid_t.to(reduced.device, torch.float64).reshape(1)]).tolist()
+    return StepStatistics(*host, grad_norm_sq_t=reduced[1])
 
 
 def clip_grads_with_total_norm(params: list[torch.nn.Parameter], norm_sq: torch.Tensor,

@@ -3,8 +3,9 @@
     layout.py      the folder on disk: step-N/, snapshots/, temporaries, marker, pruning, index
     state.py       what is saved (model, optimizer, RNG) and the model-compatibility checks
     resolve.py     which checkpoint a run loads; the up-front config check used by validate.py
-    preemption.py  SIGTERM/SIGUSR1 → finish the step, save, exit 0
     manager.py     CheckpointManager: the save policy, sync/async save, load
+
+Stop signals (what makes a run save and exit early) are components/preemption.py's.
 """
 
 from torchtitan_loom.components.checkpoint.manager import CheckpointManager

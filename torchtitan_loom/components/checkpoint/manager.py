@@ -30,7 +30,6 @@ import dataclasses
 import datetime
 import os
 import shutil
-import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,7 +44,6 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
-from torchtitan_loom.components.checkpoint.preemption import PreemptionWatcher
 
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -98,7 +96,6 @@ class CheckpointManager:
             cuda = self.device.type == "cuda"
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                        use_async_staging=False, use_non_blocking_copy=cuda))
-        self.watcher = PreemptionWatcher(self.enabled and cfg.save_on_signal, self.device)
 
     # ------------------------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
@@ -132,30 +129,23 @@ class CheckpointManager:
                            "train_state": ts.state_dict() if ts is not None else None})
 
     # ---------------------------------------------------------------------------------- save path
-    def after_step(self, step: int, *, last: bool = False) -> str | None:
+    def after_step(self, step: int, *, last: bool = False, stopping: bool = False) -> str | None:
         """Save what the policy asks for after global step ``step``; ``last``: no step follows in
-        this process. Returns a message when the run must stop now (preemption signal or
-        ``exit_after_step``), after the save."""
+        this process; ``stopping``: the run stops now (the stop signals decided), so this step is
+        saved and the save finished. Returns the folder of that final save, else None."""
         if not self.enabled:
             return None
         self._poll()
         c = self.cfg
-        signum = self.watcher.requested()
-        stop = None
-        if signum:
-            stop = f"received {signal.Signals(signum).name}: stopped after step {step}"
-        elif c.exit_after_step and step == c.exit_after_step and not last:
-            stop = f"checkpoint.exit_after_step = {step} reached"
         # One save per step: a stop that follows this step's save (a signal during it) saves nothing more.
-        periodic = bool(last or stop or step % c.interval == 0) and self._saved.get("periodic") != step
+        periodic = bool(last or stopping or step % c.interval == 0) and self._saved.get("periodic") != step
         snapshot = bool(c.snapshot_interval and step % c.snapshot_interval == 0) and self._saved.get("snapshot") != step
         if periodic or snapshot:
             self.save(step, periodic=periodic, snapshot=snapshot)
-        if stop:
-            self.wait()
-            where = layout.final_dir(self.root, step, "periodic")
-            stop += f", saved {where}; exiting {self.watcher.exit_code()}, relaunch the same command to resume"
-        return stop
+        if not stopping:
+            return None
+        self.wait()
+        return layout.final_dir(self.root, step, "periodic")
 
     def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
         """Save global step ``step`` as a periodic checkpoint and/or a snapshot (atomic). A model
@@ -270,13 +260,12 @@ class CheckpointManager:
         return newest.path
 
     def close(self) -> None:
-        """Finish any in-flight save and restore the signal handlers."""
+        """Finish any in-flight save."""
         if self.enabled:
             self.wait()
         if self.stager is not None:
             self.stager.close()
             self.stager = None
-        self.watcher.close()
 
     # ---------------------------------------------------------------------------------- load path
     def _decide(self, exclude: frozenset[str]) -> tuple[Any, list[layout.Entry], list[str], str | None]:
@@ -297,11 +286,7 @@ class CheckpointManager:
         """Resume (or warm-start) as configured; returns the step resumed from, else None."""
         if not self.enabled:
             return None
-        try:
-            return self._load()
-        except BaseException:
-            self.watcher.close()  # the trainer will not reach close(); leave the handlers as found
-            raise
+        return self._load()
 
     def _load(self) -> int | None:
         """Newest checkpoint that verifies (checksums, then finite weights once loaded); a failing

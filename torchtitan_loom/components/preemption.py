@@ -1,4 +1,6 @@
-"""Preemption: SIGTERM / SIGUSR1 / SIGINT ask the trainer to stop, save and exit (0; 130 for SIGINT).
+"""The one owner of stop signals: SIGTERM / SIGUSR1 / SIGINT and ``checkpoint.exit_after_step`` ask
+the trainer to stop after a step, save and exit (0; 130 for SIGINT). The checkpoint manager only
+saves what the trainer asks for.
 
 The handler records the signal and acknowledges it at once with a line written straight to the
 stdout file descriptor (no buffered print, which the interrupted code may be inside). The trainer
@@ -26,15 +28,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtitan_loom.components import exit_codes
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-SIGINT_EXIT_CODE = 130  # the shell's convention for a run ended by Ctrl-C
 
 
 class PreemptionWatcher:
     """Installs handlers for SIGTERM, SIGUSR1 and SIGINT (main thread only); ``close()`` restores
     the old ones."""
 
-    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu") -> None:
+    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu", exit_after_step: int = 0) -> None:
+        self.exit_after_step = exit_after_step  # 0: never
         self.received = 0
         self.agreed = 0  # the signal every rank agreed on (set by requested())
         self._device = torch.device(device)
@@ -76,6 +80,17 @@ class PreemptionWatcher:
             self.agreed = self.received
         return self.agreed
 
+    def stop_after(self, step: int, *, last: bool = False) -> str | None:
+        """Why the run stops after global step ``step`` (an agreed signal or ``exit_after_step``),
+        None to go on; ``last``: no step follows anyway. Collective when distributed."""
+        signum = self.requested()
+        if signum:
+            return f"received {signal.Signals(signum).name}: stopped after step {step}"
+        if self.exit_after_step and step == self.exit_after_step and not last:
+            self.agreed = signal.SIGTERM  # a planned stop exits 0
+            return f"checkpoint.exit_after_step = {step} reached"
+        return None
+
     def agree(self) -> None:
         """Some rank got a signal (agreed through the step's statistics): every rank stops. A rank
         that got none reports SIGTERM's exit code (0)."""
@@ -83,7 +98,7 @@ class PreemptionWatcher:
 
     def exit_code(self) -> int:
         """The exit code of a run stopped by the agreed signal: 130 for SIGINT, else 0."""
-        return SIGINT_EXIT_CODE if self.agreed == signal.SIGINT else 0
+        return exit_codes.INTERRUPTED if self.agreed == signal.SIGINT else exit_codes.OK
 
     def close(self) -> None:
         """Stop watching the launcher and put back the handlers that were there before."""

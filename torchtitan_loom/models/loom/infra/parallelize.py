@@ -31,11 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
-from torchtitan_loom.distributed.utils import DTYPES, reduce_gradients
+from torchtitan_loom.distributed.utils import DTYPES, RESHARD_AFTER_FORWARD, reduce_gradients
 from torchtitan_loom.protocols import Parallelized
-
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-RESHARD_AFTER_FORWARD = {"default": False, "never": False, "always": True}
 
 
 def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> Parallelized:
@@ -48,7 +45,7 @@ def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: 
     cfg = job_config
     reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
     if parallel_dims.ep_enabled:
-        from torchtitan_loom.distributed.expert_parallel import apply_expert_parallel
+        from torchtitan_loom.models.loom.infra.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
     if cfg.activation_checkpoint.mode != "none":

@@ -1,0 +1,1 @@
+"""How LOOM is laid out over devices: its parallelize function and expert parallelism (the math stays in models/loom/)."""
