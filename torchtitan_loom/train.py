@@ -26,7 +26,9 @@ from torchtitan_loom.components import exit_codes
 from torchtitan_loom.components.checkpoint import CheckpointManager
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.diagnostics import build_diagnostics
 from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
+from torchtitan_loom.components.downstream import build_scorer
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.gc_control import GarbageCollection
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
@@ -90,6 +92,8 @@ class StepResult:
     """Valid target tokens of the global batch."""
     non_finite: str | None = None
     """Which statistic of which segment was non-finite (the run stops), None when all were finite."""
+    diag: dict[str, float | None] | None = None
+    """The branch diagnostics of a diagnostic step (components/diagnostics.py), else None."""
 
 
 class Trainer:
@@ -137,6 +141,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_loops = model.num_loops
         self.segments = segments(self.num_loops, t.bp_segment_len)
+        self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
         counts = model.param_counts()
 
         o, s, g = cfg.optimizer, cfg.lr_scheduler, cfg.spike_guard
@@ -178,6 +183,10 @@ class Trainer:
                                    tokenizer_name=self.tokenizer_name, device=self.device,
                                    micro_batches=self.micro_batches, autocast=self.autocast,
                                    stop_requested=self.stop_signals.requested, log=self.log)
+        self.downstream = build_scorer(cfg.eval, model=self.model, data_path=data_path,
+                                       tokenizer_name=self.tokenizer_name, vocab_size=self.vocab_size,
+                                       device=self.device, autocast=self.autocast,
+                                       stop_requested=self.stop_signals.requested, log=self.log)
         self.resumed, self.resumed_from = False, None
         self.launch_recorded = False  # run.json says "running" for this launch (rank 0)
         self.checkpointer = CheckpointManager(
@@ -222,6 +231,7 @@ class Trainer:
         counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
         grad_norm, skip_reason, n_valid, non_finite_in = None, None, 0.0, None
+        diag = self.diagnostics.begin(self.state.step + 1)  # None on most steps: nothing extra
         for j, (a, b) in enumerate(self.segments):
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -231,16 +241,21 @@ class Trainer:
                 if j == 0 and not self.info.world_size > 1 and self.stop_signals.requested():
                     raise StepAbandoned
                 with self.autocast():
-                    out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
-                                     loop_start=a, loop_end=b, carry=carries[m])
+                    out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=a, loop_end=b,
+                                     carry=carries[m],
+                                     observe=None if diag is None else diag.observer(m, mb["doc_ids"] >= 0))
                 ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
                 loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (len(micro) * num_dp)
                 loss.backward()
                 carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
                 counts_LHE[:, a - 1:b] += out.counts_LTE
+                if diag is not None:
+                    diag.add_forward(a, out.observed_LTNK)
             # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
             self.finish_gradients()
+            if diag is not None:
+                diag.add_gradients(j, self.params)
             # The segment's one host sync (read with n_valid); the guard and the clip both use it.
             # The stop flag rides along, so the ranks agree on a stop without a sync of its own.
             signal_flag = torch.tensor([float(self.stop_signals.received > 0)], dtype=torch.float64, device=self.device)
@@ -281,7 +296,8 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += int(n_valid)
         return StepResult(seg_losses=seg_losses, grad_norm=grad_norm, lr=lr, skip_reason=skip_reason,
-                          counts_LHE=counts_LHE, n_valid=n_valid, non_finite=non_finite_in)
+                          counts_LHE=counts_LHE, n_valid=n_valid, non_finite=non_finite_in,
+                          diag=None if diag is None else diag.finish())
 
     # -------------------------------------------------------------------- loop
     def resume(self) -> None:
@@ -358,8 +374,13 @@ class Trainer:
             with report.paused():  # tokens/s counts training time only
                 eval_scalars, routing = self.validator.validate(step)
             scalars.update(eval_scalars or {})
+        console = bool(scalars)  # downstream scores have their own lines, diagnostics none
+        if self.downstream is not None and self.downstream.due(step, t.steps):
+            with report.paused():
+                scalars.update(self.downstream.score(step) or {})
+        scalars.update(out.diag or {})
         if scalars:
-            report.write(step, scalars, out, routing)
+            report.write(step, scalars, out, routing, console=console)
         if out.skip_reason:
             self.log(f"step {step}: skipped {out.skip_reason}")
         abort = divergence.after_step(step, out.skip_reason, model_finite(self.model), out.non_finite)

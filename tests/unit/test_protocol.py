@@ -55,7 +55,7 @@ class LoopedDenseToy(nn.Module):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
     def forward(self, tokens_BS, positions_BS, doc_ids_BS, loop_start=1, loop_end=None, carry=None,
-                return_topk=False):
+                return_topk=False, observe=None):
         loop_end = self.num_loops if loop_end is None else loop_end
         z_BSD = self.embed(tokens_BS) if carry is None else carry.z_BSD
         for _ in range(loop_start, loop_end + 1):
@@ -67,6 +67,12 @@ class LoopedDenseToy(nn.Module):
 
     def expert_counts_shape(self) -> tuple[int, int]:
         return 0, 0
+
+    def observation_layout(self) -> tuple[int, tuple[str, ...]]:
+        return 0, ()
+
+    def param_groups(self) -> dict[str, list[str]]:
+        return {"all": [name for name, _ in self.named_parameters()]}
 
     def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
         assert counts_LE.shape == (0, 0)
