@@ -68,11 +68,12 @@ def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "
         bad = problem(entry)
         if bad is None:
             return LoadChoice(entry.path, entry.step, model_only=False), found, _notes(entry.path, skipped, verify)
+        newest_bad = newest_bad if skipped else bad
         skipped.append(f"skipping corrupt checkpoint {entry.path}: {bad}")
     if skipped:  # the run has a history that no checkpoint can continue: never start over on top of it
         names = ", ".join(os.path.relpath(e.path, root) for e in found.complete)
         raise ValueError(f"every complete checkpoint in {root} is damaged ({names}; the newest: "
-                         f"{skipped[0].split(': ', 1)[1]}): refusing to start over on top of them. Repair or move "
+                         f"{newest_bad}): refusing to start over on top of them. Repair or move "
                          f"them, or pass --job.overwrite true to start a new run (the old files move to "
                          f"replaced-<run_id>/)")
     if initial_load_path:
