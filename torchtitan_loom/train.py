@@ -124,9 +124,11 @@ class Trainer:
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
         if self.spec.parallelize_fn is not None:
-            model, self.finish_gradients = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+            model, self.finish_gradients, self.before_micro_batch = self.spec.parallelize_fn(
+                model, self.parallel_dims, cfg)
         else:  # a plain replicated model: every gradient is summed over the ranks
             self.finish_gradients = lambda: dist_utils.reduce_gradients(self.params, self.reduce_dtype)
+            self.before_micro_batch = lambda last: None
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights()
@@ -240,6 +242,7 @@ class Trainer:
                 # ranks agree through segment 1's statistics below (no collective per micro-batch).
                 if j == 0 and not self.info.world_size > 1 and self.stop_signals.requested():
                     raise StepAbandoned
+                self.before_micro_batch(m == len(micro) - 1)  # FSDP reduces after the last one
                 with self.autocast():
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=a, loop_end=b,
                                      carry=carries[m],
