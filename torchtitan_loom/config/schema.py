@@ -126,8 +126,8 @@ class SpikeGuard:
     abort_on_spike: bool = opt(True, "Stop after a step with a skipped segment, exit code 2 (that step is not "
                                      "saved).")
     max_consecutive_skips: int = opt(10, "With abort_on_spike off: stop (exit 2, SPIKE_ABORT.txt) after this many "
-                                         "skipped steps in a row; 0 = never. A non-finite weight after any step "
-                                         "always stops the run.")
+                                         "skipped steps in a row; 0 = never. A non-finite loss, gradient or weight "
+                                         "at any step always stops the run.")
 
 
 @dataclass

@@ -28,7 +28,8 @@ import torch
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
+from torchtitan_loom.models.loom.attention import resolve_attn_backend
+from torchtitan_loom.models.loom.target import flash_attn_available
 from torchtitan_loom.models.loom.infra.expert_parallel import all_to_alls_per_call
 from torchtitan_loom.models.loom.infra.parallelize import fsdp_units
 from torchtitan_loom.models.loom.moe import expert_capacity

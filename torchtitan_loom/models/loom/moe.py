@@ -143,12 +143,13 @@ class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, inter: int, impl: str):
         super().__init__()
         self.impl = impl
+        self.kernel_device: str | None = None  # the device the GEMM path is chosen for; None: the rows'
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter))
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Apply expert e to the rows of its group; rows are grouped by expert, group sizes counts_E."""
-        return run_experts(x_AD, counts_E, self.w13, self.w2, self.impl)
+        return run_experts(x_AD, counts_E, self.w13, self.w2, self.impl, device_type=self.kernel_device)
 
 
 def run_experts(
@@ -158,18 +159,20 @@ def run_experts(
     w2_EDI: torch.Tensor,
     impl: str,
     sizes_E: list[int] | None = None,
+    device_type: str | None = None,
 ) -> torch.Tensor:
     """SwiGLU expert e on the rows of group e (rows grouped by expert, group sizes counts_E).
 
     `sizes_E` = counts_E as Python ints when the caller already has them on the host (expert
-    parallel does), so the per-expert loop does not synchronise a second time.
+    parallel does), so the per-expert loop does not synchronise a second time. `device_type`: the
+    device the GEMM path is chosen for (None: the rows'; see models/loom/target.py).
     """
     D, I = w2_EDI.shape[1], w2_EDI.shape[2]
     # Autocast does not cover _grouped_mm: cast the rows and the weights here (a no-op under FSDP
     # bf16, where both already are), so the routed experts compute in bf16 like the shared ones.
     dtype = expert_dtype(x_AD.device.type, w13_E2ID.dtype)
     x_AD, w13_E2ID, w2_EDI = x_AD.to(dtype), w13_E2ID.to(dtype), w2_EDI.to(dtype)
-    path, _ = gemm_path(x_AD.device.type, dtype, torch.compiler.is_compiling(), D, I, impl)
+    path, _ = gemm_path(device_type or x_AD.device.type, dtype, torch.compiler.is_compiling(), D, I, impl)
     if path == "grouped":
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group ends, stays on device
         h_A2I = torch._grouped_mm(x_AD, w13_E2ID.transpose(-2, -1), offs=offsets_E)

@@ -65,6 +65,7 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh):
         super().__init__()
         self.impl = experts.impl
+        self.kernel_device = getattr(experts, "kernel_device", None)  # see models/loom/target.py
         self.ep_mesh = ep_mesh
         # src_data_rank=None: each rank keeps its own slice, no communication. The model's init is
         # layout-independent (the same full tensor everywhere), and on meta there is no data at all.
@@ -105,8 +106,8 @@ class ExpertParallelExperts(nn.Module):
         order_R, back_R = _local_expert_order(recv_WL, sum(recv_splits))
         # 4. local experts on their rows (weights: this rank's shards, autograd reaches the DTensors).
         y_RD = run_experts(
-            recv_RD[order_R], recv_WL.sum(0), self.w13.to_local(), self.w2.to_local(), self.impl, local_sizes_L
-        )
+            recv_RD[order_R], recv_WL.sum(0), self.w13.to_local(), self.w2.to_local(), self.impl, local_sizes_L,
+            device_type=self.kernel_device)
         # 5. back to source-major order, then home.
         return funcol.all_to_all_single_autograd(y_RD[back_R].contiguous(), send_splits, recv_splits, group)
 
