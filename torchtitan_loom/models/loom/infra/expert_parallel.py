@@ -124,9 +124,11 @@ class ExpertParallelExperts(nn.Module):
         device = x_XD.device
         by_expert_R = torch.arange(W * L * C, device=device).view(W, L, C).transpose(0, 1).reshape(-1)
         w13, w2 = self.w13.to_local(), self.w2.to_local()
-        path, _ = gemm_path(device.type, dtype, torch.compiler.is_compiling(), D, w2.shape[2], self.impl)
+        kernel = self.kernel_device  # the GEMM path is chosen as run_experts chooses it (models/loom/target.py)
+        path, _ = gemm_path(kernel or device.type, dtype, torch.compiler.is_compiling(), D, w2.shape[2], self.impl)
         if path == "loop":  # every slot computed: group sizes W*C, known here
-            y_RD = run_experts(recv_RD[by_expert_R], recv_WL.new_full((L,), W * C), w13, w2, self.impl, [W * C] * L)
+            y_RD = run_experts(recv_RD[by_expert_R], recv_WL.new_full((L,), W * C), w13, w2, self.impl, [W * C] * L,
+                               device_type=kernel)
             return funcol.all_to_all_single_autograd(y_RD[_inverse(by_expert_R)].contiguous(), None, None, group)
         valid_WLC = torch.arange(C, device=device) < recv_WL.unsqueeze(-1)
         valid_R = valid_WLC.transpose(0, 1).reshape(-1)
@@ -134,7 +136,7 @@ class ExpertParallelExperts(nn.Module):
         order_R, valid_R = by_expert_R[first_R], valid_R[first_R].unsqueeze(-1)
         # The grouped GEMM leaves rows past its last offset unwritten: zero them both ways.
         rows_RD = torch.where(valid_R, recv_RD[order_R], 0)
-        y_RD = torch.where(valid_R, run_experts(rows_RD, recv_WL.sum(0), w13, w2, self.impl), 0)
+        y_RD = torch.where(valid_R, run_experts(rows_RD, recv_WL.sum(0), w13, w2, self.impl, device_type=kernel), 0)
         # 4. home.
         return funcol.all_to_all_single_autograd(y_RD[_inverse(order_R)].contiguous(), None, None, group)
 
