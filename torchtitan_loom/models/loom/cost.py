@@ -22,16 +22,17 @@ top-k, A dispatched rows, L layers, H loops, T loops of a segment, V vocab.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
-from torchtitan_loom.models.loom.infra.expert_parallel import ExpertParallelExperts, all_to_alls_per_call
+from torchtitan_loom.models.loom.attention import resolve_attn_backend
+from torchtitan_loom.models.loom.target import flash_attn_available
+from torchtitan_loom.models.loom.infra.expert_parallel import all_to_alls_per_call
 from torchtitan_loom.models.loom.infra.parallelize import fsdp_units
+from torchtitan_loom.models.loom.moe import expert_capacity
 from torchtitan_loom.protocols import ModelCost, SegmentCost
 
 _F32, _I64 = 4, 8
@@ -55,11 +56,6 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
     head_flops = 6 * args.vocab_size * args.dim
     router_numel = args.num_routed_experts * args.dim
     L, E, k, N = args.n_layers, args.num_routed_experts, args.routed_top_k, B * S
-    # Every assignment is dispatched, unless the expert-parallel module takes capacity slots (E
-    # fixed slots of C rows per call, padding included).
-    dispatched_rows = N * k
-    if args.capacity_factor > 0 and getattr(ExpertParallelExperts, "takes_capacity_slots", False):
-        dispatched_rows = E * max(1, math.floor(args.capacity_factor * N * k / E))
 
     def segment(loop_start: int, loop_end: int) -> SegmentCost:
         T = loop_end - loop_start + 1
@@ -70,9 +66,11 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
         flops = N * (T * loop_flops + head_flops)
         recompute = 0.0 if mode == "none" else N * T * loop_flops / 3  # the forward third, once more
         a2a = ()
-        if dims.ep_enabled:  # per MoE call: L per loop
+        if dims.ep_enabled:  # per MoE call: L per loop; with capacity the E*C fixed slots travel
+            capacity = expert_capacity(N, k, E, args.capacity_factor)
+            rows = N * k if capacity is None else E * capacity
             a2a = tuple((f"experts {what}", L * T, nbytes) for what, nbytes in
-                        all_to_alls_per_call(dispatched_rows, args.dim, E, c, recompute=mode != "none"))
+                        all_to_alls_per_call(rows, args.dim, E, c, recompute=mode != "none"))
         return SegmentCost(unit_calls=calls, idle_params=idle, all_to_alls=a2a, activation_bytes=acts.peak(mode, T), logits_bytes=acts.logits(),
                            carry_bytes=acts.carry(), flops=flops, recompute_flops=recompute)
 
