@@ -124,6 +124,55 @@ class Parallelized(NamedTuple):
     finish_gradients: Callable[[], None]
     """Called once per segment after backward: sums over the data-parallel ranks every gradient the
     applied wrappers (FSDP) did not already reduce, so the step need not know which those are."""
+    before_micro_batch: Callable[[bool], None] = lambda last: None
+    """Called before each micro-batch's forward with last=True for a segment's final one: lets the
+    wrappers defer their gradient reduction (and keep parameters gathered) to the segment's end."""
+
+
+class FsdpUnit(NamedTuple):
+    """One FSDP2 unit as the parallelize function builds it (for the dry run's cost estimate)."""
+
+    name: str
+    """Module FQN ("" = the root)."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Shapes FSDP shards, per parameter, after any expert-parallel split (its local tensors)."""
+    mesh: str
+    """ParallelDims mesh it is sharded on: "fsdp" (dense) or "efsdp" (routed experts)."""
+    shard_dim: int
+    """Dimension FSDP splits (padded up to a multiple of the shard degree)."""
+
+
+class SegmentCost(NamedTuple):
+    """What one micro-batch costs in one backprop segment (a forward over T loops and its backward)."""
+
+    unit_calls: dict[str, int]
+    """FSDP unit name -> times the forward calls it."""
+    idle_params: int
+    """Parameters without a gradient in this segment (e.g. the routers of other loops)."""
+    all_to_alls: tuple[tuple[str, int, int], ...]
+    """(what, calls, bytes per call) of every all-to-all (expert parallelism) on one rank; bytes a
+    rank receives that depend on the routing are given at their mean over the ranks."""
+    activation_bytes: int
+    """Peak bytes of activations (saved for backward, plus the recompute and backward working set)."""
+    logits_bytes: int
+    """Logits, their softmax and their gradient at the loss."""
+    carry_bytes: int
+    """The state one micro-batch carries to the next segment (kept for every micro-batch)."""
+    flops: float
+    """Model FLOPs (forward + backward) of the segment."""
+    recompute_flops: float
+    """Extra forward FLOPs that activation checkpointing spends."""
+
+
+class ModelCost(NamedTuple):
+    """A model's side of the dry run's estimate (TrainSpec.cost_fn)."""
+
+    units: list[FsdpUnit]
+    segment: Callable[[int, int], SegmentCost]
+    """segment(loop_start, loop_end) -> one micro-batch's cost of that segment."""
+    total_params: int
+    expert_counts: int
+    """Values of the step's expert-count tensor (summed over the ranks once per step)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +188,9 @@ class TrainSpec:
     kernel_report_fn: Callable[..., list[str]] | None = None
     """kernel_report(model, device_type, compute_dtype, compiling) -> log lines naming the kernels the
     model will use on this device (attention backend, GEMM fallbacks); the trainer logs them once."""
+    cost_fn: Callable[..., ModelCost] | None = None
+    """cost(model_args, parallel_dims, job_config) -> ModelCost: FSDP units, FLOPs and activation
+    bytes per segment, read by the dry run's estimate (None: the dry run prints no estimate)."""
 
 
 # The registry is the only module-level mutable state in the package: specs register once at

@@ -6,8 +6,8 @@ the folder holds, and what happens when another launch arrives.
                stale and taken over with a warning. A lock from another host cannot be checked
                from here: the message says which file to delete once that run is known dead.
     run.json   the run's identity (the config keys that define WHAT is trained), its status
-               (running / finished / stopped), and one entry per launch (run_id, start, resumed
-               step). A relaunch whose identity differs, or into a finished run (training.steps
+               (running / finished / stopped / diverged / failed), and one entry per launch
+               (run_id, start, resumed step). A relaunch whose identity differs, or into a finished run (training.steps
                not raised, no checkpoint.load_step given), or that cannot continue the run
                (checkpoints off) is refused unless
                job.overwrite, which moves the old run's files to ``replaced-<run_id>/`` first.
@@ -26,6 +26,8 @@ import secrets
 import socket
 import time
 from typing import Any
+
+from torchtitan_loom.components import safe_files
 
 LOCK = "RUN.lock"
 RUN_JSON = "run.json"
@@ -167,7 +169,8 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
 
 
 def record_launch(cfg: Any, run_id: str, status: str, step: int, resumed_from: int | None = None) -> None:
-    """Write run.json: identity, status ("running", "finished", "stopped"), step, launches."""
+    """Write run.json: identity, status ("running", or how the launch ended: train._record_end), step,
+    launches."""
     dump = cfg.job.dump_folder
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
     run["identity"] = identity(cfg)
@@ -175,7 +178,10 @@ def record_launch(cfg: Any, run_id: str, status: str, step: int, resumed_from: i
         run["launches"].append({"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_from_step": resumed_from})
     run.update(run_id=run_id, status=status, step=step)
-    tmp = os.path.join(dump, RUN_JSON + ".partial")
-    with open(tmp, "w") as fh:
-        json.dump(run, fh, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(dump, RUN_JSON))
+    safe_files.atomic_write(os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True))
+
+
+def planted_links(dump_folder: str) -> list[str]:
+    """Symbolic links where a launch writes its run files (a launch refuses them, safe_files.py)."""
+    names = [*_RUN_FILES, RUN_JSON + ".partial", LOCK]
+    return safe_files.planted_links(dump_folder, names) if os.path.isdir(dump_folder) else []

@@ -187,7 +187,7 @@ def _parallel_dims(cfg: JobConfig, world_size: int, args: Any, errors: list[str]
         return None
 
 
-def _parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) -> list[str]:
+def parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) -> list[str]:
     """[parallelism] rules beyond the degrees: the dry run keys, and FSDP splitting expert rows."""
     par, errors = cfg.parallelism, []
     if par.dry_run_world_size < 0:
@@ -203,6 +203,22 @@ def _parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) ->
         errors.append(f"parallelism.ep = {par.ep}: with {E // par.ep} experts per ep rank and dp_shard / ep = "
                       f"{efsdp} FSDP ranks per expert group, FSDP splits expert rows, which needs "
                       f"model dim {D} and 2 × expert width {2 * I} divisible by {efsdp}; use a larger ep")
+    return errors
+
+
+def _estimate_errors(cfg: JobConfig) -> list[str]:
+    """[estimate]: every assumption a positive finite number; the GEMM fraction at most 1."""
+    e, errors = cfg.estimate, []
+    for key in ("peak_tflops", "intra_node_gbps", "inter_node_gbps", "memory_gib"):
+        value = getattr(e, key)
+        if not (math.isfinite(value) and value > 0):
+            errors.append(f"estimate.{key} = {value}: must be a finite number > 0")
+    if not (math.isfinite(e.latency_us) and e.latency_us >= 0):
+        errors.append(f"estimate.latency_us = {e.latency_us}: must be a finite number ≥ 0")
+    if not (math.isfinite(e.achievable_fraction) and 0 < e.achievable_fraction <= 1):
+        errors.append(f"estimate.achievable_fraction = {e.achievable_fraction}: must lie in (0, 1]")
+    if e.gpus_per_node < 1:
+        errors.append(f"estimate.gpus_per_node = {e.gpus_per_node}: must be ≥ 1")
     return errors
 
 
@@ -251,6 +267,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if cfg.metrics.expert_load_every < 0:
         errors.append(f"metrics.expert_load_every = {cfg.metrics.expert_load_every}: must be ≥ 0 (0 = eval steps only)")
     errors += _profiling_errors(cfg)
+    errors += _estimate_errors(cfg)
     errors += _number_errors(cfg)
     if t.device == "cuda":
         import torch
@@ -286,7 +303,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         if getattr(cfg.comm, key) < 1:
             errors.append(f"comm.{key} = {getattr(cfg.comm, key)}: must be ≥ 1")
-    errors += _parallelism_errors(cfg, dims, args)
+    errors += parallelism_errors(cfg, dims, args)
     errors += _float8_errors(cfg)
     errors += relaunch_errors(cfg)
     errors += _checkpoint_errors(cfg, args if not errors else None)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
 from torchtitan_loom.components.tokenizer import Tokenizer, build_tokenizer, same_tokenizer_name
 
@@ -58,9 +59,13 @@ def resolve_checkpoint(path: str) -> str:
     if is_export_dir(path):
         return path
     try:
-        return find_checkpoint(path)
+        ckpt = find_checkpoint(path)
     except ExportError as exc:
         raise LoadError(f"checkpoint {exc}") from None
+    note = integrity.unverified_note(ckpt)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+    return ckpt
 
 
 def inference_args(args: Any) -> Any:
@@ -112,6 +117,19 @@ def pack_tokenizer_info(pack: Path) -> dict[str, Any]:
         raise LoadError(str(exc)) from None
 
 
+def recorded_tokenizer(pack: Path, recorded: str) -> str:
+    """The tokenizer a pack's metadata names: 'byte', an absolute path, or a path relative to the
+    pack folder (never to the current directory) that stays inside it (LoadError otherwise)."""
+    if recorded == "byte" or os.path.isabs(recorded):
+        return recorded
+    path = pack / recorded
+    inside = os.path.realpath(pack)
+    if os.path.commonpath([os.path.realpath(path), inside]) != inside:
+        raise LoadError(f"the pack {pack} records the tokenizer {recorded!r}, which resolves outside the pack; "
+                        f"pass --tokenizer (the tokenizer.json the pack was written with)")
+    return str(path)
+
+
 def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
     """The pack's tokenizer, or ``override`` when it matches the pack (same name and vocab)."""
     info = pack_tokenizer_info(pack) if pack is not None and (Path(pack) / "metadata.json").is_file() else None
@@ -121,7 +139,7 @@ def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, ex
         if override is not None and not same_tokenizer_name(override, recorded):
             raise LoadError(f"--tokenizer {override!r} does not match the pack {pack}, which was tokenised "
                             f"with {recorded!r}; pass that tokenizer or leave --tokenizer unset")
-        name = override or recorded
+        name = override or recorded_tokenizer(Path(pack), recorded)
         if name != "byte" and not Path(name).exists() and export_dir and Path(export_dir, "tokenizer.json").is_file():
             name = export_dir  # the pack's HF tokenizer moved; the export carries a copy
     elif name is None and export_dir and Path(export_dir, "tokenizer.json").is_file():
@@ -145,19 +163,26 @@ def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_toke
     """Resolve ``path``, rebuild the model in fp32 with capacity off, find config, pack and tokenizer."""
     from torchtitan_loom.tools.export import model_spec, read_export
 
+    from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
+    from torchtitan_loom.tools.export import ExportError
+
     ckpt = resolve_checkpoint(path)
     if is_export_dir(ckpt):
-        info, tensors = read_export(ckpt)
+        try:
+            info, tensors = read_export(ckpt)
+        except ExportError as exc:
+            raise LoadError(str(exc)) from None
         config = _read_config(ckpt)
         step = info.get("step")
         export_dir: str | None = ckpt
     else:
-        from torchtitan_loom.components.checkpoint.state import load_full
-
         info = read_model_args(ckpt)
         if info is None:
             raise LoadError(f"checkpoint {ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom load")
-        tensors = load_full(ckpt, prefix="model.")
+        try:
+            tensors = load_full(ckpt, prefix="model.")
+        except CheckpointError as exc:  # a refused pickle (safe_read.py)
+            raise LoadError(f"checkpoint {exc}") from None
         config = _read_config(ckpt)
         step = (layout.read_json(os.path.join(ckpt, "meta.json")) or {}).get("step")
         export_dir = None

@@ -1,7 +1,8 @@
 """Which checkpoint a run loads, and whether it fits the configured model (checked up front).
 
 Order: ``checkpoint.load_step N`` (must exist, complete) > the newest complete checkpoint of the
-run's folder > ``checkpoint.initial_load_path`` (model-only warm start) > nothing (fresh start).
+run's folder that verifies > ``checkpoint.initial_load_path`` (model-only warm start) > nothing
+(fresh start). A folder whose complete checkpoints all fail verification is refused.
 ``config/validate.py`` calls ``config_errors`` before any process starts, so a checkpoint of a
 different model fails with one message and nothing on disk is touched.
 """
@@ -35,19 +36,19 @@ def checkpoint_root(dump_folder: str, folder: str) -> str:
 def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "full",
            exclude: frozenset[str] = frozenset()) -> tuple[LoadChoice | None, layout.Scan, list[str]]:
     """The checkpoint to load (or None), the scan it came from, and one warning line per newer
-    complete checkpoint that was skipped because it failed verification (integrity.verify;
-    ``verify`` = "full", "quick" or "none") or is in ``exclude`` (refused after loading).
+    complete checkpoint that was skipped because it failed verification (checkpoint_problem;
+    ``verify`` = "full", "quick" or "none") or is in ``exclude`` (refused after loading), plus one
+    when the chosen checkpoint predates checksums.
 
     Raises ValueError with a user-facing message when ``load_step`` or ``initial_load_path`` point
-    at nothing usable, or when the explicitly requested ``load_step`` fails verification."""
+    at nothing usable, when the explicitly requested ``load_step`` fails verification, or when
+    every complete checkpoint fails it (a run that cannot be continued is never restarted in place)."""
     found = layout.scan(root)
 
     def problem(entry: layout.Entry) -> str | None:
         if entry.path in exclude:
             return f"{entry.path}: refused after loading (non-finite weights)"
-        if verify == "none":
-            return None
-        return integrity.verify(entry.path, quick=verify == "quick")
+        return None if verify == "none" else checkpoint_problem(entry.path, quick=verify == "quick")
 
     if load_step >= 0:
         entry = found.find(load_step)
@@ -61,20 +62,44 @@ def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "
         if bad:
             raise ValueError(f"checkpoint.load_step = {load_step}: checkpoint is corrupt: {bad}; choose "
                              f"another step or -1 (the newest checkpoint that verifies)")
-        return LoadChoice(entry.path, entry.step, model_only=False), found, []
+        return LoadChoice(entry.path, entry.step, model_only=False), found, _notes(entry.path, [], verify)
     skipped: list[str] = []
     for entry in reversed(found.complete):
         bad = problem(entry)
         if bad is None:
-            return LoadChoice(entry.path, entry.step, model_only=False), found, skipped
+            return LoadChoice(entry.path, entry.step, model_only=False), found, _notes(entry.path, skipped, verify)
+        newest_bad = newest_bad if skipped else bad
         skipped.append(f"skipping corrupt checkpoint {entry.path}: {bad}")
+    if skipped:  # the run has a history that no checkpoint can continue: never start over on top of it
+        names = ", ".join(os.path.relpath(e.path, root) for e in found.complete)
+        raise ValueError(f"every complete checkpoint in {root} is damaged ({names}; the newest: "
+                         f"{newest_bad}): refusing to start over on top of them. Repair or move "
+                         f"them, or pass --job.overwrite true to start a new run (the old files move to "
+                         f"replaced-<run_id>/)")
     if initial_load_path:
         path = warm_start_dir(initial_load_path)
-        bad = None if verify == "none" else integrity.verify(path, quick=verify == "quick")
+        bad = None if verify == "none" else checkpoint_problem(path, quick=verify == "quick")
         if bad:
             raise ValueError(f"checkpoint.initial_load_path = '{initial_load_path}': checkpoint is corrupt: {bad}")
-        return LoadChoice(path, None, model_only=True), found, skipped
+        return LoadChoice(path, None, model_only=True), found, _notes(path, skipped, verify)
     return None, found, skipped
+
+
+def _notes(path: str, lines: list[str], verify: str) -> list[str]:
+    """``lines`` plus the warning that the chosen checkpoint predates checksums (format 1)."""
+    note = integrity.unverified_note(path) if verify != "none" else None
+    return lines + [note] if note else lines
+
+
+def checkpoint_problem(path: str, quick: bool = False) -> str | None:
+    """None when the checkpoint at ``path`` matches its checksums and its DCP metadata is plain
+    data (safe_read.py), else one line naming the file that fails."""
+    bad = integrity.verify(path, quick=quick)
+    if bad is None and os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
+        from torchtitan_loom.components.checkpoint import safe_read  # torch-side; only with a checkpoint
+
+        bad = safe_read.metadata_problem(path)
+    return bad
 
 
 def warm_start_dir(path: str) -> str:

@@ -3,10 +3,12 @@
 import torch
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
+from torchtitan_loom.models.loom.cost import loom_cost
+from torchtitan_loom.models.loom.attention import resolve_attn_backend
 from torchtitan_loom.models.loom.model import LoomTransformer
 from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
 from torchtitan_loom.models.loom.infra.parallelize import parallelize_loom
+from torchtitan_loom.models.loom.target import flash_attn_available
 from torchtitan_loom.protocols import TrainSpec, register_train_spec
 
 _LOOM_SIZES = dict(vocab_size=49152, num_loops=9, max_seq_len=1023)
@@ -41,7 +43,7 @@ def kernel_report(model: LoomTransformer, device_type: str, dtype: torch.dtype, 
 register_train_spec(
     "loom",
     TrainSpec(name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom,
-              kernel_report_fn=kernel_report),
+              kernel_report_fn=kernel_report, cost_fn=loom_cost),
 )
 
 __all__ = ["LoomModelArgs", "LoomTransformer", "loom_flavors", "parallelize_loom"]
