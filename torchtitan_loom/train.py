@@ -111,10 +111,10 @@ class Trainer:
         with torch.device("meta"):
             model = self.spec.model_cls(model_args)
         if info.rank == cfg.metrics.log_rank:  # within seconds of start, before anything is allocated
-            for line in start_report(cfg, model_args, self.parallel_dims, model,
+            for line in start_report(cfg, self.parallel_dims, model,
                                      len(segments(model.num_loops, t.bp_segment_len)), self.device, self.compute_dtype):
                 self.log(line)
-        self.float8 = build_float8_converter(cfg.float8, t.device)  # None unless float8.enable
+        self.float8 = build_float8_converter(cfg.float8, t.device, self.spec)  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
         if self.spec.parallelize_fn is not None:
@@ -215,7 +215,7 @@ class Trainer:
         denom_t = n_valid_t.clamp_min(1.0)
         num_dp = self.parallel_dims.dp
         carries: list[Any] = [None] * len(micro)
-        n_layers, n_experts = self.model.expert_counts_shape()
+        n_layers, n_experts = self.model.routing or (0, 0)
         counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
         grad_norm, skip_reason, n_valid = None, None, 0.0
@@ -235,7 +235,8 @@ class Trainer:
                 loss.backward()
                 carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
-                counts_LHE[:, a - 1:b] += out.counts_LTE
+                if out.counts_LTE is not None:
+                    counts_LHE[:, a - 1:b] += out.counts_LTE
             # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
             self.finish_gradients()
             # The segment's one host sync (read with n_valid); the guard and the clip both use it.

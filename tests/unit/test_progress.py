@@ -20,7 +20,7 @@ def _estimate(argv, world=1):
         model = LoomTransformer(args)
     segs = segments(model.num_loops, cfg.training.bp_segment_len)
     fpt = model.flops_per_token(cfg.training.seq_len, head_calls=len(segs))
-    return cfg, model, estimate_step(cfg, args, dims, model.param_counts(), fpt, model.num_loops, len(segs)), fpt
+    return cfg, model, estimate_step(cfg, model, dims, model.param_counts(), fpt, model.num_loops, len(segs)), fpt
 
 
 def test_state_and_flops_follow_the_model():

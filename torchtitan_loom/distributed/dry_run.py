@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
-from torchtitan_loom.protocols import get_train_spec
+from torchtitan_loom.distributed.utils import DTYPES
+from torchtitan_loom.protocols import Sharding, get_train_spec
 
-_BYTES = {"bfloat16": 2, "float32": 4}
 _GIB = 1024**3
 
 
@@ -47,36 +47,41 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
             model = spec.model_cls(model_args)
         if spec.parallelize_fn is not None:
             model = spec.parallelize_fn(model, dims, cfg).model
-        lines += _shard_report(model, dims, cfg)
+        lines += _shard_report(model, dims, cfg, spec.sharding)
     finally:
         if fake:
             dist.destroy_process_group()
     return "\n".join(lines)
 
 
-def _shard_report(model: torch.nn.Module, dims: ParallelDims, cfg: Any) -> list[str]:
+def _shard_report(model: torch.nn.Module, dims: ParallelDims, cfg: Any, sharding: Sharding) -> list[str]:
     lines, seen = ["rank 0 parameters: name  full shape -> local shard  placements"], {}
     local_total = gathered_total = 0
+    units: set[int] = set()
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         local_total += local.numel()
         # Gathered by FSDP for compute: the full tensor divided only by its expert-parallel split
-        # (routers are not FSDP's: replicated, counted in the local values already).
-        if ".routers." not in name:
-            gathered_total += p.numel() // (dims.ep if ".experts." in name and dims.ep_enabled else 1)
+        # (parameters FSDP never shards are replicated, counted in the local values already).
+        if not any(frag in name for frag in sharding.replicated):
+            split = dims.ep_enabled and any(frag in name for frag in sharding.expert_parallel)
+            gathered_total += p.numel() // (dims.ep if split else 1)
         placements = ", ".join(str(x) for x in p.placements) if isinstance(p, DTensor) else "plain"
         entry = f"{tuple(p.shape)} -> {tuple(local.shape)}  {placements}"
-        key = re.sub(r"^layers\.\d+\.", "layers.{l}.", name)
+        unit = re.match(sharding.repeated_unit, name) if sharding.repeated_unit else None
+        key = name if unit is None else "{unit}." + name[unit.end():]
+        if unit is not None:
+            units.add(int(unit.group(1)))
         if seen.get(key) == entry:
             continue
         seen[key] = entry
         lines.append(f"  {name}  {entry}")
-    n_layers = len(model.layers)
-    if n_layers > 1:
-        lines.append(f"  (layers 1..{n_layers - 1}: same as layer 0)")
+    if len(units) > 1:
+        unit_name = sharding.unit_name
+        lines.append(f"  ({unit_name}s {min(units) + 1}..{max(units)}: same as {unit_name} {min(units)})")
     t = cfg.training
     state_bytes = local_total * (4 + 4 + 8)  # fp32 master + fp32 gradient + AdamW's two moments
-    gathered_bytes = gathered_total * _BYTES[t.mixed_precision_param] if dims.fsdp_enabled else 0
+    gathered_bytes = gathered_total * DTYPES[t.mixed_precision_param].itemsize if dims.fsdp_enabled else 0
     lines.append(f"rank 0 memory estimate: {local_total:,} local parameter values -> {state_bytes / _GIB:.2f} GiB "
                  f"(fp32 weights + gradients + AdamW moments)")
     if dims.fsdp_enabled:

@@ -31,7 +31,7 @@ _PKG = Path(torchtitan_loom.__file__).parent
 # Stitch order: every module after the ones it imports from.
 MODEL_SOURCES = ("models/loom/args.py", "models/loom/looping_residual.py", "models/loom/attention.py",
                  "models/loom/moe.py", "models/loom/block.py")
-PROTOCOL_NAMES = ("LoopCarry", "ModelOutput")
+PROTOCOL_NAMES = ("ModelOutput", "Routing")
 WRAPPER_SOURCE = "tools/hf_wrapper_template.py"
 
 

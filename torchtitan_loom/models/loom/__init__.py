@@ -2,12 +2,13 @@
 
 import torch
 
-from torchtitan_loom.models.loom.args import LoomModelArgs
+from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
 from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
-from torchtitan_loom.models.loom.model import LoomTransformer
-from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
+from torchtitan_loom.models.loom.infra.checks import config_errors
 from torchtitan_loom.models.loom.infra.parallelize import parallelize_loom
-from torchtitan_loom.protocols import TrainSpec, register_train_spec
+from torchtitan_loom.models.loom.model import LoomTransformer
+from torchtitan_loom.models.loom.moe import RoutedExperts, moe_gemm_fallbacks
+from torchtitan_loom.protocols import Sharding, TrainSpec, register_train_spec
 
 _LOOM_SIZES = dict(vocab_size=49152, num_loops=9, max_seq_len=1023)
 
@@ -40,8 +41,17 @@ def kernel_report(model: LoomTransformer, device_type: str, dtype: torch.dtype, 
 
 register_train_spec(
     "loom",
-    TrainSpec(name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom,
-              kernel_report_fn=kernel_report),
+    TrainSpec(
+        name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom,
+        kernel_report_fn=kernel_report, arg_choices=FIELD_CHOICES,
+        # Same math, or tunables a user may adjust mid-run.
+        relaunch_tunable=("attn_backend", "moe_impl", "capacity_factor", "load_balance_bias_lr", "router_z_loss_coef"),
+        config_errors_fn=config_errors, num_experts_fn=lambda args: args.num_routed_experts,
+        # Routers stay out of FSDP (replicated); routed experts split over ep (infra/parallelize.py).
+        sharding=Sharding(replicated=(".routers.",), expert_parallel=(".experts.",), repeated_unit=r"^layers\.(\d+)\.",
+                          unit_name="layer"),
+        # LOOM_SPEC §14: the per-loop routers (Parameters, listed so the rule is explicit), the embedding, the head.
+        float8_never_convert=("routers", "tok_embeddings", "output"), float8_expert_cls=RoutedExperts),
 )
 
 __all__ = ["LoomModelArgs", "LoomTransformer", "loom_flavors", "parallelize_loom"]
