@@ -159,6 +159,15 @@ class TrainSpec:
     """Module-name segments the float8 converter never converts (e.g. embedding, head, routers)."""
     float8_expert_cls: type[nn.Module] | None = None
     """The grouped routed-expert module the float8 expert converter targets (None: no experts)."""
+    portable_args_fn: Callable[[Any, bool], Any] | None = None
+    """portable_args(args, decoding) -> the args the inference tools run a trained model with: kernels
+    that run on any device, the training math unchanged; ``decoding`` also makes each token's result
+    independent of the rest of the batch (incremental decoding). None: the args as trained."""
+
+
+def portable_args(spec: TrainSpec, args: Any, decoding: bool) -> Any:
+    """``spec.portable_args_fn(args, decoding)``, or ``args`` when the spec has none."""
+    return args if spec.portable_args_fn is None else spec.portable_args_fn(args, decoding)
 
 
 # The registry is the only module-level mutable state in the package: specs register once at

@@ -63,7 +63,12 @@ def model_section(spec: TrainSpec) -> type:
         if f.name not in _NOT_MODEL_KEYS:
             fields.append((f.name, hints[f.name] | None,
                            opt(None, docs.get(f.name, ""), choices=spec.arg_choices.get(f.name))))
-    return dataclasses.make_dataclass("Model", fields)
+    # Equal by values (each call makes a new class, so the dataclass __eq__'s class check would fail).
+    return dataclasses.make_dataclass("Model", fields, eq=False, namespace={"__eq__": _same_section})
+
+
+def _same_section(a: Any, b: Any) -> bool:
+    return type(b).__name__ == "Model" and dataclasses.is_dataclass(b) and dataclasses.asdict(a) == dataclasses.asdict(b)
 
 
 def default_model() -> Any:

@@ -5,7 +5,7 @@
     modeling_loom.py      GENERATED at export time: the source of models/loom/{args, looping_residual,
                           attention, moe, block, model}.py and the two output types of protocols.py,
                           with the package-internal imports removed, then the thin wrapper of
-                          tools/hf_wrapper_template.py. One copy of the same math, no second
+                          models/loom/infra/hf_wrapper_template.py. One copy of the same math, no second
                           implementation to keep in sync; it imports nothing from torchtitan_loom.
     model.safetensors     the parameters (fp32 or bf16) and the fp32 expert bias, keys "model.<name>"
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
@@ -32,7 +32,7 @@ _PKG = Path(torchtitan_loom.__file__).parent
 MODEL_SOURCES = ("models/loom/args.py", "models/loom/looping_residual.py", "models/loom/attention.py",
                  "models/loom/moe.py", "models/loom/block.py")
 PROTOCOL_NAMES = ("ModelOutput", "Routing")
-WRAPPER_SOURCE = "tools/hf_wrapper_template.py"
+WRAPPER_SOURCE = "models/loom/infra/hf_wrapper_template.py"
 
 
 def _is_internal(node: ast.stmt) -> bool:

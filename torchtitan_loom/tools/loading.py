@@ -22,6 +22,8 @@ import torch
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
 from torchtitan_loom.components.tokenizer import Tokenizer, build_tokenizer, same_tokenizer_name
+from torchtitan_loom.protocols import get_train_spec, portable_args
+from torchtitan_loom.tools.export_format import ExportError, find_checkpoint, model_spec, read_export
 
 
 class LoadError(ValueError):
@@ -50,8 +52,6 @@ def is_export_dir(path: str) -> bool:
 
 def resolve_checkpoint(path: str) -> str:
     """The export folder or the complete DCP directory that ``path`` names (LoadError otherwise)."""
-    from torchtitan_loom.tools.export import ExportError, find_checkpoint
-
     if not os.path.exists(path):
         raise LoadError(f"checkpoint {path}: no such file or directory; pass a run folder, a step-N "
                         "checkpoint directory or an export folder")
@@ -63,14 +63,9 @@ def resolve_checkpoint(path: str) -> str:
         raise LoadError(f"checkpoint {exc}") from None
 
 
-def inference_args(args: Any) -> Any:
-    """The args the inference model runs with: capacity off, the sdpa kernel."""
-    return args.replace(capacity_factor=0, attn_backend="sdpa")
-
-
 def _build(spec: Any, args: Any, tensors: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
     with torch.device("meta"):
-        model = spec.model_cls(inference_args(args))
+        model = spec.model_cls(portable_args(spec, args, decoding=True))
     model.to_empty(device=device)
     tensors = {k: v.float() if torch.is_floating_point(v) else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False)
@@ -143,7 +138,6 @@ def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, ex
 
 def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_tokenizer: bool = True) -> Loaded:
     """Resolve ``path``, rebuild the model in fp32 with capacity off, find config, pack and tokenizer."""
-    from torchtitan_loom.tools.export import model_spec, read_export
 
     ckpt = resolve_checkpoint(path)
     if is_export_dir(ckpt):

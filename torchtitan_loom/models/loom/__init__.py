@@ -39,6 +39,12 @@ def kernel_report(model: LoomTransformer, device_type: str, dtype: torch.dtype, 
             *moe_gemm_fallbacks(model.moe_layers(), device_type, dtype, compiling)]
 
 
+def portable_args(args: LoomModelArgs, decoding: bool) -> LoomModelArgs:
+    """sdpa attention everywhere; decoding also turns capacity dropping off (with capacity on, a
+    token's experts depend on the call size)."""
+    return args.replace(attn_backend="sdpa", **({"capacity_factor": 0} if decoding else {}))
+
+
 register_train_spec(
     "loom",
     TrainSpec(
@@ -51,7 +57,8 @@ register_train_spec(
         sharding=Sharding(replicated=(".routers.",), expert_parallel=(".experts.",), repeated_unit=r"^layers\.(\d+)\.",
                           unit_name="layer"),
         # LOOM_SPEC §14: the per-loop routers (Parameters, listed so the rule is explicit), the embedding, the head.
-        float8_never_convert=("routers", "tok_embeddings", "output"), float8_expert_cls=RoutedExperts),
+        float8_never_convert=("routers", "tok_embeddings", "output"), float8_expert_cls=RoutedExperts,
+        portable_args_fn=portable_args),
 )
 
 __all__ = ["LoomModelArgs", "LoomTransformer", "loom_flavors", "parallelize_loom"]
