@@ -35,6 +35,9 @@ class ModelOutput(NamedTuple):
     topk_LTBSK: torch.Tensor | None = None
     """int64 routed expert ids chosen per layer, loop, token; only with return_topk=True (eval,
     analysis) on a routed model, else None so training carries nothing extra."""
+    observed_LTNK: torch.Tensor | None = None
+    """The caller's `observe` function applied to each of the N observed branch outputs (see
+    ModelProtocol.observation_layout) of every layer and loop of the range, stacked; None without it."""
 
 
 class Routing(NamedTuple):
@@ -78,9 +81,21 @@ class ModelProtocol(Protocol):
 
     def __call__(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, doc_ids_BS: torch.Tensor,
                  loop_start: int = 1, loop_end: int | None = None, carry: Any = None,
-                 return_topk: bool = False) -> ModelOutput:
+                 return_topk: bool = False, observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1.
-        return_topk=True also fills ModelOutput.topk_LTBSK."""
+        return_topk=True also fills ModelOutput.topk_LTBSK; `observe` (a pure function of one branch
+        output [B, S, D] returning a 1-D tensor, the same length every call) fills observed_LTNK."""
+        ...
+
+    def observation_layout(self) -> tuple[int, tuple[str, ...]]:
+        """(L, names of the N branch outputs) that `observe` sees in each of L layers in every loop
+        (LOOM: attention, moe); (0, ()) for a model that observes nothing."""
+        ...
+
+    def param_groups(self) -> dict[str, list[str]]:
+        """Submodule name -> names of its parameters (per-submodule gradient norms); every group is
+        listed even when empty, so the key set does not depend on the layout."""
         ...
 
     def carry_stream(self, carry: Any) -> torch.Tensor:

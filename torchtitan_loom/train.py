@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +25,9 @@ from torchtitan_loom.components import exit_codes
 from torchtitan_loom.components.checkpoint import CheckpointManager
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.diagnostics import build_diagnostics
 from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
+from torchtitan_loom.components.downstream import build_scorer
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.gc_control import GarbageCollection
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
@@ -39,55 +40,12 @@ from torchtitan_loom.components.progress import start_report
 from torchtitan_loom.components.run_folder import new_run_id, record_launch
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.components.step_metrics import StepMetrics
+from torchtitan_loom.components.train_state import StepAbandoned, StepResult, TrainState, segments
 from torchtitan_loom.components.validate import Validator
 from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.config.validate import Resolved
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import ModelProtocol, get_train_spec
-
-
-class StepAbandoned(Exception):
-    """A stop signal arrived before the step's first optimizer update."""
-
-
-def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
-    """1-based inclusive loop ranges of the backprop segments; seg_len 0 = one segment."""
-    if seg_len <= 0 or seg_len >= num_loops:
-        return [(1, num_loops)]
-    return [(a, min(a + seg_len - 1, num_loops)) for a in range(1, num_loops + 1, seg_len)]
-
-
-class TrainState:
-    """Step counters that must survive a restart (Stateful)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.tokens_seen = 0
-        self.skipped_segments = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_segments": self.skipped_segments}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
-        self.skipped_segments = int(sd.get("skipped_segments", 0))
-
-
-@dataclass
-class StepResult:
-    """What one global step did (``Trainer.train_step``)."""
-
-    seg_losses: list[float]
-    """Global token-mean loss of every segment that ran (a skipped one included, then none after it)."""
-    grad_norm: float | None
-    """Pre-clip gradient norm of the last segment that stepped; None when no segment stepped."""
-    lr: float
-    skip_reason: str | None
-    """Why a segment was skipped (the rest of the step with it), None when every segment stepped."""
-    counts_LHE: torch.Tensor
-    """int64 kept assignments per layer, loop and expert, summed over micro-batches and ranks."""
-    n_valid: float
-    """Valid target tokens of the global batch."""
 
 
 class Trainer:
@@ -135,6 +93,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_loops = model.num_loops
         self.segments = segments(self.num_loops, t.bp_segment_len)
+        self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
         counts = model.param_counts()
 
         o, s, g = cfg.optimizer, cfg.lr_scheduler, cfg.spike_guard
@@ -176,6 +135,10 @@ class Trainer:
                                    tokenizer_name=self.tokenizer_name, device=self.device,
                                    micro_batches=self.micro_batches, autocast=self.autocast,
                                    stop_requested=self.stop_signals.requested, log=self.log)
+        self.downstream = build_scorer(cfg.eval, model=self.model, data_path=data_path,
+                                       tokenizer_name=self.tokenizer_name, vocab_size=self.vocab_size,
+                                       device=self.device, autocast=self.autocast,
+                                       stop_requested=self.stop_signals.requested, log=self.log)
         self.resumed, self.resumed_from = False, None
         self.checkpointer = CheckpointManager(
             ck, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
@@ -219,6 +182,7 @@ class Trainer:
         counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
         grad_norm, skip_reason, n_valid = None, None, 0.0
+        diag = self.diagnostics.begin(self.state.step + 1)  # None on most steps: nothing extra
         for j, (a, b) in enumerate(self.segments):
             self.optimizer.zero_grad(set_to_none=True)
             ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -228,8 +192,9 @@ class Trainer:
                 if j == 0 and not self.info.world_size > 1 and self.stop_signals.requested():
                     raise StepAbandoned
                 with self.autocast():
-                    out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"],
-                                     loop_start=a, loop_end=b, carry=carries[m])
+                    out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=a, loop_end=b,
+                                     carry=carries[m],
+                                     observe=None if diag is None else diag.observer(m, mb["doc_ids"] >= 0))
                 ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
                 loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (len(micro) * num_dp)
                 loss.backward()
@@ -237,8 +202,12 @@ class Trainer:
                 ce_total += ce_sum.detach().double()
                 if out.counts_LTE is not None:
                     counts_LHE[:, a - 1:b] += out.counts_LTE
+                if diag is not None:
+                    diag.add_forward(a, out.observed_LTNK)
             # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
             self.finish_gradients()
+            if diag is not None:
+                diag.add_gradients(j, self.params)
             # The segment's one host sync (read with n_valid); the guard and the clip both use it.
             # The stop flag rides along, so the ranks agree on a stop without a sync of its own.
             signal_flag = torch.tensor([float(self.stop_signals.received > 0)], dtype=torch.float64, device=self.device)
@@ -272,7 +241,7 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += int(n_valid)
         return StepResult(seg_losses=seg_losses, grad_norm=grad_norm, lr=lr, skip_reason=skip_reason,
-                          counts_LHE=counts_LHE, n_valid=n_valid)
+                          counts_LHE=counts_LHE, n_valid=n_valid, diag=None if diag is None else diag.finish())
 
     # -------------------------------------------------------------------- loop
     def resume(self) -> None:
@@ -348,8 +317,13 @@ class Trainer:
             with report.paused():  # tokens/s counts training time only
                 eval_scalars, routing = self.validator.validate(step)
             scalars.update(eval_scalars or {})
+        console = bool(scalars)  # downstream scores have their own lines, diagnostics none
+        if self.downstream is not None and self.downstream.due(step, t.steps):
+            with report.paused():
+                scalars.update(self.downstream.score(step) or {})
+        scalars.update(out.diag or {})
         if scalars:
-            report.write(step, scalars, out, routing)
+            report.write(step, scalars, out, routing, console=console)
         if out.skip_reason:
             self.log(f"step {step}: skipped {out.skip_reason}")
         abort = divergence.after_step(step, out.skip_reason, model_finite(self.model))

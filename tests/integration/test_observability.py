@@ -25,7 +25,8 @@ STEPS, EVAL_EVERY = 4, 2
 
 @pytest.fixture(scope="module")
 def run(tiny_pack, tmp_path_factory):
-    """4 steps of the debug model (H = 3, L = 2, E = 8), eval at steps 2 and 4, profiling on."""
+    """4 steps of the debug model (H = 3, L = 2, E = 8), eval and branch diagnostics at steps 2 and 4,
+    profiling on."""
     dump = tmp_path_factory.mktemp("obs") / "run"
     argv = ["--data.path", str(tiny_pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
             "--training.steps", str(STEPS), "--training.global_batch_size", "4", "--training.micro_batch_size", "4",
@@ -34,7 +35,7 @@ def run(tiny_pack, tmp_path_factory):
             "--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS),
             "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
             "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
-            "--profiling.enable_memory_snapshot", "true"]
+            "--profiling.enable_memory_snapshot", "true", "--metrics.diag_interval", "2", "--metrics.diag_grad", "true"]
     cfg = load_config(argv)
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
@@ -145,6 +146,19 @@ def test_analyze_writes_report(run, tmp_path, tiny_pack):
     distinct = f"{rows[-1]['routing_distinct_experts']:.2f}"
     mean_row = next(line for line in report.splitlines() if line.startswith("| **mean** |"))
     assert mean_row.split(" | ")[1] == distinct
+    # The branch diagnostics of steps 2 and 4: one figure per statistic, and the gradient norms.
+    assert "## Branch diagnostics over training" in report
+    for branch in ("attention", "moe"):
+        for stat in ("norm", "var", "erank", "top_sv", "cos"):
+            name = f"diag_{branch}_{stat}.png"
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in report, name
+    assert "](diag_grad_norm.png)" in report
+    from torchtitan_loom.tools.analyze_diag import read_diagnostics
+
+    data = read_diagnostics(str(dump / "metrics.jsonl"))
+    grid = data["branch"][("attention", "erank")][4]
+    assert grid.shape == (2, 3) and grid[1, 2] == pytest.approx(rows[-1]["diag/attention/erank/layer_1/loop_3"])
+    assert sorted(data["grad"]) == [2, 4]
 
 
 def test_analyze_bad_input(tmp_path, capsys):

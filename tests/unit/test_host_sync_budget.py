@@ -1,6 +1,7 @@
-"""Host-sync budget of Trainer.train_step (issue 12): without expert parallelism a step makes
-exactly one device-to-host transfer per backprop segment — the all-reduced
-[loss sum, grad-norm², non-finite flag] vector that the spike guard and the clip both read."""
+"""Host-sync budget of Trainer.train_step: without expert parallelism a step makes exactly one
+device-to-host transfer per backprop segment — the all-reduced [loss sum, grad-norm², non-finite
+flag] vector that the spike guard and the clip both read — and a diagnostic step (metrics.diag_*)
+exactly one more, at its end."""
 
 import pytest
 import torch
@@ -54,3 +55,16 @@ def test_guard_and_clip_read_the_same_statistics(tiny_pack, tmp_path):
     out, calls = counted_step(tr, next(batches))
     assert out.skip_reason is not None and out.skip_reason.startswith("segment 1")
     assert len(calls) == HOST_SYNCS_PER_SEGMENT, calls
+
+
+def test_a_diagnostic_step_adds_one_transfer(tiny_pack, tmp_path):
+    tr = make_trainer(tiny_pack, tmp_path, "--training.mixed_precision_param", "float32",
+                      "--metrics.diag_interval", "2", "--metrics.diag_grad", "true")
+    batches = iter(tr.dataloader)
+    tr.train_step(next(batches))  # step 1: creates the optimizer state
+    out, calls = counted_step(tr, next(batches))  # step 2: every diagnostic on
+    assert out.diag and all(v is not None for v in out.diag.values())
+    assert len(calls) == HOST_SYNCS_PER_SEGMENT * len(tr.segments) + 1, calls
+    assert calls[-1][1].startswith("diagnostics.py"), calls  # the one read of everything, at the end
+    out, calls = counted_step(tr, next(batches))  # step 3: not a diagnostic step, the budget as without
+    assert out.diag is None and len(calls) == HOST_SYNCS_PER_SEGMENT * len(tr.segments), calls

@@ -63,7 +63,7 @@ class LoopedDenseToy(nn.Module):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
     def forward(self, tokens_BS, positions_BS, doc_ids_BS, loop_start=1, loop_end=None, carry=None,
-                return_topk=False):
+                return_topk=False, observe=None):
         loop_end = self.num_loops if loop_end is None else loop_end
         z_BSD = self.embed(tokens_BS) if carry is None else carry  # the carry is the stream itself
         for _ in range(loop_start, loop_end + 1):
@@ -74,6 +74,12 @@ class LoopedDenseToy(nn.Module):
 
     def carry_stream(self, carry: torch.Tensor) -> torch.Tensor:
         return carry
+
+    def observation_layout(self) -> tuple[int, tuple[str, ...]]:
+        return 0, ()
+
+    def param_groups(self) -> dict[str, list[str]]:
+        return {"all": [name for name, _ in self.named_parameters()]}
 
     def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
         assert counts_LE.shape == (0, 0)

@@ -3,7 +3,9 @@
 Scalar names used by the trainer (all optional except ``step``): ``loss``, ``loss_segment_j``,
 ``lr``, ``grad_norm``, ``tokens_per_s``, ``tflops``, ``mfu`` (percent), ``skipped``, memory keys
 from ``memory_stats``, ``eval_loss``, ``eval_loss_loop_t``, and at eval the routing-diversity and
-stream scalars ``routing_*`` / ``stream_*`` of ``components/routing_stats.py``.
+stream scalars ``routing_*`` / ``stream_*`` of ``components/routing_stats.py``; at diagnostic
+steps ``diag/…`` (``components/diagnostics.py``) and at downstream steps ``downstream/<task>/<metric>``
+(``components/downstream.py``).
 """
 
 from __future__ import annotations
@@ -92,13 +94,16 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 def tb_tag(name: str) -> str:
-    """TensorBoard tag of a scalar: ``eval_x`` → ``eval/x``, ``routing_x`` → ``routing/x``,
-    ``stream_x`` → ``stream/x``, anything else ``x`` → ``train/x``.
+    """TensorBoard tag of a scalar: a name with a ``/`` is its own tag (``diag/…``,
+    ``downstream/…``); ``eval_x`` → ``eval/x``, ``routing_x`` → ``routing/x``, ``stream_x`` →
+    ``stream/x``, anything else ``x`` → ``train/x``.
 
     E.g. ``loss`` → ``train/loss``, ``loss_segment_2`` → ``train/loss_segment_2``,
     ``eval_loss_loop_3`` → ``eval/loss_loop_3``, ``routing_overlap`` → ``routing/overlap``. The
     prefix groups the charts in the UI.
     """
+    if "/" in name:
+        return name
     for prefix in ("eval", "routing", "stream"):
         if name.startswith(prefix + "_"):
             return prefix + "/" + name[len(prefix) + 1:]

@@ -3,7 +3,7 @@
 A log step (every ``metrics.log_freq`` steps, the last step and every skipped one) writes the loss of
 the last segment and of each segment, the lr, the pre-clip gradient norm, tokens/s, TFLOP/s and MFU
 over the steps since the previous log line (eval time excluded), memory, and the eval scalars when
-an eval ran. The expert load per layer, loop and expert rides along every ``expert_load_every``
+an eval ran; diagnostic steps add the ``diag/…`` keys and downstream steps ``downstream/…``. The expert load per layer, loop and expert rides along every ``expert_load_every``
 steps (0: with each eval); eval steps also write the routing images when enabled.
 
 Legend: L layers, H loops, E routed experts.
@@ -61,8 +61,9 @@ class StepMetrics:
         scalars.update(memory_stats(self.device))
         return scalars
 
-    def write(self, step: int, scalars: dict[str, Any], result: Any, routing: Any) -> None:
-        """One record (JSONL, TensorBoard, wandb), the routing images of an eval, the console line."""
+    def write(self, step: int, scalars: dict[str, Any], result: Any, routing: Any, console: bool = True) -> None:
+        """One record (JSONL, TensorBoard, wandb), the routing images of an eval, the console line
+        (``console``: False when the record only carries diagnostics or downstream scores)."""
         every = self.cfg.expert_load_every
         with_load = routing is not None if every == 0 else step % every == 0
         extra: dict[str, Any] = {"expert_load": result.counts_LHE.tolist()} if with_load else {}
@@ -71,7 +72,8 @@ class StepMetrics:
         self.logger.log(step, scalars, extra)
         if routing is not None:
             self.routing_images(step, scalars, routing)
-        self.log(format_console_line(step, scalars))
+        if console:
+            self.log(format_console_line(step, scalars))
 
     def routing_images(self, step: int, scalars: dict[str, Any], routing: Any) -> None:
         """TensorBoard images of an eval: one loop × expert load heatmap per layer, the loss per loop."""

@@ -156,6 +156,16 @@ class Eval:
     interval: int = opt(100, "Evaluate every N global steps and at the last step; 0 disables.")
     tokens: int = opt(200_000, "Valid holdout tokens per evaluation (global; LOOM: 1,000,000).")
     batch_size: int = opt(0, "Rows per eval batch over all ranks; 0 = training.global_batch_size.")
+    downstream_interval: int = opt(0, "Score the live model on eval.downstream_tasks every N global steps and at "
+                                      "the last step (the adapter of tools.lm_eval; logged as "
+                                      "downstream/<task>/<metric>); 0 disables.")
+    downstream_tasks: list[str] = opt([], "lm-eval task names scored every eval.downstream_interval steps "
+                                          "(pip install 'torchtitan_loom[eval]').")
+    downstream_tasks_dir: str = opt("", "Extra folder of lm-eval task YAML files (as tools.lm_eval --tasks-dir).")
+    downstream_only_tasks_dir: bool = opt(False, "Index only eval.downstream_tasks_dir, not lm-eval's own task "
+                                                 "configs (which take ~30 s to index).")
+    downstream_limit: int = opt(0, "At most N documents per downstream task; 0 = all.")
+    downstream_batch_size: int = opt(8, "Sequences per forward while scoring (scores do not depend on it).")
 
 
 @dataclass
@@ -170,6 +180,15 @@ class Metrics:
     routing_images: bool = opt(True, "At every eval, write TensorBoard images: a loop × expert load heatmap "
                                      "per layer and the eval loss after each loop (matplotlib when installed, "
                                      "else plain heatmap pixels).")
+    diag_interval: int = opt(0, "Branch diagnostics every N global steps, from the step's own forward passes "
+                                "(diag/<branch>/<stat>/layer_<l>/loop_<t>, docs/inside_the_loops.md); "
+                                "0 disables. The LOOM presets use 50.")
+    diag_activations: bool = opt(True, "At diagnostic steps: each branch output's mean token L2 norm and element "
+                                       "variance per layer and loop.")
+    diag_rank: bool = opt(True, "At diagnostic steps: the rank-collapse trio (effective rank, top singular value "
+                                "share, mean pairwise cosine) of each branch output on 64 token rows.")
+    diag_grad: bool = opt(False, "At diagnostic steps: each submodule's gradient norm per backprop segment "
+                                 "(diag/grad_norm/<submodule>/segment_<j>).")
     enable_wandb: bool = opt(False, "Also log the same scalars to Weights & Biases (pip install wandb; project "
                                     "from $WANDB_PROJECT, default torchtitan_loom; WANDB_MODE=offline writes "
                                     "under <dump_folder>/wandb without a network).")

@@ -269,6 +269,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         if importlib.util.find_spec("wandb") is None:
             errors.append("metrics.enable_wandb = true: the wandb package is not installed; "
                           "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false")
+    errors += _diagnostics_errors(cfg)
     if t.gc_freq < 0:
         errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
@@ -283,3 +284,30 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     return Resolved(args, dims)
 
 
+def _diagnostics_errors(cfg: JobConfig) -> list[str]:
+    """metrics.diag_* and eval.downstream_* (the task names are looked up only when scoring is on)."""
+    m, e = cfg.metrics, cfg.eval
+    errors = []
+    if m.diag_interval < 0:
+        errors.append(f"metrics.diag_interval = {m.diag_interval}: must be ≥ 0 (0 = no diagnostics)")
+    for key in ("downstream_interval", "downstream_limit"):
+        if getattr(e, key) < 0:
+            errors.append(f"eval.{key} = {getattr(e, key)}: must be ≥ 0 (0 = {'off' if 'interval' in key else 'all'})")
+    if e.downstream_batch_size < 1:
+        errors.append(f"eval.downstream_batch_size = {e.downstream_batch_size}: must be ≥ 1")
+    if e.downstream_interval <= 0 or errors:
+        return errors
+    if not e.downstream_tasks:
+        return ["eval.downstream_interval > 0 needs eval.downstream_tasks: lm-eval task names, e.g. "
+                "['arc_easy'], or the tasks of eval.downstream_tasks_dir"]
+    if e.downstream_tasks_dir and not os.path.isdir(e.downstream_tasks_dir):
+        return [f"eval.downstream_tasks_dir = '{e.downstream_tasks_dir}': not a directory"]
+    if e.downstream_only_tasks_dir and not e.downstream_tasks_dir:
+        return ["eval.downstream_only_tasks_dir = true needs eval.downstream_tasks_dir"]
+    if importlib.util.find_spec("lm_eval") is None:
+        return ["eval.downstream_interval > 0: the lm-eval package is not installed; pip install "
+                "'torchtitan_loom[eval]' or set eval.downstream_interval = 0"]
+    from torchtitan_loom.components.downstream import unknown_tasks
+
+    return [f"eval.downstream_tasks: {msg}" for msg in unknown_tasks(
+        e.downstream_tasks, e.downstream_tasks_dir or None, e.downstream_only_tasks_dir)]

@@ -182,7 +182,7 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     return all_reduce(bad.reshape(1), op="max").item() == 0.0
 
 
-def _grad_norm_sq_pieces(grads: list[torch.Tensor], world: int) -> torch.Tensor:
+def grad_norm_sq_pieces(grads: list[torch.Tensor], world: int) -> torch.Tensor:
     """fp64 [G]: each gradient's squared L2 norm over its local piece, divided by the number of
     ranks holding that same piece, so one all-reduce SUM over all ranks gives the global norm²."""
     local = [_local(g) for g in grads]
@@ -234,7 +234,7 @@ def step_statistics(params: list[torch.nn.Parameter], loss_sum: torch.Tensor, st
     world = dist.get_world_size() if dist.is_initialized() else 1
     loss = loss_sum.detach().to(torch.float64).reshape(1)
     if grads:
-        pieces_G = _grad_norm_sq_pieces(grads, world)
+        pieces_G = grad_norm_sq_pieces(grads, world)
         norm_sq = pieces_G.sum().reshape(1)
         non_finite = (~torch.isfinite(pieces_G)).sum().to(torch.float64).reshape(1)
     else:
@@ -266,7 +266,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     if not grads:
         return 0.0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    total_sq = all_reduce(_grad_norm_sq_pieces(grads, world).sum().reshape(1))
+    total_sq = all_reduce(grad_norm_sq_pieces(grads, world).sum().reshape(1))
     total = total_sq.sqrt().float().reshape(())
     _scale_grads(grads, total, max_norm)
     value = total.item()

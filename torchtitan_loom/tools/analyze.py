@@ -7,7 +7,9 @@ folder (its newest complete checkpoint). The held-out data is the holdout epoch 
 pack), else of the run's ``data.path`` (from the checkpoint's config.toml), else the bundled
 corpus. The report covers the held-out loss after every loop, the routing-diversity table per
 layer and per loop (definitions in components/routing_stats.py and the README), a loop × expert
-load heatmap per layer, and for a few documents which experts each token visits in each loop.
+load heatmap per layer, for a few documents which experts each token visits in each loop, and
+when the run logged branch diagnostics (metrics.diag_interval) their layer × loop heatmaps over
+training (tools/analyze_diag.py).
 
 Needs matplotlib (``pip install 'torchtitan_loom[viz]'``): the figures must carry titles, axis
 labels and colour bars to be readable without the code, which raw PNG pixels cannot.
@@ -25,6 +27,7 @@ import torch
 
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.routing_stats import RoutingStats
+from torchtitan_loom.tools.analyze_diag import report_section
 
 DEFAULT_OUT = "analysis"
 
@@ -224,7 +227,20 @@ def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int
     except (PackError, ValueError, OSError) as exc:
         raise AnalyzeError(f"--data {data}: {exc}") from None
     result = evaluate(model, loader, torch.device("cpu"), samples, sample_tokens)
-    return write_report(result, info, ckpt, data, out, pack.tokenizer_name, layer)
+    path = write_report(result, info, ckpt, data, out, pack.tokenizer_name, layer)
+    diag = report_section(_metrics_path(ckpt, run), out)
+    if diag:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write("\n\n" + "\n".join(diag))
+    return path
+
+
+def _metrics_path(ckpt: str, run: dict[str, Any]) -> str:
+    """The run's metrics.jsonl: beside the checkpoint folder (<dump>/checkpoint/step-N), else in the
+    dump folder its config names."""
+    near = os.path.normpath(os.path.join(ckpt, os.pardir, os.pardir, "metrics.jsonl"))
+    named = os.path.join(run.get("job", {}).get("dump_folder", ""), "metrics.jsonl")
+    return near if os.path.isfile(near) or not os.path.isfile(named) else named
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import os
 import subprocess
@@ -64,19 +63,16 @@ def _commit() -> str | None:
 
 
 def _task_manager(ns: argparse.Namespace, tasks: list[str]):
-    from lm_eval.tasks import TaskManager
+    from torchtitan_loom.components.downstream import task_manager, unknown_tasks
 
     if ns.tasks_dir is not None and not os.path.isdir(ns.tasks_dir):
         raise LoadError(f"--tasks-dir {ns.tasks_dir}: not a directory")
     if ns.only_tasks_dir and ns.tasks_dir is None:
         raise LoadError("--only-tasks-dir needs --tasks-dir")
-    tm = TaskManager(include_path=ns.tasks_dir, include_defaults=not ns.only_tasks_dir)
-    known = set(tm.all_tasks)
-    for name in tasks:
-        if name not in known:
-            near = difflib.get_close_matches(name, sorted(known), n=3)
-            hint = f"; did you mean {', '.join(near)}?" if near else ""
-            raise LoadError(f"--tasks: lm-eval knows no task {name!r}{hint}")
+    tm = task_manager(ns.tasks_dir, ns.only_tasks_dir)
+    unknown = unknown_tasks(tasks, ns.tasks_dir, ns.only_tasks_dir, manager=tm)
+    if unknown:
+        raise LoadError(f"--tasks: {unknown[0]}")
     return tm
 
 

@@ -15,6 +15,10 @@ Legend: B requests in a batch, S padded length, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,12 +33,19 @@ class LoomLM(LM):
     """lm-eval's LM interface over a LOOM model running loops [1, loops]."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, device: torch.device, loops: int,
-                 batch_size: int = 8, max_gen_toks: int = 256) -> None:
+                 batch_size: int = 8, max_gen_toks: int = 256, split_over_ranks: bool = True,
+                 should_stop: Callable[[], bool] | None = None,
+                 forward_context: Callable[[], Any] | None = None) -> None:
+        """split_over_ranks=False: every rank scores every request (a sharded model needs every rank
+        in every forward). should_stop() is asked before every batch; true raises ScoringStopped.
+        forward_context() wraps every forward (the trainer's autocast)."""
         super().__init__()
         self.model, self.tok, self._device, self.loops = model, tokenizer, device, loops
         self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
         self.max_len = model.args.max_seq_len
-        if dist.is_initialized():
+        self.should_stop = should_stop or (lambda: False)
+        self.forward_context = forward_context or contextlib.nullcontext
+        if split_over_ranks and dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
     @property
@@ -65,6 +76,11 @@ class LoomLM(LM):
             dist.barrier()
 
     # ------------------------------------------------------------------ scoring
+    def _check_stop(self) -> None:
+        if self.should_stop():
+            from torchtitan_loom.components.downstream import ScoringStopped
+
+            raise ScoringStopped
     def _pair_tokens(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         # Trailing spaces of the context belong to the continuation (as the word-initial space of
         # a BPE token would); an empty context is replaced by the end-of-text token.
@@ -80,6 +96,7 @@ class LoomLM(LM):
         # Longest first, so a batch pads little; the order does not change any score.
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         for start in range(0, len(order), self.batch_size):
+            self._check_stop()
             idx = order[start:start + self.batch_size]
             inputs, targets = [], []
             for i in idx:
@@ -96,7 +113,8 @@ class LoomLM(LM):
             tokens_BS, doc_BS = tokens_BS.to(self._device), doc_BS.to(self._device)
             positions_BS = torch.arange(S, device=self._device).expand_as(tokens_BS)
             # One document per row; the padding after it is never seen by the real tokens (causal).
-            out = self.model(tokens_BS, positions_BS, doc_BS, loop_end=self.loops)
+            with self.forward_context():
+                out = self.model(tokens_BS, positions_BS, doc_BS, loop_end=self.loops)
             logp_BSV = F.log_softmax(out.logits_BSV.float(), dim=-1)
             for b, i in enumerate(idx):
                 n, length = len(targets[b]), len(inputs[b])
@@ -127,6 +145,7 @@ class LoomLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []
         for req in requests:
+            self._check_stop()
             context, kwargs = req.args[0], dict(req.args[1] or {})
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)

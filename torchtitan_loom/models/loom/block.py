@@ -46,8 +46,9 @@ class RMSNormAffine(nn.Module):
 
 
 class BlockOutput(NamedTuple):
-    """What a block hands to the next: stream, both memories, kept counts [E], z-loss term, and
-    the chosen expert ids [B, S, K] when asked (return_topk), else None."""
+    """What a block hands to the next: stream, both memories, kept counts [E], z-loss term, the
+    chosen expert ids [B, S, K] when asked (return_topk), and when asked (return_branches) the
+    branch outputs (attention, MoE) as their modules return them, else None."""
 
     x_BSD: torch.Tensor
     l_mem: Memory
@@ -55,6 +56,11 @@ class BlockOutput(NamedTuple):
     kept_E: torch.Tensor
     z_sq: torch.Tensor
     expert_BSK: torch.Tensor | None = None
+    branches: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+# The names of BlockOutput.branches, in order: what the model reports it observes.
+BRANCHES = ("attention", "moe")
 
 
 class LoomBlock(nn.Module):
@@ -84,10 +90,12 @@ class LoomBlock(nn.Module):
         h_mem: Memory,
         return_topk: bool = False,
         kv_slot: KVSlot | None = None,
+        return_branches: bool = False,
     ) -> BlockOutput:
         """Run the block once. `gamma` is a 0-d fp32 tensor; `router_w_ED` is this loop's router;
         `kv_slot` is this (layer, loop)'s entry of a KVCache when decoding incrementally."""
-        o_BSD = gamma * self.attention(rms_norm(x_BSD, self.eps), rope, attn_mask, kv_slot)
+        a_BSD = self.attention(rms_norm(x_BSD, self.eps), rope, attn_mask, kv_slot)
+        o_BSD = gamma * a_BSD
         if self.looping_residual:
             r_BSD, l_mem, h_mem = looping_residual_write(o_BSD, l_mem, h_mem, self.beta)
             x_BSD = x_BSD + r_BSD.to(x_BSD.dtype)
@@ -96,9 +104,11 @@ class LoomBlock(nn.Module):
         moe_in_BSD = rms_norm(x_BSD, self.eps)
         m_BSD, kept_E, z_sq = self.moe(moe_in_BSD, router_w_ED)
         expert_BSK = self.moe.select(moe_in_BSD, router_w_ED) if return_topk else None
+        # Values only: observing must not add outputs to the autograd graph (nor FSDP's hooks on them).
+        branches = (a_BSD.detach(), m_BSD.detach()) if return_branches else None
         if self.ffn_branch_norm is not None:
             m_BSD = self.ffn_branch_norm(m_BSD)
         x_BSD = x_BSD + gamma * m_BSD
         if self.per_layer_out_norm:
             x_BSD = rms_norm(x_BSD, self.eps)
-        return BlockOutput(x_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK)
+        return BlockOutput(x_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK, branches)

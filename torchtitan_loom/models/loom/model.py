@@ -28,7 +28,7 @@ from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import (
     AttentionMask, KVCache, build_attention_mask, build_cache_mask, flash_attn_available,
     resolve_attn_backend, rope_cos_sin)
-from torchtitan_loom.models.loom.block import LoomBlock, rms_norm
+from torchtitan_loom.models.loom.block import BRANCHES, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
@@ -105,6 +105,7 @@ class LoomTransformer(nn.Module):
         carry: LoopCarry | None = None,
         return_topk: bool = False,
         cache: KVCache | None = None,
+        observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global; loop_end None = H).
 
@@ -136,16 +137,35 @@ class LoomTransformer(nn.Module):
                                       torch.ones_like(doc_ids_BS, dtype=torch.bool)[:, :, None, None])
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
 
-        z_BSD, h_mem, counts_LTE, z_sq_X, topk_LTBSK = self._region(
+        z_BSD, h_mem, counts_LTE, z_sq_X, topk_LTBSK, observed_LTNK = self._region(
             "segment", self._run_loops, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma,
-            return_topk, cache)
+            return_topk, cache, observe)
         if args.router_z_loss_coef > 0:
             aux_loss = args.router_z_loss_coef * z_sq_X.sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
         logits_BSV = self.output(z_BSD).float()
         return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), aux_loss,
-                           counts_LTE=counts_LTE, topk_LTBSK=topk_LTBSK)
+                           counts_LTE=counts_LTE, topk_LTBSK=topk_LTBSK, observed_LTNK=observed_LTNK)
+
+    def observation_layout(self) -> tuple[int, tuple[str, ...]]:
+        """(L, names of the N branch outputs) of ModelOutput.observed_LTNK, in order."""
+        return self.args.n_layers, BRANCHES
+
+    def param_groups(self) -> dict[str, list[str]]:
+        """Submodule -> its parameter names (per-submodule gradient norms): each layer's attention
+        and MoE half (routers, experts, shared experts and the MoE-output norm), the embedding, the head."""
+        groups: dict[str, list[str]] = {"embedding": [], "head": []}
+        for i in range(self.args.n_layers):
+            groups[f"layer_{i}.attention"], groups[f"layer_{i}.moe"] = [], []
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            if parts[0] == "layers":
+                half = "attention" if parts[2] == "attention" else "moe"
+                groups[f"layer_{parts[1]}.{half}"].append(name)
+            else:
+                groups["embedding" if parts[0] == "tok_embeddings" else "head"].append(name)
+        return groups
 
     def attention_backend(self, e_BSD: torch.Tensor) -> str:
         """The attention kernel of this forward: args.attn_backend, "auto" resolved from the device
@@ -160,40 +180,48 @@ class LoomTransformer(nn.Module):
         return fn(*fn_args) if wrapper is None else wrapper(fn, *fn_args)
 
     def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False,
-                   cache=None):
+                   cache=None, observe=None):
         """Loops [loop_start, loop_end]: (z, H memory, counts [L, T, E], z-loss terms [L*T],
-        expert ids [L, T, B, S, K] or None)."""
-        counts_per_loop, z_terms, topk_per_loop = [], [], []
+        expert ids [L, T, B, S, K] or None, observed [L, T, N, K] or None)."""
+        counts_per_loop, z_terms, topk_per_loop, observed_per_loop = [], [], [], []
         for t in range(loop_start, loop_end + 1):
-            z_BSD, h_mem, counts_LE, z_sq_L, topk_LBSK = self._region(
-                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk, cache)
+            z_BSD, h_mem, counts_LE, z_sq_L, topk_LBSK, observed_LNK = self._region(
+                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk, cache,
+                observe)
             counts_per_loop.append(counts_LE)
             z_terms.append(z_sq_L)
             topk_per_loop.append(topk_LBSK)
+            observed_per_loop.append(observed_LNK)
         topk_LTBSK = torch.stack(topk_per_loop, dim=1) if return_topk else None
-        return z_BSD, h_mem, torch.stack(counts_per_loop, dim=1), torch.cat(z_terms), topk_LTBSK
+        observed_LTNK = None if observe is None else torch.stack(observed_per_loop, dim=1)
+        return z_BSD, h_mem, torch.stack(counts_per_loop, dim=1), torch.cat(z_terms), topk_LTBSK, observed_LTNK
 
-    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False, cache=None):
+    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False, cache=None,
+                  observe=None):
         """Loop t (1-based): injection, the L blocks, the final RMSNorm -> (z, H memory, counts [L, E],
-        z-loss [L], expert ids [L, B, S, K] or None)."""
+        z-loss [L], expert ids [L, B, S, K] or None, observe() of every branch [L, N, K] or None)."""
         args = self.args
         if t >= 2 and args.embed_inject_mode == "loop_start_mix_soft":
             g = inject_gain(t, args)
             z_BSD = (1.0 - g) * z_BSD + g * e_BSD
         l_mem = empty_memory(z_BSD)
-        counts_per_layer, z_terms, topk_per_layer = [], [], []
+        counts_per_layer, z_terms, topk_per_layer, observed_per_layer = [], [], [], []
         for i, layer in enumerate(self.layers):
             # Picked here, outside the block, so the block sees the router as a plain tensor.
             router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
             kv_slot = None if cache is None else cache.slot(i, t)
-            z_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK = self._region(
-                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem, return_topk, kv_slot)
+            z_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK, branches = self._region(
+                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem, return_topk, kv_slot,
+                observe is not None)
             counts_per_layer.append(kept_E)
             z_terms.append(z_sq)
             topk_per_layer.append(expert_BSK)
+            if observe is not None:  # outside the (compiled) block: observe is the caller's function
+                observed_per_layer.append(torch.stack([observe(x_BSD) for x_BSD in branches]))
         topk_LBSK = torch.stack(topk_per_layer) if return_topk else None
+        observed_LNK = torch.stack(observed_per_layer) if observe is not None else None
         return (rms_norm(z_BSD, args.norm_eps), h_mem, torch.stack(counts_per_layer), torch.stack(z_terms),
-                topk_LBSK)
+                topk_LBSK, observed_LNK)
 
     def _check_inputs(self, tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry) -> None:
         # Shape and range checks only: value checks would need a host sync.
