@@ -127,7 +127,7 @@ def run(ns: argparse.Namespace) -> str | None:
     from lm_eval import simple_evaluate
 
     from torchtitan_loom.distributed import utils as dist_utils
-    from torchtitan_loom.tools.lm_eval_adapter import LoomLM
+    from torchtitan_loom.components.lm_eval_adapter import LoomLM
 
     if ns.batch_size < 1:
         raise LoadError(f"--batch-size {ns.batch_size}: must be >= 1")

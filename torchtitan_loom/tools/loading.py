@@ -21,7 +21,8 @@ import torch
 
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
-from torchtitan_loom.components.tokenizer import Tokenizer, build_tokenizer, same_tokenizer_name
+from torchtitan_loom.components.data.pack_tokenizer import TokenizerError, pack_tokenizer
+from torchtitan_loom.components.tokenizer import Tokenizer
 from torchtitan_loom.protocols import get_train_spec, portable_args
 from torchtitan_loom.tools.export_format import ExportError, find_checkpoint, model_spec, read_export
 
@@ -97,43 +98,12 @@ def _pack_path(config: Any | None) -> Path | None:
     return bundled_corpus_path(config.data.cache_dir or None)
 
 
-def pack_tokenizer_info(pack: Path) -> dict[str, Any]:
-    """tokenizer_info of a pack's metadata.json (LoadError when unreadable)."""
-    from torchtitan_loom.components.data.pack_format import PackError, read_metadata
-
-    try:
-        return read_metadata(Path(pack))["tokenizer_info"]
-    except PackError as exc:
-        raise LoadError(str(exc)) from None
-
-
 def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
-    """The pack's tokenizer, or ``override`` when it matches the pack (same name and vocab)."""
-    info = pack_tokenizer_info(pack) if pack is not None and (Path(pack) / "metadata.json").is_file() else None
-    name = override
-    if info is not None:
-        recorded = str(info.get("name_or_path", ""))
-        if override is not None and not same_tokenizer_name(override, recorded):
-            raise LoadError(f"--tokenizer {override!r} does not match the pack {pack}, which was tokenised "
-                            f"with {recorded!r}; pass that tokenizer or leave --tokenizer unset")
-        name = override or recorded
-        if name != "byte" and not Path(name).exists() and export_dir and Path(export_dir, "tokenizer.json").is_file():
-            name = export_dir  # the pack's HF tokenizer moved; the export carries a copy
-    elif name is None and export_dir and Path(export_dir, "tokenizer.json").is_file():
-        name = export_dir
-    if name is None:
-        raise LoadError("no tokenizer: the checkpoint's training pack is not readable here; pass --tokenizer "
-                        "('byte' or the tokenizer.json the pack was written with)")
+    """The pack's tokenizer, or ``override`` when it matches the pack (components/tokenizer.py)."""
     try:
-        tok = build_tokenizer(name)
-    except (ValueError, ImportError) as exc:
+        return pack_tokenizer(pack, override, model_vocab, export_dir)
+    except TokenizerError as exc:
         raise LoadError(str(exc)) from None
-    if info is not None and int(info["vocab_size"]) != tok.vocab_size:
-        raise LoadError(f"tokenizer {name!r} has {tok.vocab_size} ids, the pack {pack} recorded "
-                        f"{info['vocab_size']}; pass the tokenizer the pack was written with")
-    if tok.vocab_size > model_vocab:
-        raise LoadError(f"tokenizer {name!r} has {tok.vocab_size} ids, more than the model's vocab_size {model_vocab}")
-    return tok
 
 
 def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_tokenizer: bool = True) -> Loaded:
