@@ -31,7 +31,7 @@ from torchtitan_loom.components.downstream import build_scorer
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.gc_control import GarbageCollection
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
-from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
+from torchtitan_loom.components.lr_scheduler import build_lr_scheduler, extension_note
 from torchtitan_loom.components.metrics import MetricsLogger, peak_flops
 from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
 from torchtitan_loom.components.preemption import PreemptionWatcher
@@ -44,6 +44,7 @@ from torchtitan_loom.components.train_state import StepAbandoned, StepResult, Tr
 from torchtitan_loom.components.validate import Validator
 from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.config.validate import Resolved
+from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import ModelProtocol, get_train_spec
 
@@ -96,13 +97,11 @@ class Trainer:
         self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
         counts = model.param_counts()
 
-        o, s, g = cfg.optimizer, cfg.lr_scheduler, cfg.spike_guard
-        self.optimizer = build_optimizer(model, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                                         weight_decay=o.weight_decay, implementation=o.implementation)
+        s = cfg.lr_scheduler
+        self.optimizer = build_optimizer(model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps=t.steps, warmup_ratio=s.warmup_ratio,
                                                decay_ratio=s.decay_ratio, min_ratio=s.min_ratio, kind=s.kind)
-        self.spike_guard = SpikeGuard(enabled=g.enable, delta=g.delta, rel=g.rel, ratio=g.ratio, hard=g.hard,
-                                      ema=g.ema, warmup_steps=g.warmup_steps)
+        self.spike_guard = SpikeGuard(cfg.spike_guard)
         self.state = TrainState()
 
         data_path = cfg.data.path or bundled_corpus_path(cfg.data.cache_dir or None, log=self.log)
@@ -112,10 +111,8 @@ class Trainer:
         self.dataloader = build_train_loader(data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                              global_batch_rows=t.global_batch_size, dp_rank=info.rank,
                                              dp_world=self.parallel_dims.dp, tokenizer_name=self.tokenizer_name)
-        self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
-                                     tb_folder=cfg.metrics.tb_folder, rank=info.rank,
-                                     log_rank=cfg.metrics.log_rank, run_id=self.run_id,
-                                     enable_wandb=cfg.metrics.enable_wandb, wandb_config=cfg.to_dict())
+        self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, rank=info.rank, run_id=self.run_id,
+                                     wandb_config=cfg.to_dict())
         # The head runs once per segment, so it counts once per segment (see the model docstring).
         self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
         self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {counts['total']:,} parameters "
@@ -192,9 +189,9 @@ class Trainer:
                 if j == 0 and not self.info.world_size > 1 and self.stop_signals.requested():
                     raise StepAbandoned
                 with self.autocast():
+                    observe = None if diag is None else diag.observer(m, real_tokens(mb["doc_ids"]))
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=a, loop_end=b,
-                                     carry=carries[m],
-                                     observe=None if diag is None else diag.observer(m, mb["doc_ids"] >= 0))
+                                     carry=carries[m], observe=observe)
                 ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
                 loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (len(micro) * num_dp)
                 loss.backward()
@@ -256,10 +253,11 @@ class Trainer:
             self.stop_signals.close()  # train() will not run: leave the signal handlers as found
             raise
         self.metrics.mark_launch(resumed)
+        saved_total = self.checkpointer.loaded_total_steps
+        if resumed is not None and saved_total is not None and saved_total != cfg.training.steps:
+            self.log(extension_note(cfg.lr_scheduler, saved_total, cfg.training.steps, resumed + 1))
         if resumed is not None:
-            o = cfg.optimizer
-            for line in apply_config_hyperparameters(self.optimizer, self.lr_scheduler, lr=o.lr, beta1=o.beta1,
-                                                     beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay):
+            for line in apply_config_hyperparameters(self.optimizer, self.lr_scheduler, cfg.optimizer):
                 self.log(f"resume: the config wins: {line}")
         if self.info.rank == 0:  # after the resume succeeded, so a refused one leaves the run as it was
             with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:

@@ -1,5 +1,6 @@
 """The package's layering, checked on the source: every import (lazy ones inside functions included)
-points down the layers tools → train → config → components → models → distributed → protocols,
+points down the layers tools → train → config → components → models → distributed → protocols (with
+the data contract),
 no module imports itself back through others (no cycle), and no file outside models/loom/ names a
 LOOM field (the trainer and its components reach a model only through protocols.py and its TrainSpec).
 """
@@ -17,7 +18,7 @@ from torchtitan_loom.protocols import get_train_spec
 PKG = Path(torchtitan_loom.__file__).parent
 # Top to bottom; a module may import its own layer and the ones below it.
 LAYERS = (("tools",), ("train", "launch"), ("config",), ("components",), ("models",), ("distributed",),
-          ("protocols",))
+          ("protocols", "data_contract"))
 
 
 def modules() -> dict[str, Path]:

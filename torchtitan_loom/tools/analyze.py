@@ -27,6 +27,7 @@ import torch
 
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.routing_stats import RoutingStats
+from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.tools.analyze_diag import report_section
 
 DEFAULT_OUT = "analysis"
@@ -87,7 +88,7 @@ def evaluate(model: Any, loader: Any, device: torch.device, samples: int, sample
             if routing is None:  # top-k from the ids' own shape
                 routing = RoutingStats(n_layers, H, n_experts, out.topk_LTBSK.shape[-1], device)
             if loop == 1:
-                routing.start_batch(mb["doc_ids"] >= 0)  # padding has doc id -1
+                routing.start_batch(real_tokens(mb["doc_ids"]))
             routing.add_loop(out.topk_LTBSK[:, 0], model.carry_stream(carry))
             if len(docs) < samples:
                 topk_per_loop.append(out.topk_LTBSK[:, 0].cpu())

@@ -29,7 +29,7 @@ from torchtitan_loom.tools.loading import Loaded
 MODELING_FILE = "modeling_loom.py"
 _PKG = Path(torchtitan_loom.__file__).parent
 # Stitch order: every module after the ones it imports from.
-MODEL_SOURCES = ("models/loom/args.py", "models/loom/looping_residual.py", "models/loom/attention.py",
+MODEL_SOURCES = ("data_contract.py", "models/loom/args.py", "models/loom/looping_residual.py", "models/loom/attention.py",
                  "models/loom/moe.py", "models/loom/block.py")
 PROTOCOL_NAMES = ("ModelOutput", "Routing")
 WRAPPER_SOURCE = "models/loom/infra/hf_wrapper_template.py"

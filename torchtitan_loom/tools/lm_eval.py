@@ -120,6 +120,8 @@ def write_results(root: str, payload: dict[str, Any]) -> str:
 
 def run(ns: argparse.Namespace) -> str | None:
     """Check, score, write; returns the results folder on rank 0 (None on other ranks)."""
+    if int(os.environ.get("RANK", "0")) == 0:  # importing lm-eval and loading the model are slow and silent
+        print(f"lm_eval: loading lm-eval, then the checkpoint {ns.ckpt} ...", flush=True)
     try:
         import lm_eval  # noqa: F401
     except ImportError:
