@@ -8,7 +8,7 @@ glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the
 (optimizer states, allocated at the first step, are in every CPU cell alike). Time: the mean of
 the timed steps after one warm-up step.
 
-    python benchmarks/memory_time.py --steps 3                 # the K x AC table
+    python benchmarks/memory_time.py --steps 3                 # the K x AC table (with the dry run's estimate)
     python benchmarks/memory_time.py --reshard --steps 3       # reshard_after_forward on 2 ranks
 
 Arguments after the options are config overrides for every cell (default: the debug flavor at
@@ -93,13 +93,27 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
             "collectives_per_step": dict(counter.counts)}
 
 
+def estimated_mib(argv: list[str]) -> float:
+    """The dry run's estimate of what a cell measures: everything but the parameters (allocated
+    before the measurement starts), i.e. gradients, AdamW moments, activations, logits, carries."""
+    from torchtitan_loom.config import load_config
+    from torchtitan_loom.config.validate import resolve
+    from torchtitan_loom.distributed.estimate import estimate
+
+    cfg = load_config(argv + ["--training.device", "cpu", "--parallelism.dry_run"])
+    est = estimate(cfg, *resolve(cfg, 1))
+    return (est.memory["total"] - est.memory["parameters (fp32)"]) / _MIB
+
+
 def _child_env() -> dict:
     return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "PYTHONPATH": str(ROOT)}
 
 
 def kxac_table(steps: int, overrides: list[str]) -> str:
-    rows = ["| K | activation_checkpoint | step time (s) | peak memory (MiB) | vs K=0, none |", "|---|---|---|---|---|"]
+    rows = ["| K | activation_checkpoint | step time (s) | peak memory (MiB) | vs K=0, none | "
+            "dry-run estimate (MiB) |",
+            "|---|---|---|---|---|---|"]
     base_peak = None
     for k in (0, 3):
         for mode in AC_MODES:
@@ -111,8 +125,9 @@ def kxac_table(steps: int, overrides: list[str]) -> str:
                 continue
             cell = json.loads(out.stdout.strip().splitlines()[-1])
             base_peak = base_peak or cell["peak_mib"]
+            estimate = estimated_mib(argv)
             rows.append(f"| {k} | {mode} | {cell['step_s']:.2f} | {cell['peak_mib']:.0f} | "
-                        f"{cell['peak_mib'] / base_peak:.2f}× |")
+                        f"{cell['peak_mib'] / base_peak:.2f}× | {estimate:.0f} ({estimate / cell['peak_mib'] - 1:+.0%}) |")
             print(rows[-1], flush=True)
     return "\n".join(rows)
 

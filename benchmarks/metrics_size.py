@@ -21,7 +21,7 @@ from torchtitan_loom.components.metrics import MetricsLogger
 from torchtitan_loom.components.routing_stats import RoutingStats
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve_model_args
-from torchtitan_loom.components.train_state import segments
+from torchtitan_loom.protocols import segments
 from torchtitan_loom.config.schema import Metrics
 
 

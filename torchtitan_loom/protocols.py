@@ -19,6 +19,13 @@ import torch
 from torch import nn
 
 
+def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
+    """1-based inclusive loop ranges of the backprop segments; seg_len 0 = one segment."""
+    if seg_len <= 0 or seg_len >= num_loops:
+        return [(1, num_loops)]
+    return [(a, min(a + seg_len - 1, num_loops)) for a in range(1, num_loops + 1, seg_len)]
+
+
 class ModelOutput(NamedTuple):
     """Result of a forward over loops [loop_start, loop_end]."""
 
@@ -131,14 +138,56 @@ class Parallelized(NamedTuple):
     applied wrappers (FSDP) did not already reduce, so the step need not know which those are."""
 
 
+class FsdpUnit(NamedTuple):
+    """One FSDP2 unit as the parallelize function builds it (for the dry run's cost estimate)."""
+
+    name: str
+    """Module FQN ("" = the root)."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Shapes FSDP shards, per parameter, after any expert-parallel split (its local tensors)."""
+    mesh: str
+    """ParallelDims mesh it is sharded on: "fsdp" (dense) or "efsdp" (routed experts)."""
+    shard_dim: int
+    """Dimension FSDP splits (padded up to a multiple of the shard degree)."""
+
+
+class SegmentCost(NamedTuple):
+    """What one micro-batch costs in one backprop segment (a forward over T loops and its backward)."""
+
+    unit_calls: dict[str, int]
+    """FSDP unit name -> times the forward calls it."""
+    idle_params: int
+    """Parameters without a gradient in this segment (e.g. the routers of other loops)."""
+    all_to_alls: tuple[tuple[str, int, int], ...]
+    """(what, calls, bytes per call) of every all-to-all (expert parallelism) on one rank; bytes a
+    rank receives that depend on the routing are given at their mean over the ranks."""
+    activation_bytes: int
+    """Peak bytes of activations (saved for backward, plus the recompute and backward working set)."""
+    logits_bytes: int
+    """Logits, their softmax and their gradient at the loss."""
+    carry_bytes: int
+    """The state one micro-batch carries to the next segment (kept for every micro-batch)."""
+    flops: float
+    """Model FLOPs (forward + backward) of the segment."""
+    recompute_flops: float
+    """Extra forward FLOPs that activation checkpointing spends."""
+
+
+class ModelCost(NamedTuple):
+    """A model's side of the dry run's estimate (TrainSpec.cost_fn)."""
+
+    units: list[FsdpUnit]
+    segment: Callable[[int, int], SegmentCost]
+    """segment(loop_start, loop_end) -> one micro-batch's cost of that segment."""
+    total_params: int
+    expert_counts: int
+    """Values of the step's expert-count tensor (summed over the ranks once per step)."""
+
+
 @dataclass(frozen=True)
 class Sharding:
-    """How the spec's parallelize function lays out parameters, by name (the dry run's report)."""
+    """How the dry run's parameter report folds the model's repeated units (by parameter name)."""
 
-    replicated: tuple[str, ...] = ()
-    """Name fragments of parameters FSDP never shards (replicated on the dp mesh)."""
-    expert_parallel: tuple[str, ...] = ()
-    """Name fragments of parameters split over the ep mesh."""
     repeated_unit: str | None = None
     """Regex matching the name prefix of a repeated unit, its index the first group (e.g. a layer):
     units whose parameters match the first one's are reported once."""
@@ -167,6 +216,9 @@ class TrainSpec:
     config_errors_fn: Callable[..., list[str]] | None = None
     """config_errors(job_config, model_args, parallel_dims | None) -> one line per problem of the model
     with this config (checked before any process group exists)."""
+    layout_errors_fn: Callable[[Any, Any], list[str]] | None = None
+    """layout_errors(model_args, parallel_dims) -> one line per rule of the model that this layout
+    breaks (the config check and every layout the dry run's estimate ranks)."""
     num_experts_fn: Callable[[Any], int | None] | None = None
     """model args -> routed experts to split over the ep mesh (None: the model cannot use ep)."""
     sharding: Sharding = Sharding()
@@ -178,6 +230,10 @@ class TrainSpec:
     """portable_args(args, decoding) -> the args the inference tools run a trained model with: kernels
     that run on any device, the training math unchanged; ``decoding`` also makes each token's result
     independent of the rest of the batch (incremental decoding). None: the args as trained."""
+
+    cost_fn: Callable[..., ModelCost] | None = None
+    """cost(model_args, parallel_dims, job_config) -> ModelCost: FSDP units, FLOPs and activation
+    bytes per segment, read by the dry run's estimate (None: the dry run prints no estimate)."""
 
 
 def portable_args(spec: TrainSpec, args: Any, decoding: bool) -> Any:

@@ -40,13 +40,13 @@ from torchtitan_loom.components.progress import start_report
 from torchtitan_loom.components.run_folder import new_run_id, record_launch
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.components.step_metrics import StepMetrics
-from torchtitan_loom.components.train_state import StepAbandoned, StepResult, TrainState, segments
+from torchtitan_loom.components.train_state import StepAbandoned, StepResult, TrainState
 from torchtitan_loom.components.validate import Validator
 from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.config.validate import Resolved
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
-from torchtitan_loom.protocols import ModelProtocol, get_train_spec
+from torchtitan_loom.protocols import ModelProtocol, get_train_spec, segments
 
 
 class Trainer:

@@ -109,7 +109,7 @@ def test_damaged_pack_in_train_and_in_verify(tiny_pack, tmp_path, capsys, damage
     damage(pack)
     msg = errors_of("--job.dump_folder", str(tmp_path / "run"), "--data.path", str(pack), "--training.seq_len", "32")
     assert msg.startswith("data.path: pack") and expected in msg and len(msg.splitlines()) == 1
-    assert pack_tool.main(["--verify", str(pack)]) == 1
+    assert pack_tool.main(["--verify", str(pack)]) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
 
@@ -132,14 +132,25 @@ def test_pack_vocabulary_larger_than_the_model(tmp_path):
 def test_packer_names_the_non_utf8_line(tmp_path, capsys):
     jl = tmp_path / "bad.jsonl"
     jl.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
-    with pytest.raises(SystemExit) as exc:
-        pack_tool.main(["--jsonl", str(jl), "--out", str(tmp_path / "out")])
-    assert f"{jl}:2: not valid UTF-8" in str(exc.value.code)
+    assert pack_tool.main(["--jsonl", str(jl), "--out", str(tmp_path / "out")]) == 2
+    assert f"{jl}:2: not valid UTF-8" in capsys.readouterr().err
     txt = tmp_path / "bad.txt"
     txt.write_bytes(b"one\n\ntwo \xff\n")
-    with pytest.raises(SystemExit) as exc:
-        pack_tool.main(["--text", str(txt), "--out", str(tmp_path / "out2")])
-    assert f"{txt}:3: not valid UTF-8" in str(exc.value.code)
+    assert pack_tool.main(["--text", str(txt), "--out", str(tmp_path / "out2")]) == 2
+    assert f"{txt}:3: not valid UTF-8" in capsys.readouterr().err
+
+
+def test_packer_read_only_out_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    ro = read_only_dir(tmp_path)
+    try:
+        code = pack_tool.main(["--jsonl", str(tmp_path / "a.jsonl"), "--out", str(ro / "pack"), "--workers", "1"])
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", "-l", str(ro)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out '{ro / 'pack'}'" in err and "not writable" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_packer_broken_tokenizer_file(tmp_path, capsys):
@@ -148,7 +159,7 @@ def test_packer_broken_tokenizer_file(tmp_path, capsys):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     pytest.importorskip("tokenizers")
     assert pack_tool.main(["--jsonl", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path / "tok"),
-                           "--out", str(tmp_path / "out")]) == 1
+                           "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"--tokenizer '{tmp_path / 'tok'}': cannot load it" in err and len(err.strip().splitlines()) == 1
 

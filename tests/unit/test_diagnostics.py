@@ -131,3 +131,17 @@ def test_off_steps_keys_and_skipped_segments(tiny_pack, tmp_path):
     ran = [k for k, v in out.diag.items() if v is not None]
     assert ran and all("loop_1/" in k + "/" or "loop_2/" in k + "/" for k in ran)  # segment 2 (loop 3) never ran
     assert all(out.diag[k] is None for k in keys if k.endswith("loop_3"))
+
+
+def test_activation_checkpointing_gives_the_same_diagnostics(tiny_pack, tmp_path):
+    # Per-loop AC recomputes the loops (observe included) in backward: the recomputation must
+    # neither add to the statistics nor change them.
+    batch = None
+    diags = []
+    for i, mode in enumerate(("none", "loop")):
+        tr = make_trainer(tiny_pack, tmp_path / mode, "--activation_checkpoint.mode", mode)
+        batch = batch if batch is not None else next(iter(tr.dataloader))
+        diags.append(tr.train_step(batch).diag)
+    assert diags[0].keys() == diags[1].keys()
+    for k in diags[0]:
+        assert diags[1][k] == pytest.approx(diags[0][k], rel=1e-6, abs=1e-12), k

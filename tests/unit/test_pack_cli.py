@@ -2,6 +2,7 @@
 
 import filecmp
 import json
+import re
 import subprocess
 import sys
 
@@ -76,14 +77,14 @@ def test_refuses_to_overwrite_without_force(corpus, capsys):
     out = corpus / "p"
     args = ["--jsonl", str(corpus / "a.jsonl"), "--out", str(out), "--workers", "1", "--holdout-tokens", "0"]
     assert cli.main(args) == 0
-    with pytest.raises(SystemExit, match="already exists; pass --force"):
-        cli.main(args)
+    assert cli.main(args) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
     assert cli.main(args + ["--force", "--seq-len", "16"]) == 0
     assert json.loads((out / "metadata.json").read_text())["max_seq_len"] == 16
     assert sorted(p.name for p in corpus.iterdir() if p.name.startswith(".")) == []   # no temp dirs left
 
 
-def test_parquet_input_and_text_field(corpus):
+def test_parquet_input_and_text_field(corpus, capsys):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
@@ -92,16 +93,16 @@ def test_parquet_input_and_text_field(corpus):
     assert cli.main(["--parquet", str(corpus / "c.parquet"), "--text-field", "body", "--out", str(out),
                      "--workers", "1", "--holdout-tokens", "0", "--epochs", "1"]) == 0
     assert open_pack(out, 1023, 258).tokens.tolist() == [b for d in DOCS[:40] for b in list(d.encode()) + [256]]
-    with pytest.raises(SystemExit, match="no column 'text'"):
-        cli.main(["--parquet", str(corpus / "c.parquet"), "--out", str(corpus / "x"), "--workers", "1"])
+    assert cli.main(["--parquet", str(corpus / "c.parquet"), "--out", str(corpus / "x"), "--workers", "1"]) == 2
+    assert "no column 'text'" in capsys.readouterr().err
 
 
-def test_input_errors_are_clear(corpus):
-    with pytest.raises(SystemExit, match="--jsonl 'nothing\\*.jsonl' matches no file"):
-        cli.main(["--jsonl", "nothing*.jsonl", "--out", str(corpus / "x")])
+def test_input_errors_are_clear(corpus, capsys):
+    assert cli.main(["--jsonl", "nothing*.jsonl", "--out", str(corpus / "x")]) == 2
+    assert "--jsonl 'nothing*.jsonl' matches no file" in capsys.readouterr().err
     (corpus / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    with pytest.raises(SystemExit, match="bad.jsonl:2: .*--text-field"):
-        cli.main(["--jsonl", str(corpus / "bad.jsonl"), "--out", str(corpus / "x"), "--workers", "1"])
+    assert cli.main(["--jsonl", str(corpus / "bad.jsonl"), "--out", str(corpus / "x"), "--workers", "1"]) == 2
+    assert re.search("bad.jsonl:2: .*--text-field", capsys.readouterr().err)
     assert not (corpus / "x").exists()
 
 
@@ -115,3 +116,4 @@ def test_verify_rejects_a_damaged_pack(corpus):
     proc = run("--verify", out)
     assert proc.returncode != 0
     assert "token id 400 is ≥ the model vocab_size 258" in proc.stderr and str(out) in proc.stderr
+

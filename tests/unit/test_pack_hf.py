@@ -44,7 +44,7 @@ def test_saved_dataset_packs_like_jsonl_with_an_eta(reference_pack, tmp_path, mo
     err = capsys.readouterr().err
     assert "64 docs" in err and f"% of {len(DOCS)} docs, ETA" in err, err
     meta = json.loads((tmp_path / "hf" / "metadata.json").read_text())
-    assert meta["hf_dataset"] == {"name": str(saved), "config": None, "split": "train"}
+    assert meta["hf_dataset"] == {"name": str(saved), "config": None, "split": None}  # a saved Dataset has no splits
 
 
 def test_streaming_parquet_materialises_nothing(reference_pack, tmp_path):
@@ -67,8 +67,28 @@ def test_streaming_parquet_materialises_nothing(reference_pack, tmp_path):
     assert results["materialised"], "the non-streaming load should have cached Arrow files (the check's control)"
 
 
-def test_missing_text_column_is_one_line(tmp_path):
+def test_missing_text_column_is_one_line(tmp_path, capsys):
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"body": DOCS[:5]}).save_to_disk(str(saved))
-    with pytest.raises(SystemExit, match=r"row 0 has no column 'text' \(columns: \['body'\]\); set --text-field"):
-        cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "x"), *PACK_FLAGS])
+    capsys.readouterr()  # the save's progress bar
+    assert cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "x"), *PACK_FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: --hf-dataset row 0 has no column 'text' (columns: ['body']); "
+                                        "set --text-field"], err
+
+
+def test_bad_hf_inputs_exit_2_with_one_line(tmp_path, capsys):
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": DOCS[:5]}).save_to_disk(str(saved))
+    capsys.readouterr()  # the save's progress bar
+    cases = [  # (arguments, what the line says)
+        (["--hf-dataset", str(saved), "--hf-split", "validation"], "it has no splits; leave --hf-split out"),
+        (["--hf-dataset", str(tmp_path / "no" / "such" / "dir")], "no such directory"),
+    ]
+    for extra, expected in cases:
+        code = cli.main([*extra, "--out", str(tmp_path / "x"), *PACK_FLAGS])
+        err = capsys.readouterr().err
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, (extra, err)
+        assert "Traceback" not in err and not (tmp_path / "x").exists()
+    # The saved Dataset itself still packs without --hf-split (it has no split to choose).
+    assert cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "ok"), *PACK_FLAGS[:-4]]) == 0

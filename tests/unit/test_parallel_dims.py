@@ -8,9 +8,8 @@ import sys
 import pytest
 
 from torchtitan_loom.config import ConfigError, load_config
-from torchtitan_loom.config.validate import resolve, resolve_model_args
+from torchtitan_loom.config.validate import parallelism_errors, resolve_model_args, resolve
 from torchtitan_loom.distributed.parallel_dims import ParallelDims, parallelism_problems
-from torchtitan_loom.models.loom.infra.checks import config_errors
 
 
 def test_degrees_and_dp_shard_inference():
@@ -90,8 +89,8 @@ def test_expert_rows_must_split_evenly_when_experts_are_fewer_than_fsdp_ranks():
     args = resolve_model_args(cfg)  # debug: 8 experts, D = 128, expert width 128
     # 32 ranks, ep 2: 4 experts per ep rank over 16 FSDP ranks -> FSDP splits rows (256 and 128).
     dims = ParallelDims.from_config(cfg.parallelism, 32, num_experts=args.num_routed_experts)
-    assert config_errors(cfg, args, dims) == []  # LOOM's own layout rule (the spec's config_errors_fn)
-    errors = config_errors(cfg, dims=dims, args=dataclasses.replace(args, expert_intermediate_size=4))  # 8 rows / 16
+    assert parallelism_errors(cfg, dims, args) == []
+    errors = parallelism_errors(cfg, dims, dataclasses.replace(args, expert_intermediate_size=4))  # 8 rows / 16
     assert len(errors) == 1 and "FSDP splits expert rows" in errors[0], errors
 
 
@@ -110,7 +109,8 @@ def test_dry_run_lays_out_64_ranks_in_one_process():
     assert "layers.0.attention.wqkv.weight  (384, 128) -> (12, 128)  R, S(0)" in out
     assert "layers.0.moe.experts.w13  (8, 256, 128) -> (4, 16, 128)  R, S(1), S(0)" in out
     assert "layers.0.moe.routers.0  (8, 128) -> (8, 128)  R" in out
-    assert "rank 0 memory estimate" in out and "layers 1..1: same as layer 0" in out
+    assert "estimate per rank" in out and "layers 1..1: same as layer 0" in out
+    assert "recommended: --parallelism.dp_replicate" in out
 
 
 def test_dry_run_rejects_a_bad_layout_before_building_anything():

@@ -8,7 +8,7 @@ from torchtitan_loom.components.progress import estimate_step, start_lines
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer
-from torchtitan_loom.components.train_state import segments
+from torchtitan_loom.protocols import segments
 
 CPU = torch.device("cpu")
 

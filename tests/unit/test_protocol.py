@@ -148,7 +148,7 @@ def test_the_toy_dry_runs(tiny_pack, tmp_path, capsys):
     argv = toy_argv(tiny_pack, tmp_path, "--parallelism.dry_run", "--parallelism.dry_run_world_size", "2")
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "dry run: toy_looped/tiny, H=3" in out and "rank 0 memory estimate" in out
+    assert "dry run: toy_looped/tiny, H=3" in out and "rank 0 parameters" in out
     assert "  head.weight  (512, 32) -> (512, 32)  plain" in out  # replicated: no parallelize function
 
 

@@ -27,6 +27,7 @@ import socket
 import time
 from typing import Any
 
+from torchtitan_loom.components import safe_files
 from torchtitan_loom.protocols import get_train_spec
 
 LOCK = "RUN.lock"
@@ -175,7 +176,10 @@ def record_launch(cfg: Any, run_id: str, status: str, step: int, resumed_from: i
         run["launches"].append({"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_from_step": resumed_from})
     run.update(run_id=run_id, status=status, step=step)
-    tmp = os.path.join(dump, RUN_JSON + ".partial")
-    with open(tmp, "w") as fh:
-        json.dump(run, fh, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(dump, RUN_JSON))
+    safe_files.atomic_write(os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True))
+
+
+def planted_links(dump_folder: str) -> list[str]:
+    """Symbolic links where a launch writes its run files (a launch refuses them, safe_files.py)."""
+    names = [*_RUN_FILES, RUN_JSON + ".partial", LOCK]
+    return safe_files.planted_links(dump_folder, names) if os.path.isdir(dump_folder) else []

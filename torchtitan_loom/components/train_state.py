@@ -1,5 +1,6 @@
-"""What a training step is and leaves behind: the backprop segments of the loops, the counters that
-survive a restart (TrainState, saved in every checkpoint) and one step's result (StepResult).
+"""What a training step leaves behind: the counters that survive a restart (TrainState, saved in
+every checkpoint) and one step's result (StepResult). The backprop segments of the loops are
+``protocols.segments``.
 
 Legend: L layers, H loops, E routed experts.
 """
@@ -13,13 +14,6 @@ import torch
 
 class StepAbandoned(Exception):
     """A stop signal arrived before the step's first optimizer update."""
-
-
-def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
-    """1-based inclusive loop ranges of the backprop segments; seg_len 0 = one segment."""
-    if seg_len <= 0 or seg_len >= num_loops:
-        return [(1, num_loops)]
-    return [(a, min(a + seg_len - 1, num_loops)) for a in range(1, num_loops + 1, seg_len)]
 
 
 class TrainState:

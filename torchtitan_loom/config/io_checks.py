@@ -37,7 +37,23 @@ def folder_errors(cfg: Any) -> list[str]:
     problem = writable_dir_problem(cfg.job.dump_folder)
     if problem:
         errors.append(f"job.dump_folder = '{cfg.job.dump_folder}': {problem}; choose a writable folder")
-    return errors
+    links = link_errors(cfg)
+    return errors + ([links] if links else [])
+
+
+def link_errors(cfg: Any) -> str | None:
+    """One line naming the symbolic links planted where the run writes (run files, checkpoint
+    names), else None: a run never writes, renames or removes through a link."""
+    from torchtitan_loom.components import run_folder
+    from torchtitan_loom.components.checkpoint import layout
+
+    links = run_folder.planted_links(cfg.job.dump_folder)
+    if cfg.checkpoint.enable:
+        links += layout.planted_links(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
+    if not links:
+        return None
+    return (f"job.dump_folder = '{cfg.job.dump_folder}': symbolic links where the run writes: {', '.join(links)}; "
+            f"remove them (a run never writes, renames or removes through a link)")
 
 
 def bundled_errors(cfg: Any) -> list[str]:

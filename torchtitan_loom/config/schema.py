@@ -252,10 +252,29 @@ class Parallelism:
         "default", "Free gathered parameters after forward (always) or keep them until backward (never). "
                    "default = never: each block runs K times per forward, so 'always' re-gathers it per loop.",
         choices=tuple(RESHARD_AFTER_FORWARD))
-    dry_run: bool = opt(False, "Validate the config, print the mesh layout, batch split and per-rank parameter "
-                               "shards and memory for the world size, then exit 0 without training (one "
-                               "process, fake process group).")
+    dry_run: bool = opt(False, "Validate the config, print the mesh layout, batch split, per-rank parameter "
+                               "shards, and an estimate of per-rank memory, communication per step, FLOPs, "
+                               "step time and MFU with the fastest layout that fits (hardware assumptions "
+                               "under [estimate]), then exit 0 without training (one process, fake process "
+                               "group).")
     dry_run_world_size: int = opt(0, "World size the dry run lays out; 0 = the launcher's WORLD_SIZE.")
+
+
+@dataclass
+class Estimate:
+    peak_tflops: float = opt(989.0, "Dense bf16 peak TFLOP/s of one GPU, for the dry run's step-time and MFU "
+                                    "estimate (H100 / H200 SXM: 989; B200: 2250; A100: 312).")
+    achievable_fraction: float = opt(0.6, "Fraction of peak_tflops the model's GEMMs reach (0 < f ≤ 1); the "
+                                          "estimated compute time is FLOPs / (peak × fraction).")
+    intra_node_gbps: float = opt(360.0, "Collective bus bandwidth per GPU inside a node in GB/s (NVLink; "
+                                        "H100 / H200: ~360 measured by nccl-tests).")
+    inter_node_gbps: float = opt(45.0, "Collective bus bandwidth per GPU between nodes in GB/s (one 400 Gb/s "
+                                       "InfiniBand NIC per GPU: ~45).")
+    gpus_per_node: int = opt(8, "GPUs per node: a collective whose ranks lie within one node runs at "
+                                "intra_node_gbps, else at inter_node_gbps.")
+    latency_us: float = opt(15.0, "Fixed cost of one collective call in microseconds.")
+    memory_gib: float = opt(141.0, "Memory of one GPU in GiB (H200: 141; H100: 80); the recommended layout "
+                                   "must fit in it.")
 
 
 @dataclass
@@ -321,6 +340,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    estimate: Estimate = field(default_factory=Estimate)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
@@ -343,6 +363,7 @@ SECTION_DOCS = {
     "checkpoint": "DCP checkpoints: periodic + snapshots, atomic, resume at any world size, preemption.",
     "parallelism": "Data parallel (FSDP2 / HSDP) and expert parallel degrees; dry run.",
     "activation_checkpoint": "Activation recomputation per block, loop or segment.",
+    "estimate": "Hardware assumptions of the dry run's step-time, MFU and layout estimate (a roofline).",
     "compile": "torch.compile per block.",
     "float8": "Float8 training via torchao.",
     "comm": "Process-group timeouts (TorchTitan's [comm]).",

@@ -185,13 +185,37 @@ def _parallel_dims(cfg: JobConfig, world_size: int, args: Any, errors: list[str]
         return None
 
 
-def _parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) -> list[str]:
-    """[parallelism] rules beyond the degrees: the dry run keys, and FSDP splitting expert rows."""
+def parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) -> list[str]:
+    """[parallelism] rules beyond the degrees: the dry run keys, and the model's own layout rules
+    (its TrainSpec's layout_errors_fn, e.g. how FSDP may split LOOM's expert rows)."""
     par, errors = cfg.parallelism, []
     if par.dry_run_world_size < 0:
         errors.append(f"parallelism.dry_run_world_size = {par.dry_run_world_size}: must be ≥ 0 (0 = WORLD_SIZE)")
     if par.dry_run_world_size and not par.dry_run:
         errors.append("parallelism.dry_run_world_size needs parallelism.dry_run = true")
+    if errors or args is None or dims is None:
+        return errors
+    return layout_errors(get_train_spec(cfg.model.name), args, dims)
+
+
+def layout_errors(spec: Any, args: Any, dims: ParallelDims) -> list[str]:
+    """The spec's own rules for this layout (none without a layout_errors_fn)."""
+    return [] if spec.layout_errors_fn is None else spec.layout_errors_fn(args, dims)
+
+
+def _estimate_errors(cfg: JobConfig) -> list[str]:
+    """[estimate]: every assumption a positive finite number; the GEMM fraction at most 1."""
+    e, errors = cfg.estimate, []
+    for key in ("peak_tflops", "intra_node_gbps", "inter_node_gbps", "memory_gib"):
+        value = getattr(e, key)
+        if not (math.isfinite(value) and value > 0):
+            errors.append(f"estimate.{key} = {value}: must be a finite number > 0")
+    if not (math.isfinite(e.latency_us) and e.latency_us >= 0):
+        errors.append(f"estimate.latency_us = {e.latency_us}: must be a finite number ≥ 0")
+    if not (math.isfinite(e.achievable_fraction) and 0 < e.achievable_fraction <= 1):
+        errors.append(f"estimate.achievable_fraction = {e.achievable_fraction}: must lie in (0, 1]")
+    if e.gpus_per_node < 1:
+        errors.append(f"estimate.gpus_per_node = {e.gpus_per_node}: must be ≥ 1")
     return errors
 
 
@@ -240,6 +264,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if cfg.metrics.expert_load_every < 0:
         errors.append(f"metrics.expert_load_every = {cfg.metrics.expert_load_every}: must be ≥ 0 (0 = eval steps only)")
     errors += _profiling_errors(cfg)
+    errors += _estimate_errors(cfg)
     errors += _number_errors(cfg)
     if t.device == "cuda":
         import torch
@@ -275,7 +300,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         if getattr(cfg.comm, key) < 1:
             errors.append(f"comm.{key} = {getattr(cfg.comm, key)}: must be ≥ 1")
-    errors += _parallelism_errors(cfg, dims, args)
+    errors += parallelism_errors(cfg, dims, args)
     errors += _float8_errors(cfg)
     errors += relaunch_errors(cfg)
     errors += _checkpoint_errors(cfg, args if not errors else None)

@@ -3,8 +3,8 @@
 The model is built on the meta device and parallelized exactly as the trainer would, over a fake
 process group (no communication, no memory), as rank 0 of W. The report: the mesh layout, how the
 global batch splits over the data-parallel ranks, rank 0's shard of every parameter (layers that
-match layer 0 are folded into one line) and an estimate of rank 0's parameter-related memory.
-Activations are not estimated (they depend on K, the activation-checkpoint mode and the kernels).
+match layer 0 are folded into one line), then the cost estimate of distributed/estimate.py (memory,
+communication, FLOPs, step time, MFU, the fastest layouts) when the spec has a cost model.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
-from torchtitan_loom.distributed.utils import DTYPES
 from torchtitan_loom.protocols import Sharding, get_train_spec
-
-_GIB = 1024**3
-
 
 def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
     """The dry-run report of `cfg` on `dims.world_size` ranks (builds nothing real)."""
@@ -47,25 +43,24 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
             model = spec.model_cls(model_args)
         if spec.parallelize_fn is not None:
             model = spec.parallelize_fn(model, dims, cfg).model
-        lines += _shard_report(model, dims, cfg, spec.sharding)
+        lines += _shard_report(model, spec.sharding)
     finally:
         if fake:
             dist.destroy_process_group()
+    if spec.cost_fn is not None:
+        from torchtitan_loom.distributed.estimate import report
+
+        lines += report(cfg, model_args, dims)
     return "\n".join(lines)
 
 
-def _shard_report(model: torch.nn.Module, dims: ParallelDims, cfg: Any, sharding: Sharding) -> list[str]:
+def _shard_report(model: torch.nn.Module, sharding: Sharding) -> list[str]:
+    """Rank 0's shard of every parameter; the units of the spec's repeated_unit that match the first
+    one are folded into one line."""
     lines, seen = ["rank 0 parameters: name  full shape -> local shard  placements"], {}
-    local_total = gathered_total = 0
     units: set[int] = set()
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
-        local_total += local.numel()
-        # Gathered by FSDP for compute: the full tensor divided only by its expert-parallel split
-        # (parameters FSDP never shards are replicated, counted in the local values already).
-        if not any(frag in name for frag in sharding.replicated):
-            split = dims.ep_enabled and any(frag in name for frag in sharding.expert_parallel)
-            gathered_total += p.numel() // (dims.ep if split else 1)
         placements = ", ".join(str(x) for x in p.placements) if isinstance(p, DTensor) else "plain"
         entry = f"{tuple(p.shape)} -> {tuple(local.shape)}  {placements}"
         unit = re.match(sharding.repeated_unit, name) if sharding.repeated_unit else None
@@ -79,16 +74,4 @@ def _shard_report(model: torch.nn.Module, dims: ParallelDims, cfg: Any, sharding
     if len(units) > 1:
         unit_name = sharding.unit_name
         lines.append(f"  ({unit_name}s {min(units) + 1}..{max(units)}: same as {unit_name} {min(units)})")
-    t = cfg.training
-    state_bytes = local_total * (4 + 4 + 8)  # fp32 master + fp32 gradient + AdamW's two moments
-    gathered_bytes = gathered_total * DTYPES[t.mixed_precision_param].itemsize if dims.fsdp_enabled else 0
-    lines.append(f"rank 0 memory estimate: {local_total:,} local parameter values -> {state_bytes / _GIB:.2f} GiB "
-                 f"(fp32 weights + gradients + AdamW moments)")
-    if dims.fsdp_enabled:
-        keep = cfg.parallelism.fsdp_reshard_after_forward != "always"
-        lines.append(f"  + gathered {t.mixed_precision_param} parameters during a segment: "
-                     f"{gathered_bytes / _GIB:.2f} GiB if every unit stays gathered (reshard_after_forward "
-                     f"{'never: this is the peak' if keep else 'always: about one block at a time instead'})")
-    lines.append("  + activations (depend on micro_batch_size, seq_len, K and activation_checkpoint.mode): "
-                 "not estimated; measure with benchmarks/memory_time.py")
     return lines

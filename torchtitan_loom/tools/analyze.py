@@ -228,7 +228,15 @@ def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int
     except (PackError, ValueError, OSError) as exc:
         raise AnalyzeError(f"--data {data}: {exc}") from None
     result = evaluate(model, loader, torch.device("cpu"), samples, sample_tokens)
-    path = write_report(result, info, ckpt, data, out, pack.tokenizer_name, layer)
+    from pathlib import Path
+
+    from torchtitan_loom.tools.loading import LoadError, recorded_tokenizer
+
+    try:  # resolved against the pack, never the current directory
+        tokenizer = recorded_tokenizer(Path(pack.path), pack.tokenizer_name)
+    except LoadError:
+        tokenizer = ""  # token labels fall back to ids
+    path = write_report(result, info, ckpt, data, out, tokenizer, layer)
     diag = report_section(_metrics_path(ckpt, run), out)
     if diag:
         with open(path, "a", encoding="utf-8") as fh:

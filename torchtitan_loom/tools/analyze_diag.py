@@ -72,7 +72,7 @@ def stat_figure(by_step: dict[int, np.ndarray], title: str):
     grids = [by_step[s] for s in shown]
     finite = np.concatenate([g[np.isfinite(g)] for g in grids]) if grids else np.array([])
     vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    fig = _figure(2.6 * len(shown) + 1.2, 3.0)
+    fig = _figure(2.6 * len(shown) + 1.2, 3.4)
     axes = [fig.add_subplot(1, len(shown), i + 1) for i in range(len(shown))]
     image = None
     for ax, step, grid_LH in zip(axes, shown, grids):
@@ -83,6 +83,7 @@ def stat_figure(by_step: dict[int, np.ndarray], title: str):
         ax.set_yticks(range(grid_LH.shape[0]))
     axes[0].set_ylabel("layer")
     fig.suptitle(title, fontsize=10)
+    fig.subplots_adjust(top=0.8, bottom=0.17, left=0.06, right=0.9)  # room for the titles and axis labels
     fig.colorbar(image, ax=axes, label=title.split(": ", 1)[-1])
     return fig
 

@@ -1,9 +1,10 @@
 """Export a checkpoint's model for inference or another framework: one consolidated file + args.
 
-    python -m torchtitan_loom.tools.export CKPT OUT [--dtype fp32|bf16] [--verify] [--format safetensors|hf]
+    python -m torchtitan_loom.tools.export CKPT OUT [--dtype fp32|bf16] [--verify] [--format safetensors|hf] [--force]
 
 CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder or a run's
-dump folder (the newest complete checkpoint inside is used). OUT receives:
+dump folder (the newest complete checkpoint inside is used). OUT must be absent or empty unless
+``--force`` (an existing export is never overwritten by accident). OUT receives:
 
     model.safetensors   every model tensor at its full shape, keyed by parameter name
                         (``model.pt``, a plain torch state dict, when safetensors is not installed)
@@ -23,16 +24,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
+import pickle
 import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchtitan_loom.components import safe_files
 from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
-from torchtitan_loom.components.checkpoint.state import load_full
+from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
 from torchtitan_loom.tools.export_format import ExportError, find_checkpoint, model_spec, read_export
 from torchtitan_loom.tools.hf_export import export_hf
 from torchtitan_loom.tools.loading import LoadError, load, load_tokenizer
@@ -57,17 +59,32 @@ def cast_for_export(sd: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: 
 
 
 def _checkpoint_model(ckpt: str) -> dict[str, torch.Tensor]:
-    sd = load_full(ckpt, prefix="model.")
+    try:
+        sd = load_full(ckpt, prefix="model.")
+    except CheckpointError as exc:  # a refused pickle (safe_read.py) or no model entries
+        raise ExportError(str(exc)) from None
     bad = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))
     if bad:
         raise ExportError(f"{ckpt}: non-tensor model entries {bad[:5]}")
     return sd
 
 
-def export(ckpt: str, out: str, dtype: str = "fp32") -> str:
-    """Write the export of ``ckpt`` into ``out``; returns the model file's path."""
+def check_out(out: str, force: bool) -> None:
+    """``out`` may receive an export: absent, an empty directory, or anything with ``force``."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise ExportError(f"{out}: exists and is not a directory; choose an output folder")
+    present = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if present and not force:
+        raise ExportError(f"{out} already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
+                          f"pass --force to overwrite the export there, or choose a new folder")
+
+
+def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str:
+    """Write the export of ``ckpt`` into ``out`` (which must be empty unless ``force``); returns the
+    model file's path. No file is written through a link (safe_files.py)."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    check_out(out, force)
     ckpt = find_checkpoint(ckpt)
     info = read_model_args(ckpt)
     if info is None:
@@ -80,18 +97,25 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> str:
     except ImportError:  # optional dependency (pip install torchtitan_loom[export])
         save_file = None
     name = "model.safetensors" if save_file is not None else "model.pt"
-    path, tmp = os.path.join(out, name), os.path.join(out, name + ".partial")
-    if save_file is not None:
-        save_file(tensors, tmp, metadata={"format": "pt", "dtype": dtype})
-    else:
-        torch.save(tensors, tmp)
-    os.replace(tmp, path)
+    path = os.path.join(out, name)
+    fd, tmp = safe_files.new_temp(path)  # created O_EXCL | O_NOFOLLOW: never written through a link
+    os.close(fd)
+    try:
+        if save_file is not None:
+            save_file(tensors, tmp, metadata={"format": "pt", "dtype": dtype})
+        else:
+            torch.save(tensors, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     meta = layout.read_json(os.path.join(ckpt, "meta.json")) or {}
     layout.write_json(os.path.join(out, MODEL_ARGS_FILE),
                       {"name": info["name"], "flavor": info.get("flavor"), "args": dataclasses.asdict(args),
                        "dtype": dtype, "step": meta.get("step"), "source": os.path.abspath(ckpt), "file": name})
     if os.path.isfile(os.path.join(ckpt, "config.toml")):
-        shutil.copyfile(os.path.join(ckpt, "config.toml"), os.path.join(out, "config.toml"))
+        with open(os.path.join(ckpt, "config.toml"), "rb") as fh:
+            safe_files.atomic_write(os.path.join(out, "config.toml"), fh.read())
     return path
 
 
@@ -160,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output directory")
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="parameter dtype of the export")
     parser.add_argument("--verify", action="store_true", help="re-read the export and compare it bit for bit")
+    parser.add_argument("--force", action="store_true", help="overwrite the files of an existing export in OUT "
+                                                             "(without it, OUT must be absent or empty)")
     parser.add_argument("--format", default="safetensors", choices=("safetensors", "hf"),
                         help="safetensors: model file + model_args.json; hf: a transformers folder "
                              "(AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True))")
@@ -167,8 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.format == "hf":
         return _main_hf(ns)
     try:
-        path = export(ns.ckpt, ns.out, ns.dtype)
-        print(f"exported {find_checkpoint(ns.ckpt)} → {path} ({ns.dtype})")
+        ckpt = find_checkpoint(ns.ckpt)
+        note = integrity.unverified_note(ckpt)
+        if note:
+            print(f"warning: {note}", file=sys.stderr)
+        path = export(ckpt, ns.out, ns.dtype, force=ns.force)
+        print(f"exported {ckpt} → {path} ({ns.dtype})")
         if ns.verify:
             print(f"verified: {verify(ns.ckpt, ns.out)} tensors bit-identical to the checkpoint")
     except (ExportError, OSError) as exc:
@@ -183,13 +213,14 @@ def _main_hf(ns: argparse.Namespace) -> int:
         print("export error: --verify applies to --format safetensors only", file=sys.stderr)
         return 2
     try:
+        check_out(ns.out, ns.force)
         loaded = load(ns.ckpt, need_tokenizer=False)
         try:
             loaded.tokenizer = load_tokenizer(loaded.pack_path, None, loaded.args.vocab_size, loaded.checkpoint)
         except LoadError as exc:
             print(f"export: no tokenizer files ({exc})", file=sys.stderr)
         files = export_hf(loaded, ns.out, DTYPES[ns.dtype])
-    except (LoadError, OSError) as exc:
+    except (LoadError, ExportError, OSError) as exc:
         print(f"export error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import sys
 from typing import Any
 
 import torch
 
 from torchtitan_loom.components.checkpoint import integrity, layout
-from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE
+from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, checkpoint_problem
 from torchtitan_loom.protocols import get_train_spec
 
 
@@ -46,16 +48,44 @@ def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     info = layout.read_json(os.path.join(out, MODEL_ARGS_FILE))
     if info is None:
         raise ExportError(f"{out}: no {MODEL_ARGS_FILE}; not an export directory")
-    path = os.path.join(out, info["file"])
-    if info["file"].endswith(".safetensors"):
-        from safetensors.torch import load_file
+    path = _export_file(out, info.get("file"))
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-        return info, load_file(path)
-    return info, torch.load(path, map_location="cpu", weights_only=True)
+            return info, load_file(path)
+        return info, torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # weights_only refused it: the file asks for code
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "not plain tensors"
+        raise ExportError(f"{path}: refused: not a plain state dict of tensors ({first})") from None
+    except (OSError, RuntimeError, ValueError) as exc:  # missing, truncated or not a model file
+        raise ExportError(f"{path}: unreadable model file ({type(exc).__name__}: {exc})") from None
+
+
+def _export_file(out: str, name: Any) -> str:
+    """The model file an export's model_args.json names: a plain file name inside ``out``."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name
+            or "\\" in name):
+        raise ExportError(f"{os.path.join(out, MODEL_ARGS_FILE)}: \"file\" is {name!r}; it must name a file "
+                          f"inside {out} (model.safetensors or model.pt)")
+    path = os.path.join(out, name)
+    if os.path.islink(path) and os.path.dirname(os.path.realpath(path)) != os.path.realpath(out):
+        raise ExportError(f"{path}: a symbolic link out of {out}; an export's model file must be inside it")
+    return path
 
 
 def _verified(ckpt: str) -> str:
-    problem = integrity.verify(ckpt) if os.path.isfile(os.path.join(ckpt, layout.MARKER)) else None
+    """``ckpt`` when its files match their checksums (a checkpoint without a marker has none)
+    and its DCP metadata is plain data; ExportError otherwise."""
+    if os.path.isfile(os.path.join(ckpt, layout.MARKER)):
+        problem = checkpoint_problem(ckpt)
+    else:
+        from torchtitan_loom.components.checkpoint.safe_read import metadata_problem
+
+        problem = metadata_problem(ckpt)
     if problem:
         raise ExportError(f"{ckpt}: checkpoint is corrupt: {problem}")
+    note = integrity.unverified_note(ckpt)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
     return ckpt

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
-from torchtitan_loom.components.data.pack_tokenizer import TokenizerError, pack_tokenizer
+from torchtitan_loom.components.data import pack_tokenizer as pack_tok
+from torchtitan_loom.components.data.pack_tokenizer import TokenizerError
 from torchtitan_loom.components.tokenizer import Tokenizer
 from torchtitan_loom.protocols import get_train_spec, portable_args
 from torchtitan_loom.tools.export_format import ExportError, find_checkpoint, model_spec, read_export
@@ -59,9 +61,13 @@ def resolve_checkpoint(path: str) -> str:
     if is_export_dir(path):
         return path
     try:
-        return find_checkpoint(path)
+        ckpt = find_checkpoint(path)
     except ExportError as exc:
         raise LoadError(f"checkpoint {exc}") from None
+    note = integrity.unverified_note(ckpt)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+    return ckpt
 
 
 def _build(spec: Any, args: Any, tensors: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
@@ -101,27 +107,40 @@ def _pack_path(config: Any | None) -> Path | None:
 def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
     """The pack's tokenizer, or ``override`` when it matches the pack (components/tokenizer.py)."""
     try:
-        return pack_tokenizer(pack, override, model_vocab, export_dir)
+        return pack_tok.pack_tokenizer(pack, override, model_vocab, export_dir)
+    except TokenizerError as exc:
+        raise LoadError(str(exc)) from None
+
+
+def recorded_tokenizer(pack: Path, recorded: str) -> str:
+    """The tokenizer a pack's metadata names, resolved inside the pack (components/data/pack_tokenizer.py)."""
+    try:
+        return pack_tok.recorded_tokenizer(pack, recorded)
     except TokenizerError as exc:
         raise LoadError(str(exc)) from None
 
 
 def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_tokenizer: bool = True) -> Loaded:
     """Resolve ``path``, rebuild the model in fp32 with capacity off, find config, pack and tokenizer."""
+    from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
 
     ckpt = resolve_checkpoint(path)
     if is_export_dir(ckpt):
-        info, tensors = read_export(ckpt)
+        try:
+            info, tensors = read_export(ckpt)
+        except ExportError as exc:
+            raise LoadError(str(exc)) from None
         config = _read_config(ckpt)
         step = info.get("step")
         export_dir: str | None = ckpt
     else:
-        from torchtitan_loom.components.checkpoint.state import load_full
-
         info = read_model_args(ckpt)
         if info is None:
             raise LoadError(f"checkpoint {ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom load")
-        tensors = load_full(ckpt, prefix="model.")
+        try:
+            tensors = load_full(ckpt, prefix="model.")
+        except CheckpointError as exc:  # a refused pickle (safe_read.py)
+            raise LoadError(f"checkpoint {exc}") from None
         config = _read_config(ckpt)
         step = (layout.read_json(os.path.join(ckpt, "meta.json")) or {}).get("step")
         export_dir = None

@@ -36,6 +36,10 @@ DOCS_PER_TASK = 256     # documents sent to a worker at a time
 PROGRESS_EVERY_S = 2.0  # seconds between progress lines on stderr
 
 
+class PackInputError(ValueError):
+    """Bad input to the packer: main prints its one line and exits 2."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan_loom.tools.pack",
@@ -55,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "a hub name, a builder such as parquet/json with --hf-data-files, or a directory "
                           "written by Dataset.save_to_disk; one document per row, text in --text-field")
     src.add_argument("--hf-config", default=None, metavar="C", help="configuration (subset) of --hf-dataset")
-    src.add_argument("--hf-split", default="train", metavar="S", help="split of --hf-dataset")
+    src.add_argument("--hf-split", default=None, metavar="S",
+                     help="split of --hf-dataset (default: train); a single saved Dataset has none")
     src.add_argument("--hf-data-files", nargs="+", default=None, metavar="FILE",
                      help="data files of a builder --hf-dataset (parquet, json, text, ...)")
     src.add_argument("--streaming", action="store_true",
@@ -91,7 +96,7 @@ def expand(patterns: list[str], flag: str) -> list[Path]:
     for pat in patterns:
         hits = sorted(glob.glob(pat)) if glob.has_magic(pat) else ([pat] if os.path.isfile(pat) else [])
         if not hits:
-            raise SystemExit(f"error: {flag} {pat!r} matches no file")
+            raise PackInputError(f"{flag} {pat!r} matches no file")
         files += [Path(h) for h in hits]
     return files
 
@@ -100,7 +105,7 @@ def _utf8(raw: bytes, path: Path, lineno: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SystemExit(f"error: {path}:{lineno}: not valid UTF-8 (byte {e.start} of the line: "
+        raise PackInputError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the line: "
                          f"{raw[e.start:e.start + 1]!r}); re-encode the file as UTF-8") from None
 
 
@@ -113,10 +118,10 @@ def _jsonl_docs(path: Path, field: str) -> Iterator[str]:
             try:
                 text = json.loads(line)[field]
             except (ValueError, KeyError, TypeError):
-                raise SystemExit(f"error: {path}:{lineno}: not a JSON object with a string field {field!r} "
+                raise PackInputError(f"{path}:{lineno}: not a JSON object with a string field {field!r} "
                                  "(set --text-field to the field holding the text)") from None
             if not isinstance(text, str):
-                raise SystemExit(f"error: {path}:{lineno}: field {field!r} is {type(text).__name__}, expected a string")
+                raise PackInputError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, expected a string")
             yield text
 
 
@@ -139,11 +144,11 @@ def _parquet_docs(path: Path, field: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise SystemExit("error: --parquet needs the optional pyarrow package: "
+        raise PackInputError("--parquet needs the optional pyarrow package: "
                          "pip install torchtitan_loom[data]") from None
     pf = pq.ParquetFile(path)
     if field not in pf.schema_arrow.names:
-        raise SystemExit(f"error: {path}: no column {field!r} (columns: {pf.schema_arrow.names}); set --text-field")
+        raise PackInputError(f"{path}: no column {field!r} (columns: {pf.schema_arrow.names}); set --text-field")
     for g in range(pf.num_row_groups):
         yield from (t for t in pf.read_row_group(g, columns=[field]).column(field).to_pylist() if t is not None)
 
@@ -153,19 +158,29 @@ def open_hf_dataset(args: argparse.Namespace):
     try:
         import datasets
     except ImportError:
-        raise SystemExit("error: --hf-dataset needs the optional datasets package: "
+        raise PackInputError("--hf-dataset needs the optional datasets package: "
                          "pip install 'torchtitan_loom[data]'") from None
-    name = args.hf_dataset
-    if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):  # save_to_disk
+    name, split = args.hf_dataset, args.hf_split or "train"
+    if _saved_dataset(name):
         ds = datasets.load_from_disk(name)
         if isinstance(ds, datasets.DatasetDict):
-            if args.hf_split not in ds:
-                raise SystemExit(f"error: --hf-split {args.hf_split!r} not in {name!r} (splits: {list(ds)})")
-            ds = ds[args.hf_split]
+            if split not in ds:
+                raise PackInputError(f"--hf-split {split!r} not in {name!r} (splits: {list(ds)})")
+            ds = ds[split]
+        elif args.hf_split is not None:
+            raise PackInputError(f"--hf-split {args.hf_split!r}: {name!r} is a single Dataset saved with "
+                                 f"save_to_disk, it has no splits; leave --hf-split out")
         total = len(ds)
         return (ds.to_iterable_dataset() if args.streaming else ds), total
-    ds = datasets.load_dataset(name, args.hf_config, split=args.hf_split, data_files=args.hf_data_files,
-                               streaming=args.streaming)
+    if _looks_like_path(name) and not os.path.exists(name):
+        raise PackInputError(f"--hf-dataset {name!r}: no such directory; pass a folder written by "
+                             f"Dataset.save_to_disk, a hub name (owner/name) or a builder such as parquet")
+    try:
+        ds = datasets.load_dataset(name, args.hf_config, split=split, data_files=args.hf_data_files,
+                                   streaming=args.streaming)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types (not found, offline, bad config)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        raise PackInputError(f"--hf-dataset {name!r}: cannot load it ({type(exc).__name__}: {first})") from None
     if not args.streaming:
         return ds, len(ds)
     splits = getattr(ds.info, "splits", None) or {}
@@ -173,10 +188,21 @@ def open_hf_dataset(args: argparse.Namespace):
     return ds, (known.num_examples or None) if known is not None else None
 
 
+def _saved_dataset(name: str) -> bool:
+    """A folder written by Dataset(Dict).save_to_disk."""
+    return os.path.isdir(name) and any(os.path.isfile(os.path.join(name, f))
+                                       for f in ("dataset_info.json", "dataset_dict.json"))
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a hub name (``owner/name``) or a builder (``parquet``)."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+
+
 def _hf_docs(rows, field: str) -> Iterator[str]:
     for i, row in enumerate(rows):
         if field not in row:
-            raise SystemExit(f"error: --hf-dataset row {i} has no column {field!r} (columns: {list(row)}); "
+            raise PackInputError(f"--hf-dataset row {i} has no column {field!r} (columns: {list(row)}); "
                              "set --text-field")
         if row[field] is not None:
             yield row[field]
@@ -254,9 +280,14 @@ class Progress:
 def run_pack(args: argparse.Namespace) -> Path:
     """Tokenise the inputs and write the pack; returns its directory."""
     if args.out.exists() and not args.force:
-        raise SystemExit(f"error: --out {str(args.out)!r} already exists; pass --force to replace it")
+        raise PackInputError(f"--out {str(args.out)!r} already exists; pass --force to replace it")
+    from torchtitan_loom.config.io_checks import writable_dir_problem
+
+    problem = writable_dir_problem(str(args.out.parent))  # the pack is written next to --out, then renamed
+    if problem:
+        raise PackInputError(f"--out {str(args.out)!r}: its folder {problem}; choose a writable place")
     if args.seq_len < 2 or args.epochs < 1 or args.workers < 1 or args.holdout_tokens < 0:
-        raise SystemExit("error: need --seq-len ≥ 2, --epochs ≥ 1, --workers ≥ 1 and --holdout-tokens ≥ 0")
+        raise PackInputError("need --seq-len ≥ 2, --epochs ≥ 1, --workers ≥ 1 and --holdout-tokens ≥ 0")
     try:
         tok = build_tokenizer(args.tokenizer, args.eos_token)
     except (ValueError, ImportError, OSError):
@@ -265,14 +296,18 @@ def run_pack(args: argparse.Namespace) -> Path:
         raise ValueError(f"--tokenizer {str(args.tokenizer)!r}: cannot load it ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else 'no message'}); pass 'byte' or a valid "
                          f"tokenizer.json (or a directory holding one)") from None
-    info = {"vocab_size": tok.vocab_size, "name_or_path": tok.name_or_path, "eos_token_id": tok.eos_id}
+    # An absolute path: the tools read it back wherever they run (a relative one means relative to the pack).
+    where = tok.name_or_path if tok.name_or_path == "byte" else os.path.abspath(tok.name_or_path)
+    info = {"vocab_size": tok.vocab_size, "name_or_path": where, "eos_token_id": tok.eos_id}
     hf_rows, hf_total = open_hf_dataset(args) if args.hf_dataset else (None, None)
     # The ETA needs every input's document count: known when the HF dataset is the only input.
     only_hf = hf_rows is not None and not (args.jsonl or args.text or args.parquet)
     progress = Progress(hf_total if only_hf else None)
     extra = {"created_by": "torchtitan_loom.tools.pack"}
     if args.hf_dataset:
-        extra["hf_dataset"] = {"name": args.hf_dataset, "config": args.hf_config, "split": args.hf_split}
+        extra["hf_dataset"] = {"name": args.hf_dataset, "config": args.hf_config,
+                               "split": None if _saved_dataset(args.hf_dataset) and args.hf_split is None
+                               else args.hf_split or "train"}
     with PackWriter(args.out, info, args.seq_len, extra_metadata=extra) as w:
         batches = _batches(read_documents(args, hf_rows))
         if args.workers == 1:
@@ -334,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = verify(args.verify)
         except PackError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 1
+            return 2
         for k, v in stats.items():
             print(f"{k}: {v}")
         return 0
@@ -343,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                      "(or use --verify DIR)")
     try:
         out = run_pack(args)
-    except (ValueError, ImportError, FileExistsError) as e:
+    except (ValueError, ImportError, OSError) as e:  # PackInputError, a tokenizer, a write that failed
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

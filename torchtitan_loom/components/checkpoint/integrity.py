@@ -5,8 +5,13 @@ Every file of a checkpoint directory gets a CRC-32 (stdlib ``zlib``, no dependen
 so the ~4 GB of a 329m-preset checkpoint cost roughly 3-8 s on save and again on load) in
 ``CHECKSUMS.json``. Rank 0 writes it after every rank
 finished writing and before the ``COMPLETE`` marker, and the marker records that checksums exist,
-so deleting ``CHECKSUMS.json`` is detected too. A checkpoint written before checksums existed (its
-marker does not name them) is loaded unverified.
+so deleting ``CHECKSUMS.json`` is detected too.
+
+The marker carries the checkpoint format (``FORMAT``). Format 1, written before checksums existed
+(a marker with neither "format" nor "checksums", and no ``CHECKSUMS.json``), is the only one
+loaded unverified, with a warning (``unverified_note``). A marker of a later format, or one next
+to a ``CHECKSUMS.json``, that names no checksum list is refused: the checksums were lost, not
+never written.
 
 ``verify(path)`` returns None or one line naming the file that fails. ``quick=True`` checks the
 presence and size of every file and the CRC of the small ones only (config validation uses it,
@@ -21,6 +26,7 @@ import zlib
 from typing import Any
 
 CHECKSUMS = "CHECKSUMS.json"
+FORMAT = 2  # of the COMPLETE marker: 1 = before checksums, 2 = CHECKSUMS.json required
 MARKER = "COMPLETE"  # layout.MARKER (not imported: layout imports nothing torch-side either way)
 _CHUNK = 8 << 20
 _QUICK_MAX_BYTES = 1 << 20
@@ -51,24 +57,51 @@ def write_checksums(root: str) -> dict[str, Any]:
     files = {rel: {"size": os.path.getsize(os.path.join(root, rel)),
                    "crc32": f"{crc32_file(os.path.join(root, rel)):08x}"} for rel in _files(root)}
     payload = {"algorithm": "crc32", "files": files}
-    tmp = os.path.join(root, CHECKSUMS + ".partial")
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(root, CHECKSUMS))
+    from torchtitan_loom.components.safe_files import atomic_write
+
+    atomic_write(os.path.join(root, CHECKSUMS), json.dumps(payload, indent=1, sort_keys=True))
     return payload
 
 
-def verify(root: str, quick: bool = False) -> str | None:
-    """None when the checkpoint at ``root`` matches its checksums, else one line naming the file."""
+def _marker(root: str) -> tuple[dict | None, str | None]:
     try:
         with open(os.path.join(root, MARKER)) as fh:
             marker = json.load(fh)
     except (OSError, ValueError) as exc:
-        return f"{os.path.join(root, MARKER)}: unreadable completion marker ({type(exc).__name__})"
-    if not isinstance(marker, dict) or not marker.get("checksums"):
-        return None  # written before checksums existed: loaded unverified
+        return None, f"{os.path.join(root, MARKER)}: unreadable completion marker ({type(exc).__name__})"
+    if not isinstance(marker, dict):
+        return None, f"{os.path.join(root, MARKER)}: completion marker is not a JSON object"
+    return marker, None
+
+
+def _is_format_1(root: str, marker: dict) -> bool:
+    """Written before checksums existed (the one format loaded unverified)."""
+    return ("format" not in marker and not marker.get("checksums")
+            and not os.path.lexists(os.path.join(root, CHECKSUMS)))
+
+
+def unverified_note(root: str) -> str | None:
+    """One warning line when the checkpoint at ``root`` is of format 1 (no checksums), else None."""
+    marker, _ = _marker(root)
+    if marker is None or not _is_format_1(root, marker):
+        return None
+    return f"checkpoint {root} predates checksums (format 1): loaded unverified"
+
+
+def verify(root: str, quick: bool = False) -> str | None:
+    """None when the checkpoint at ``root`` matches its checksums, else one line naming the file."""
+    marker, problem = _marker(root)
+    if marker is None:
+        return problem
+    if _is_format_1(root, marker):
+        return None  # before checksums: loaded unverified (unverified_note warns)
+    fmt = marker.get("format", 2)  # markers of format 2 written before the field existed have none
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or not 2 <= fmt <= FORMAT:
+        return (f"{os.path.join(root, MARKER)}: checkpoint format {fmt!r} is not one this version reads "
+                f"(1..{FORMAT}; a newer torchtitan_loom wrote it?)")
+    if not marker.get("checksums"):
+        return (f"{os.path.join(root, MARKER)}: a format-{fmt} checkpoint whose marker names no checksum list; "
+                f"refused (only format-1 checkpoints, written before checksums existed, load unverified)")
     sums_path = os.path.join(root, CHECKSUMS)
     try:
         with open(sums_path) as fh:
@@ -76,6 +109,8 @@ def verify(root: str, quick: bool = False) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{sums_path}: missing or unreadable checksum list ({type(exc).__name__})"
     for rel, want in sorted(files.items()):
+        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            return f"{sums_path}: names {rel!r}, a file outside the checkpoint directory"
         path = os.path.join(root, rel)
         if not os.path.isfile(path):
             return f"{path}: file missing"

@@ -28,6 +28,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+from torchtitan_loom.components import safe_files
 from torchtitan_loom.components.checkpoint import integrity
 
 MARKER = "COMPLETE"
@@ -53,10 +54,13 @@ class Entry:
 
 @dataclass
 class Scan:
-    """Complete checkpoints (oldest first) and directories that must not be loaded."""
+    """Complete checkpoints (oldest first) and directories that must not be loaded. A checkpoint
+    name that is a symbolic link is in none of them (never loaded, pruned or moved), only in
+    ``links``."""
 
     complete: list[Entry] = field(default_factory=list)
     incomplete: list[Entry] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
 
     def newest(self) -> Entry | None:
         """The complete checkpoint of the highest step (None when there is none)."""
@@ -102,9 +106,13 @@ def scan(root: str) -> Scan:
             continue
         for name in os.listdir(base):
             path = os.path.join(base, name)
+            m, t = _STEP_RE.match(name), _TMP_RE.match(name)
+            if os.path.islink(path):
+                if m or t or name.startswith(TMP_PREFIX):
+                    result.links.append(path)
+                continue
             if not os.path.isdir(path):
                 continue
-            m, t = _STEP_RE.match(name), _TMP_RE.match(name)
             if m:
                 entry = Entry(int(m.group(1)), kind, path)
                 (result.complete if is_complete(path) else result.incomplete).append(entry)
@@ -135,14 +143,19 @@ def read_json(path: str) -> dict | None:
 
 
 def write_json(path: str, payload: dict) -> None:
-    """Write JSON atomically (temp file, fsync, rename)."""
-    tmp = path + ".partial"
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write JSON atomically (temp file, fsync, rename), never through a link (safe_files.py)."""
+    safe_files.atomic_write(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def planted_links(root: str) -> list[str]:
+    """Symbolic links where the checkpoint code writes, renames or removes under ``root``: its
+    index files, snapshots/ and abandoned/, and any step-N / .tmp-* name (a launch refuses them)."""
+    names = [INDEX, INDEX + ".partial", LAYOUT_MD, LAYOUT_MD + ".partial", SNAPSHOT_DIR, ABANDONED]
+    found = safe_files.planted_links(root, names) if os.path.isdir(root) else []
+    abandoned = os.path.join(root, ABANDONED)
+    if os.path.isdir(abandoned) and not os.path.islink(abandoned):
+        found += safe_files.planted_links(abandoned, [SNAPSHOT_DIR])
+    return found + scan(root).links
 
 
 def _fsync_dir(path: str) -> None:
@@ -166,12 +179,14 @@ def commit(tmp: str, final: str, marker: dict, checksum: bool = True) -> None:
     """
     if checksum:
         integrity.write_checksums(tmp)
-    write_json(os.path.join(tmp, MARKER), dict(marker, checksums=integrity.CHECKSUMS))
+    write_json(os.path.join(tmp, MARKER), dict(marker, checksums=integrity.CHECKSUMS, format=integrity.FORMAT))
     _fsync_dir(tmp)
+    owner = os.path.dirname(final)
+    safe_files.real_dir(tmp, owner)
     trash = None
-    if os.path.exists(final):  # e.g. a run resumed from an earlier step reaches this step again
-        trash = os.path.join(os.path.dirname(final), f"{TMP_PREFIX}trash-{os.path.basename(final)}-{os.getpid()}")
-        os.rename(final, trash)
+    if os.path.lexists(final):  # e.g. a run resumed from an earlier step reaches this step again
+        trash = os.path.join(owner, f"{TMP_PREFIX}trash-{os.path.basename(final)}-{os.getpid()}")
+        os.rename(safe_files.real_dir(final, owner), trash)
     os.rename(tmp, final)
     _fsync_dir(os.path.dirname(final))
     if trash:
@@ -181,8 +196,7 @@ def commit(tmp: str, final: str, marker: dict, checksum: bool = True) -> None:
 def clone(src: str, tmp: str, final: str, marker: dict) -> None:
     """Commit a copy of the complete checkpoint ``src`` at ``final`` (hard links where possible:
     DCP files are never modified after their save, and a link survives pruning of ``src``)."""
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
+    safe_files.remove_dir(tmp, os.path.dirname(tmp))
     os.makedirs(tmp)
     for name in os.listdir(src):
         if name in (MARKER, KEEP):
@@ -214,9 +228,14 @@ def prune(root: str, keep_latest_k: int, snapshot_keep: int, keep_paths: set[str
     if newest is not None:
         doomed += [e.path for e in found.incomplete
                    if os.path.basename(e.path).startswith(TMP_PREFIX) and e.step < newest.step]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
+    deleted = []
+    for path in doomed:  # links are never in a scan; only what was really removed is reported
+        try:
+            safe_files.remove_dir(path, os.path.dirname(path))
+        except OSError:
+            continue
+        deleted.append(path)
+    return deleted
 
 
 def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
@@ -263,15 +282,16 @@ def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
     lines += [f"| {e.step} | {e.kind} | `{rel(e)}` |" for e in found.complete]
     if found.incomplete:
         lines += ["", "Incomplete (ignored): " + ", ".join(f"`{rel(e)}`" for e in found.incomplete)]
-    tmp = os.path.join(root, LAYOUT_MD + ".partial")
-    with open(tmp, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    os.replace(tmp, os.path.join(root, LAYOUT_MD))
+    safe_files.atomic_write(os.path.join(root, LAYOUT_MD), "\n".join(lines) + "\n")
 
 
 def mark_keep(path: str) -> None:
     """Protect a checkpoint from pruning (the last one saved before a divergence)."""
-    with open(os.path.join(path, KEEP), "w") as fh:
+    try:
+        fd = safe_files.create_new(os.path.join(path, KEEP))
+    except FileExistsError:  # already kept (a link there is refused by create_new)
+        return
+    with os.fdopen(fd, "w") as fh:
         fh.write("kept: the newest checkpoint saved before the first skipped step of a divergence\n")
 
 
@@ -286,11 +306,12 @@ def abandon_newer(root: str, step: int) -> list[str]:
             continue
         base = os.path.join(root, ABANDONED, SNAPSHOT_DIR) if e.kind == "snapshot" else os.path.join(root, ABANDONED)
         os.makedirs(base, exist_ok=True)
+        safe_files.real_dir(base, root)  # abandoned/ (or its snapshots/) planted as a link: refused
         dest, k = os.path.join(base, step_name(e.step)), 1
-        while os.path.exists(dest):  # abandoned twice: keep both
+        while os.path.lexists(dest):  # abandoned twice: keep both
             k += 1
             dest = os.path.join(base, f"{step_name(e.step)}-{k}")
-        os.rename(e.path, dest)
+        os.rename(safe_files.real_dir(e.path, root), dest)
         moved.append(os.path.relpath(e.path, root))
     return moved
 

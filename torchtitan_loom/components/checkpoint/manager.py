@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -42,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from torchtitan_loom.components import safe_files
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 
@@ -118,8 +118,7 @@ class CheckpointManager:
 
     def _write_sidecars(self, tmp: str, step: int) -> None:
         """Rank 0: the human/tool-readable files next to the DCP data."""
-        with open(os.path.join(tmp, "config.toml"), "w") as fh:
-            fh.write(self.config_toml)
+        safe_files.atomic_write(os.path.join(tmp, "config.toml"), self.config_toml)
         layout.write_json(os.path.join(tmp, resolve.MODEL_ARGS_FILE),
                           {"name": self.model_name, "flavor": self.flavor,
                            "args": dataclasses.asdict(self.model_args)})
@@ -174,10 +173,15 @@ class CheckpointManager:
 
     def _failed(self, step: int, tmp: str, exc: BaseException) -> None:
         """A save failed: remove its temporary directory and raise CheckpointSaveError when the
-        disk was full (else re-raise)."""
+        disk was full, CheckpointError when a planted link was refused (else re-raise)."""
+        if isinstance(exc, safe_files.UnsafePathError):
+            raise ckstate.CheckpointError(f"checkpoint step {step} not saved: {exc}") from None
         reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                safe_files.remove_dir(tmp, self.root)
+            except OSError:
+                pass  # a link or an unremovable directory: a .tmp- name is never loaded
         if reason is None:
             raise exc
         raise ckstate.CheckpointSaveError(f"checkpoint step {step} not saved: {reason}; the previous "
@@ -185,8 +189,7 @@ class CheckpointManager:
 
     def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
         if self.rank == 0:
-            if os.path.exists(tmp):  # left by a save of this step that died
-                shutil.rmtree(tmp)
+            safe_files.remove_dir(tmp, self.root)  # left by a save of this step that died
             os.makedirs(tmp)
             self._write_sidecars(tmp, step)
         self._barrier()  # the directory exists (and is clean) before any rank writes into it
@@ -343,8 +346,7 @@ class CheckpointManager:
 
     def _load_model_only(self, path: str) -> None:
         sd = {"model": ckstate.model_state(self.model)}
-        with ckstate.single_process_quiet():
-            dcp.load(sd, checkpoint_id=path, no_dist=not self._distributed)
+        ckstate.dcp_load(sd, path, no_dist=not self._distributed)
         ckstate.set_model_state(self.model, sd["model"])
 
     def _load_full(self, path: str, meta: dict[str, Any]) -> None:
@@ -359,8 +361,7 @@ class CheckpointManager:
                 raise ckstate.CheckpointError(f"checkpoint {path} holds no '{name}' state")
             sd[name] = tmpl
         sd["rng"] = {k: v for k, v in ckstate.rng_state(self.device).items() if f"rng.{k}" in keys}
-        with ckstate.single_process_quiet():
-            dcp.load(sd, checkpoint_id=path, no_dist=not self._distributed)
+        ckstate.dcp_load(sd, path, no_dist=not self._distributed)
         ckstate.set_model_state(self.model, sd["model"])
         opt.apply(sd["optimizer"])
         for name, obj in self.states.items():

@@ -36,8 +36,9 @@ def checkpoint_root(dump_folder: str, folder: str) -> str:
 def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "full",
            exclude: frozenset[str] = frozenset()) -> tuple[LoadChoice | None, layout.Scan, list[str]]:
     """The checkpoint to load (or None), the scan it came from, and one warning line per newer
-    complete checkpoint that was skipped because it failed verification (integrity.verify;
-    ``verify`` = "full", "quick" or "none") or is in ``exclude`` (refused after loading).
+    complete checkpoint that was skipped because it failed verification (checkpoint_problem;
+    ``verify`` = "full", "quick" or "none") or is in ``exclude`` (refused after loading), plus one
+    when the chosen checkpoint predates checksums.
 
     Raises ValueError with a user-facing message when ``load_step`` or ``initial_load_path`` point
     at nothing usable, or when the explicitly requested ``load_step`` fails verification."""
@@ -46,9 +47,7 @@ def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "
     def problem(entry: layout.Entry) -> str | None:
         if entry.path in exclude:
             return f"{entry.path}: refused after loading (non-finite weights)"
-        if verify == "none":
-            return None
-        return integrity.verify(entry.path, quick=verify == "quick")
+        return None if verify == "none" else checkpoint_problem(entry.path, quick=verify == "quick")
 
     if load_step >= 0:
         entry = found.find(load_step)
@@ -62,20 +61,37 @@ def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "
         if bad:
             raise ValueError(f"checkpoint.load_step = {load_step}: checkpoint is corrupt: {bad}; choose "
                              f"another step or -1 (the newest checkpoint that verifies)")
-        return LoadChoice(entry.path, entry.step, model_only=False), found, []
+        return LoadChoice(entry.path, entry.step, model_only=False), found, _notes(entry.path, [], verify)
     skipped: list[str] = []
     for entry in reversed(found.complete):
         bad = problem(entry)
         if bad is None:
-            return LoadChoice(entry.path, entry.step, model_only=False), found, skipped
+            return LoadChoice(entry.path, entry.step, model_only=False), found, _notes(entry.path, skipped, verify)
         skipped.append(f"skipping corrupt checkpoint {entry.path}: {bad}")
     if initial_load_path:
         path = warm_start_dir(initial_load_path)
-        bad = None if verify == "none" else integrity.verify(path, quick=verify == "quick")
+        bad = None if verify == "none" else checkpoint_problem(path, quick=verify == "quick")
         if bad:
             raise ValueError(f"checkpoint.initial_load_path = '{initial_load_path}': checkpoint is corrupt: {bad}")
-        return LoadChoice(path, None, model_only=True), found, skipped
+        return LoadChoice(path, None, model_only=True), found, _notes(path, skipped, verify)
     return None, found, skipped
+
+
+def _notes(path: str, lines: list[str], verify: str) -> list[str]:
+    """``lines`` plus the warning that the chosen checkpoint predates checksums (format 1)."""
+    note = integrity.unverified_note(path) if verify != "none" else None
+    return lines + [note] if note else lines
+
+
+def checkpoint_problem(path: str, quick: bool = False) -> str | None:
+    """None when the checkpoint at ``path`` matches its checksums and its DCP metadata is plain
+    data (safe_read.py), else one line naming the file that fails."""
+    bad = integrity.verify(path, quick=quick)
+    if bad is None and os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
+        from torchtitan_loom.components.checkpoint import safe_read  # torch-side; only with a checkpoint
+
+        bad = safe_read.metadata_problem(path)
+    return bad
 
 
 def warm_start_dir(path: str) -> str:

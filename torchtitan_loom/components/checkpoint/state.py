@@ -20,7 +20,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -30,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from torchtitan_loom.components.checkpoint import safe_read
 
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # Model args that may change between save and resume whatever the model: the init seed (irrelevant
@@ -136,8 +137,19 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------------------- metadata
 def read_metadata(path: str) -> dict[str, Any]:
-    """DCP's per-key metadata (TensorStorageMetadata with the global size, or bytes)."""
-    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    """DCP's per-key metadata (TensorStorageMetadata with the global size, or bytes), read through
+    the allow-list of safe_read.py (UnsafeCheckpoint for a file that is not plain DCP metadata)."""
+    return safe_read.read_metadata_file(path).state_dict_metadata
+
+
+def dcp_load(sd: dict[str, Any], path: str, no_dist: bool) -> None:
+    """Fill ``sd`` from the checkpoint at ``path`` without running code from it (safe_read.py);
+    a refused file raises CheckpointError naming it."""
+    try:
+        with single_process_quiet():
+            safe_read.load(sd, path, no_dist=no_dist)
+    except safe_read.UnsafeCheckpoint as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def tensor_shapes(meta: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
@@ -183,6 +195,5 @@ def load_full(path: str, prefix: str = "") -> dict[str, Any]:
             sd[key] = None  # bytes entries are replaced by their unpickled value
     if not sd:
         raise CheckpointError(f"{path}: no entries under {prefix!r} in this checkpoint")
-    with single_process_quiet():
-        dcp.load(sd, checkpoint_id=path, no_dist=True)
+    dcp_load(sd, path, no_dist=True)
     return {k[len(prefix):]: v for k, v in sd.items()}

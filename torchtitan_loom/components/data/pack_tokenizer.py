@@ -3,6 +3,7 @@ and the inference tools load the same one)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,19 @@ def pack_tokenizer_info(pack: Path) -> dict[str, Any]:
         raise TokenizerError(str(exc)) from None
 
 
+def recorded_tokenizer(pack: Path, recorded: str) -> str:
+    """The tokenizer a pack's metadata names: 'byte', an absolute path, or a path relative to the
+    pack folder (never to the current directory) that stays inside it (TokenizerError otherwise)."""
+    if recorded == "byte" or os.path.isabs(recorded):
+        return recorded
+    path = pack / recorded
+    inside = os.path.realpath(pack)
+    if os.path.commonpath([os.path.realpath(path), inside]) != inside:
+        raise TokenizerError(f"the pack {pack} records the tokenizer {recorded!r}, which resolves outside the pack; "
+                        f"pass --tokenizer (the tokenizer.json the pack was written with)")
+    return str(path)
+
+
 def pack_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
     """The pack's tokenizer, or ``override`` when it matches the pack (same name and vocab)."""
     info = pack_tokenizer_info(pack) if pack is not None and (Path(pack) / "metadata.json").is_file() else None
@@ -31,7 +45,7 @@ def pack_tokenizer(pack: Path | None, override: str | None, model_vocab: int, ex
         if override is not None and not same_tokenizer_name(override, recorded):
             raise TokenizerError(f"--tokenizer {override!r} does not match the pack {pack}, which was tokenised "
                             f"with {recorded!r}; pass that tokenizer or leave --tokenizer unset")
-        name = override or recorded
+        name = override or recorded_tokenizer(Path(pack), recorded)
         if name != "byte" and not Path(name).exists() and export_dir and Path(export_dir, "tokenizer.json").is_file():
             name = export_dir  # the pack's HF tokenizer moved; the export carries a copy
     elif name is None and export_dir and Path(export_dir, "tokenizer.json").is_file():

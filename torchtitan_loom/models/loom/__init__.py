@@ -4,7 +4,8 @@ import torch
 
 from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
 from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
-from torchtitan_loom.models.loom.infra.checks import config_errors
+from torchtitan_loom.models.loom.cost import loom_cost
+from torchtitan_loom.models.loom.infra.checks import config_errors, layout_errors
 from torchtitan_loom.models.loom.infra.parallelize import parallelize_loom
 from torchtitan_loom.models.loom.model import LoomTransformer
 from torchtitan_loom.models.loom.moe import RoutedExperts, moe_gemm_fallbacks
@@ -52,10 +53,9 @@ register_train_spec(
         kernel_report_fn=kernel_report, arg_choices=FIELD_CHOICES,
         # Same math, or tunables a user may adjust mid-run.
         relaunch_tunable=("attn_backend", "moe_impl", "capacity_factor", "load_balance_bias_lr", "router_z_loss_coef"),
-        config_errors_fn=config_errors, num_experts_fn=lambda args: args.num_routed_experts,
-        # Routers stay out of FSDP (replicated); routed experts split over ep (infra/parallelize.py).
-        sharding=Sharding(replicated=(".routers.",), expert_parallel=(".experts.",), repeated_unit=r"^layers\.(\d+)\.",
-                          unit_name="layer"),
+        config_errors_fn=config_errors, layout_errors_fn=layout_errors,
+        num_experts_fn=lambda args: args.num_routed_experts,
+        sharding=Sharding(repeated_unit=r"^layers\.(\d+)\.", unit_name="layer"), cost_fn=loom_cost,
         # LOOM_SPEC §14: the per-loop routers (Parameters, listed so the rule is explicit), the embedding, the head.
         float8_never_convert=("routers", "tok_embeddings", "output"), float8_expert_cls=RoutedExperts,
         portable_args_fn=portable_args),

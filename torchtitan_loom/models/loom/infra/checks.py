@@ -1,6 +1,7 @@
-"""LOOM's own config rules, run by config/validate.py before any process group exists (the spec's
-``config_errors_fn``): what its attention backend needs installed, and how FSDP may split its
-routed experts under expert parallelism."""
+"""LOOM's own config rules, run by config/validate.py before any process group exists: what its
+attention backend needs installed (the spec's ``config_errors_fn``), and how FSDP may split its
+routed experts under expert parallelism (``layout_errors_fn``, also asked of every layout the dry
+run's estimate considers)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ from torchtitan_loom.models.loom.args import LoomModelArgs
 
 def config_errors(cfg: Any, args: LoomModelArgs, dims: Any) -> list[str]:
     """One line per problem of this LOOM model with this config (``dims`` None: degrees invalid)."""
-    errors = []
     if args.attn_backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        errors.append("model.attn_backend = 'flash_attn': the flash-attn package is not installed "
-                      "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'")
-    if dims is None or dims.ep == 1:
+        return ["model.attn_backend = 'flash_attn': the flash-attn package is not installed "
+                "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'"]
+    return []
+
+
+def layout_errors(args: LoomModelArgs, dims: Any) -> list[str]:
+    """One line per problem of this LOOM model laid out as ``dims`` (ParallelDims)."""
+    errors: list[str] = []
+    if dims.ep == 1:
         return errors
     # Fewer routed experts than FSDP ranks: FSDP shards each expert's rows (Shard(1)), which must be even.
     ep, efsdp = dims.ep, dims.dp_shard_mod_ep

@@ -90,6 +90,16 @@ class ExpertParallelExperts(nn.Module):
         return funcol.all_to_all_single_autograd(y_RD[back_R].contiguous(), send_splits, recv_splits, group)
 
 
+def all_to_alls_per_call(rows: int, dim: int, experts: int, row_bytes: int, recompute: bool) -> list[tuple[str, int]]:
+    """(what, bytes passed) of every all-to-all one MoE call makes on a rank: the counts exchange, the
+    dispatch and the combine in forward (again when activation checkpointing recomputes the call), and
+    the two row transfers of backward. `rows` = rows this rank dispatches; the rows it receives vary
+    with the routing and match `rows` on average (summed over the ranks they are equal)."""
+    forward = [("counts", experts * 8), ("dispatch", rows * dim * row_bytes), ("combine", rows * dim * row_bytes)]
+    backward = [("combine backward", rows * dim * row_bytes), ("dispatch backward", rows * dim * row_bytes)]
+    return forward * (2 if recompute else 1) + backward
+
+
 def _split_sizes(counts_E: torch.Tensor, recv_WL: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     """(send splits [W], receive splits [W], local group sizes [L]) from ONE device-to-host copy."""
     W, L = recv_WL.shape

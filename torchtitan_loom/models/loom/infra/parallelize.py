@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES, RESHARD_AFTER_FORWARD, reduce_gradients
-from torchtitan_loom.protocols import Parallelized
+from torchtitan_loom.protocols import FsdpUnit, Parallelized
 
 
 def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> Parallelized:
@@ -102,6 +102,25 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, *, param_dtype: to
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_units(model: nn.Module, parallel_dims: ParallelDims) -> list[FsdpUnit]:
+    """The units apply_fsdp builds, with the shapes each shards (read by the dry run's estimate;
+    works on a meta-device model before any parallelism is applied)."""
+    units = []
+    ep = parallel_dims.ep if parallel_dims.ep_enabled else 1
+    for l, layer in enumerate(model.layers):
+        experts = [(f"layers.{l}.moe.{n}", p) for n, p in layer.moe.experts.named_parameters()]
+        dense = [(n, p) for n, p in layer.named_parameters(prefix=f"layers.{l}") if ".routers." not in n]
+        if ep > 1:
+            local = tuple((p.shape[0] // ep, *p.shape[1:]) for _, p in experts)
+            shard_dim = 0 if local[0][0] >= parallel_dims.dp_shard_mod_ep else 1
+            units.append(FsdpUnit(f"layers.{l}.moe.experts", local, "efsdp", shard_dim))
+            dense = [(n, p) for n, p in dense if ".moe.experts." not in n]
+        units.append(FsdpUnit(f"layers.{l}", tuple(tuple(p.shape) for _, p in dense), "fsdp", 0))
+    for name in ("tok_embeddings", "output"):
+        units.append(FsdpUnit(name, (tuple(getattr(model, name).weight.shape),), "fsdp", 0))
+    return units
 
 
 def replicate_routers(model: nn.Module, dp_mesh: Any) -> set[nn.Parameter]:

@@ -1,0 +1,167 @@
+"""Reading a DCP checkpoint without running code from it.
+
+torch.distributed.checkpoint keeps two pickles: ``.metadata`` (read with a bare ``pickle.load``)
+and every non-tensor entry in the ``.distcp`` files (read with ``torch.load(weights_only=False)``
+by its default planner). A pickle can call any importable function, so either would run whatever
+a planted file asks for. Every read of a checkpoint in this project goes through here instead:
+
+    SafeReader    a FileSystemReader whose ``.metadata`` is unpickled by an allow-list of DCP's own
+                  metadata types (plus torch.Size, dtypes, layouts and pathlib paths), then checked
+                  field by field: data files are plain names inside the checkpoint directory
+    SafePlanner   a DefaultLoadPlanner whose non-tensor entries load with ``weights_only=True``
+                  (containers of numbers, strings, tensors; nothing callable)
+
+A file that asks for anything else raises ``UnsafeCheckpoint``: the resume treats it like a
+corrupt checkpoint (skipped, with one warning), the tools print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+METADATA = ".metadata"
+# What DCP's own .metadata pickles name; each is safe to construct from any arguments.
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "StorageMeta", "ChunkStorageMetadata", "MetadataIndex",
+                                              "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},  # dtypes, layouts and memory formats: checked by type in find_class
+    "torch.serialization": {"_get_layout"},  # a lookup in torch's own layouts by name
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+    "collections": {"OrderedDict"},
+}
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file that is not plain data: it names code, or data outside its directory."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, fh: Any, path: str) -> None:
+        super().__init__(fh)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+            return getattr(torch, name)
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"{self.path}: refused: it asks for {module}.{name}, which is not one of DCP's "
+                               f"metadata types (a checkpoint holds data only, never code)")
+
+
+def _check_fields(md: Any, path: str) -> None:
+    """Every field has the type DCP writes, and every data file is a plain name in the directory."""
+
+    def bad(what: str) -> UnsafeCheckpoint:
+        return UnsafeCheckpoint(f"{path}: refused: {what} (not a file written by torch.distributed.checkpoint)")
+
+    if not isinstance(md, dcp_meta.Metadata):
+        raise bad(f"holds a {type(md).__name__}, not DCP Metadata")
+    if not isinstance(md.state_dict_metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, (dcp_meta.TensorStorageMetadata, dcp_meta.BytesStorageMetadata))
+            for k, v in md.state_dict_metadata.items()):
+        raise bad("an entry of state_dict_metadata is not tensor or bytes metadata")
+    if not isinstance(md.storage_data, dict):
+        raise bad("storage_data is not a mapping")
+    for key, info in md.storage_data.items():
+        if not isinstance(key, dcp_meta.MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad("an entry of storage_data is not a MetadataIndex → _StorageInfo pair")
+        rel = info.relative_path
+        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", "..") or "\\" in rel:
+            raise bad(f"data file {rel!r} is not a plain file name inside the checkpoint directory")
+
+
+def read_metadata_file(path: str) -> dcp_meta.Metadata:
+    """The checkpoint's DCP Metadata, unpickled through the allow-list (UnsafeCheckpoint otherwise)."""
+    file = os.path.join(path, METADATA)
+    with open(file, "rb") as fh:
+        try:
+            md = _MetadataUnpickler(fh, file).load()
+        except UnsafeCheckpoint:
+            raise
+        except Exception as exc:  # a damaged pickle raises anything unpickling does
+            raise UnsafeCheckpoint(f"{file}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from None
+    _check_fields(md, file)
+    return md
+
+
+def metadata_problem(path: str) -> str | None:
+    """None when ``path``'s .metadata is plain DCP metadata, else one line saying why not."""
+    try:
+        read_metadata_file(path)
+    except OSError as exc:
+        return f"{os.path.join(path, METADATA)}: unreadable ({exc.strerror or exc})"
+    except UnsafeCheckpoint as exc:
+        return str(exc)
+    return None
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata comes through the allow-list (see module doc)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
+        if kwargs.get("rank") is not None:  # rank-local metadata: never written by this project
+            raise UnsafeCheckpoint(f"{self.path}: per-rank metadata is not supported")
+        md = read_metadata_file(str(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_meta.StorageMeta()
+        md.storage_meta.load_id = getattr(self, "load_id", None)
+        return md
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries load with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn!r} refused: not plain data ({first})") from None
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _refusal(exc: BaseException) -> UnsafeCheckpoint | None:
+    """The UnsafeCheckpoint inside a DCP failure (DCP wraps a rank's error in CheckpointException)."""
+    if isinstance(exc, UnsafeCheckpoint):
+        return exc
+    if isinstance(exc, CheckpointException):
+        for err in getattr(exc, "failures", {}).values():
+            err = err[0] if isinstance(err, tuple) and err else err  # (exception, traceback) per rank
+            found = _refusal(err) if isinstance(err, BaseException) else None
+            if found is not None:
+                return found
+    cause = exc.__cause__ or exc.__context__
+    return _refusal(cause) if cause is not None else None
+
+
+def load(state_dict: dict[str, Any], path: str, no_dist: bool) -> None:
+    """``dcp.load`` of ``path`` into ``state_dict`` in place, through SafeReader and SafePlanner.
+    Raises UnsafeCheckpoint (one line naming the checkpoint) when a file is not plain data."""
+    try:
+        dcp.load(state_dict, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:
+        refused = _refusal(exc)
+        if refused is None:
+            raise
+        msg = str(refused)
+        raise UnsafeCheckpoint(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None

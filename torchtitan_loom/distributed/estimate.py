@@ -1,0 +1,203 @@
+"""The dry run's cost estimate: per-rank memory, communication per step, FLOPs, and a roofline step
+time and MFU, for any layout of any world size, plus the fastest layout that fits in memory.
+
+Model-specific numbers (FSDP units, FLOPs and activation bytes per segment) come from the spec's
+``cost_fn``; the collectives from ``comm_plan.predict``. The roofline, with every assumption under
+``[estimate]`` and printed with the result:
+
+  compute    (model FLOPs + recompute FLOPs) / (peak_tflops × achievable_fraction)
+  collective calls × (latency_us + bus bytes / bandwidth), bus bytes = bytes × (n−1)/n for
+             all-gather, reduce-scatter and all-to-all, × 2(n−1)/n for all-reduce (ring); bandwidth
+             intra_node_gbps when the group's ranks lie in one node of gpus_per_node, else
+             inter_node_gbps
+  step       max(compute, FSDP collectives) + the rest: FSDP prefetches its gathers and reduces
+             behind the compute, while the expert all-to-alls, the replicated-parameter and step-statistic
+             all-reduces sit on the critical path
+  MFU        model FLOPs / (step × peak_tflops)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from typing import Any, NamedTuple
+
+from torchtitan_loom.distributed import comm_plan
+from torchtitan_loom.distributed.comm_plan import Collective
+from torchtitan_loom.distributed.parallel_dims import ParallelDims
+from torchtitan_loom.distributed.utils import DTYPES
+from torchtitan_loom.protocols import get_train_spec, segments
+
+_GIB = float(1 << 30)
+_MIB = float(1 << 20)
+_OVERLAPPED = ("all_gather", "reduce_scatter")
+
+
+class Estimate(NamedTuple):
+    memory: dict[str, float]
+    """Per-rank bytes by part (see MEMORY_PARTS); "total" is their sum."""
+    collectives: list[Collective]
+    flops: float
+    """Model FLOPs per step on one rank."""
+    recompute_flops: float
+    compute_s: float
+    overlapped_s: float
+    exposed_s: float
+    step_s: float
+    mfu: float
+    """Percent."""
+
+
+def seconds(c: Collective, hw: Any) -> float:
+    """Roofline time of all calls of one collective in a step."""
+    factor = (c.size - 1) / c.size * (2 if c.kind == "all_reduce" else 1)
+    bandwidth = (hw.intra_node_gbps if c.span <= hw.gpus_per_node else hw.inter_node_gbps) * 1e9
+    return c.calls * (hw.latency_us * 1e-6 + c.nbytes * factor / bandwidth)
+
+
+def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) -> Estimate:
+    """The estimate of `cfg` on `dims` (cost: the spec's ModelCost, built when not given)."""
+    cost = cost or get_train_spec(cfg.model.name).cost_fn(model_args, dims, cfg)
+    t, hw = cfg.training, cfg.estimate
+    pb, rb = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
+    micro = t.global_batch_size // dims.dp // t.micro_batch_size
+    segs = [cost.segment(a, b) for a, b in segments(model_args.num_loops, t.bp_segment_len)]
+    if dims.fsdp_enabled:
+        gathered = [comm_plan.padded_numel(u, comm_plan.shard_degree(u, dims)) for u in cost.units]
+        local = sum(g // comm_plan.shard_degree(u, dims) for g, u in zip(gathered, cost.units))
+        local += comm_plan.replicated_numel(cost, dims)
+        keep_all = cfg.parallelism.fsdp_reshard_after_forward != "always"
+        gathered_bytes = pb * (sum(gathered) if keep_all else 2 * max(gathered))
+        per_segment_sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch") == "segment"
+        unsharded_grads = rb * sum(gathered) if per_segment_sync else 0
+    else:
+        local, gathered_bytes, unsharded_grads = cost.total_params, 0, 0
+    memory = {
+        "parameters (fp32)": 4.0 * local,
+        "gradients (fp32)": 4.0 * local,
+        "AdamW moments": 8.0 * local,
+        "gathered parameters": float(gathered_bytes),
+        "unsharded gradient accumulation": float(unsharded_grads),
+        f"activations of one micro-batch ({cfg.activation_checkpoint.mode})": float(max(s.activation_bytes
+                                                                                       for s in segs)),
+        "logits and their gradient": float(segs[0].logits_bytes),
+        f"carries of {micro} micro-batches": float(micro * segs[0].carry_bytes),
+    }
+    memory["total"] = sum(memory.values())
+    collectives = comm_plan.predict(cfg, cost, dims, model_args.num_loops)
+    flops = micro * sum(s.flops for s in segs)
+    recompute = micro * sum(s.recompute_flops for s in segs)
+    compute_s = (flops + recompute) / (hw.peak_tflops * 1e12 * hw.achievable_fraction)
+    overlapped = sum(seconds(c, hw) for c in collectives
+                     if c.kind in _OVERLAPPED or (c.kind == "all_reduce" and c.group == "dp_replicate"))
+    exposed = sum(seconds(c, hw) for c in collectives) - overlapped
+    step_s = max(compute_s, overlapped) + exposed
+    return Estimate(memory, collectives, flops, recompute, compute_s, overlapped, exposed, step_s,
+                    100.0 * flops / (step_s * hw.peak_tflops * 1e12))
+
+
+def assumptions(hw: Any) -> str:
+    return (f"assumptions (keys under [estimate]): peak {hw.peak_tflops:g} TFLOP/s per GPU × "
+            f"{hw.achievable_fraction:g} achievable, {hw.intra_node_gbps:g} GB/s within a node of "
+            f"{hw.gpus_per_node} GPUs, {hw.inter_node_gbps:g} GB/s between nodes, {hw.latency_us:g} µs per "
+            f"collective, {hw.memory_gib:g} GiB per GPU")
+
+
+def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
+    """The estimate's lines for the dry run, then the layouts ranked."""
+    est = estimate(cfg, model_args, dims)
+    t, hw = cfg.training, cfg.estimate
+    n_seg = len(segments(model_args.num_loops, t.bp_segment_len))
+    micro = t.global_batch_size // dims.dp // t.micro_batch_size
+    lines = ["estimate per rank (a roofline, not a measurement)", "  " + assumptions(hw),
+             "  memory (GiB):"]
+    for part, nbytes in est.memory.items():
+        if nbytes or part == "total":
+            lines.append(f"    {part:<44} {nbytes / _GIB:8.2f}")
+    sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch")
+    lines.append(f"  communication per step ({n_seg} segments × {micro} micro-batches, FSDP sync per {sync}):")
+    if not est.collectives:
+        lines.append("    none (one rank)")
+    else:
+        lines.append(f"    {'collective':<15} {'unit / purpose':<36} {'group':<26} {'per segment':>11} "
+                     f"{'MiB per call':>12} {'GiB per step':>12} {'ms per step':>11}")
+        for c in _folded(est.collectives):
+            link = "node" if c.span <= hw.gpus_per_node else "network"
+            per_seg = f"{c.calls / n_seg:g}" if c.calls % n_seg == 0 else "-"
+            lines.append(f"    {c.kind:<15} {c.what:<36} {f'{c.group} {c.size} ({link})':<26} {per_seg:>11} "
+                         f"{c.nbytes / _MIB:12.3f} {c.calls * c.nbytes / _GIB:12.3f} "
+                         f"{seconds(c, hw) * 1e3:11.2f}")
+        lines.append("    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
+                     if dims.ep_enabled else "")
+    lines.append(f"  FLOPs per step: {est.flops / 1e12:,.1f} TFLOP model + {est.recompute_flops / 1e12:,.1f} "
+                 f"TFLOP recompute ({cfg.activation_checkpoint.mode})")
+    lines.append(f"  step time: compute {est.compute_s:.2f} s, FSDP collectives {est.overlapped_s:.2f} s "
+                 f"(behind the compute), other collectives {est.exposed_s:.2f} s -> {est.step_s:.2f} s per step, "
+                 f"MFU {est.mfu:.1f}%, {t.global_batch_size * t.seq_len / est.step_s:,.0f} tokens/s")
+    lines += recommend(cfg, model_args, dims.world_size, current=est)
+    return [line for line in lines if line != ""]
+
+
+def _folded(collectives: list[Collective]) -> list[Collective]:
+    """Per-layer units folded into one row per kind (layers.{l}, ×L); calls summed."""
+    rows: dict[tuple, Collective] = {}
+    layers: dict[tuple, set] = {}
+    for c in comm_plan.merged(collectives):
+        match = re.match(r"^layers\.(\d+)(.*)$", c.what)
+        what = f"layers.{{l}}{match.group(2)}" if match else c.what
+        key = (c.kind, what, c.group, c.nbytes)
+        layers.setdefault(key, set()).add(match.group(1) if match else "")
+        rows[key] = rows[key]._replace(calls=rows[key].calls + c.calls) if key in rows else c._replace(what=what)
+    out = []
+    for key, c in rows.items():
+        n = len(layers[key])
+        out.append(c._replace(what=f"{c.what} (each of {n})", calls=c.calls // n) if n > 1 else c)
+    return out
+
+
+def candidate_layouts(cfg: Any, model_args: Any, world: int) -> list[tuple[Any, ParallelDims]]:
+    """Every valid (dp_replicate, dp_shard, ep) of `world` ranks for this config, as configs + dims."""
+    spec = get_train_spec(cfg.model.name)  # the model's own rules through its TrainSpec, as validate.py asks them
+    num_experts = spec.num_experts_fn(model_args) if spec.num_experts_fn is not None else None
+    out = []
+    for replicate in (r for r in range(1, world + 1) if world % r == 0):
+        shard = world // replicate
+        for ep in (e for e in range(1, shard + 1) if shard % e == 0 and (e == 1 or shard > 1)):
+            candidate = copy.deepcopy(cfg)
+            candidate.parallelism.dp_replicate, candidate.parallelism.dp_shard = replicate, shard
+            candidate.parallelism.ep = ep
+            try:
+                dims = ParallelDims.from_config(candidate.parallelism, world, num_experts=num_experts)
+            except ValueError:  # a degree rule (ParallelDims checks every one, once)
+                continue
+            if spec.layout_errors_fn is None or not spec.layout_errors_fn(model_args, dims):
+                out.append((candidate, dims))
+    return out
+
+
+def recommend(cfg: Any, model_args: Any, world: int, current: Estimate | None = None) -> list[str]:
+    """The three fastest layouts of `world` ranks that fit in estimate.memory_gib, by estimated step time."""
+    if world == 1:
+        return []
+    ranked = []
+    for candidate, dims in candidate_layouts(cfg, model_args, world):
+        est = estimate(candidate, model_args, dims)
+        ranked.append((est.memory["total"] > cfg.estimate.memory_gib * _GIB, est.step_s, dims, est))
+    # Equal times (compute-bound): the layout with less memory per rank first.
+    ranked.sort(key=lambda r: (r[0], round(r[1], 3), r[3].memory["total"]))
+    if not ranked:
+        return []
+    lines = [f"  layouts of {world} ranks, fastest first (this batch geometry and activation_checkpoint mode):"]
+    for over, _, dims, est in ranked[:3]:
+        lines.append(f"    dp_replicate {dims.dp_replicate} × dp_shard {dims.dp_shard}, ep {dims.ep}: "
+                     f"{est.step_s:.2f} s per step, MFU {est.mfu:.1f}%, {est.memory['total'] / _GIB:.1f} GiB"
+                     + ("  (does not fit in estimate.memory_gib)" if over else ""))
+    best = ranked[0][2]
+    lines.append(f"  recommended: --parallelism.dp_replicate {best.dp_replicate} --parallelism.dp_shard "
+                 f"{best.dp_shard} --parallelism.ep {best.ep}"
+                 + ("  (nothing fits: use activation checkpointing or a smaller micro-batch)" if ranked[0][0]
+                    else ""))
+    if current is not None and not math.isclose(current.step_s, ranked[0][1]):
+        lines.append(f"  (this config's layout: {current.step_s:.2f} s per step)")
+    return lines
