@@ -89,8 +89,9 @@ def _train(cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trai
     except PackError as exc:  # a pack that does not fit this run
         return _errors("data", exc)
     except (CheckpointSaveError, KeyboardInterrupt) as exc:  # disk full; or SIGINT twice / checkpoints off
-        if trainer is not None:
-            trainer.close()
+        if trainer is not None:  # no waiting on an in-flight save: put the handlers back, close the files
+            trainer.stop_signals.close()
+            trainer.metrics.close()
         if isinstance(exc, KeyboardInterrupt):
             print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
             return exit_codes.INTERRUPTED
