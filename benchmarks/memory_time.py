@@ -1,6 +1,7 @@
 """Step time and peak memory of the segmented step: K ∈ {0, 3} × activation checkpointing ∈ {none,
 block, loop, segment}, side by side in one run; and (--reshard) FSDP2's reshard_after_forward
-options on 2 gloo ranks: collectives per step, step time, peak memory.
+options × parallelism.fsdp_sync on 2 gloo ranks, several micro-batches per rank: collectives per
+step (counted on the torch.distributed ops FSDP2 dispatches), step time, peak memory.
 
 Every cell runs in a fresh process, so its peak is its own: on CUDA torch's peak allocated bytes,
 on CPU the peak resident set (ru_maxrss) minus the resident set before the first step, with
@@ -9,7 +10,7 @@ glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the
 the timed steps after one warm-up step.
 
     python benchmarks/memory_time.py --steps 3                 # the K x AC table (with the dry run's estimate)
-    python benchmarks/memory_time.py --reshard --steps 3       # reshard_after_forward on 2 ranks
+    python benchmarks/memory_time.py --reshard --steps 3       # reshard x fsdp_sync on 2 ranks, 4 micro-batches
 
 Arguments after the options are config overrides for every cell (default: the debug flavor at
 H = 9, seq_len 256, 8 rows per step in one micro-batch, fp32, the bundled corpus).
@@ -25,7 +26,6 @@ import resource
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,22 +47,12 @@ def _rss_bytes() -> int:
 def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict:
     """Build the Trainer for `argv` in this process, time `steps` steps after one warm-up step."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from torchtitan_loom.config import load_config
     from torchtitan_loom.config.validate import resolve
+    from torchtitan_loom.distributed.comm_count import CollectiveCounter
     from torchtitan_loom.distributed.utils import DistInfo, pick_device
     from torchtitan_loom.train import Trainer
-
-    class CountCollectives(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in ("c10d", "_c10d_functional"):
-                self.counts[func.__name__.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
 
     import tempfile
 
@@ -76,7 +66,7 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
         torch.cuda.reset_peak_memory_stats()
     base = _rss_bytes()
     trainer.train_step(next(data))  # warm-up
-    counter = CountCollectives()
+    counter = CollectiveCounter()
     with counter:
         trainer.train_step(next(data))
     if device.type == "cuda":
@@ -147,23 +137,28 @@ def _reshard_rank(rank: int, world: int, store: str, argv: list[str], steps: int
         dist.destroy_process_group()
 
 
-def reshard_table(steps: int, overrides: list[str]) -> str:
+RESHARD_CELLS = (("never", "segment"), ("never", "micro_batch"), ("always", "segment"), ("always", "micro_batch"))
+
+
+def reshard_table(steps: int, overrides: list[str], micro_batch_size: int = 1) -> str:
+    """FSDP2 on 2 gloo ranks: reshard_after_forward × fsdp_sync, 4 rows per rank in micro-batches of
+    `micro_batch_size` (default 1: 4 micro-batches per rank per segment)."""
     import tempfile
 
     import torch.multiprocessing as mp
 
-    rows = ["| reshard_after_forward | all-gathers / step | reduce-scatters / step | step time (s) | "
-            "peak memory per rank (MiB) |", "|---|---|---|---|---|"]
-    for policy in ("never", "always"):
+    rows = ["| reshard_after_forward | fsdp_sync | all-gathers / step | reduce-scatters / step | step time (s) | "
+            "peak memory per rank (MiB) |", "|---|---|---|---|---|---|"]
+    for policy, sync in RESHARD_CELLS:
         argv = BASE + ["--training.bp_segment_len", "3", "--parallelism.fsdp_reshard_after_forward", policy,
-                       "--training.micro_batch_size", "4"] + overrides
+                       "--parallelism.fsdp_sync", sync, "--training.micro_batch_size", str(micro_batch_size)] + overrides
         with tempfile.TemporaryDirectory() as tmp:
             os.environ.update(MALLOC_MMAP_THRESHOLD_="65536")
             mp.start_processes(_reshard_rank, args=(2, f"{tmp}/store", argv, steps, f"{tmp}/out"), nprocs=2,
                                start_method="spawn")
             cells = [json.loads(Path(f"{tmp}/out.{r}").read_text()) for r in range(2)]
         c = cells[0]["collectives_per_step"]
-        rows.append(f"| {policy} | {c.get('_allgather_base_', 0)} | {c.get('_reduce_scatter_base_', 0)} | "
+        rows.append(f"| {policy} | {sync} | {c.get('_allgather_base_', 0)} | {c.get('_reduce_scatter_base_', 0)} | "
                     f"{max(x['step_s'] for x in cells):.2f} | {max(x['peak_mib'] for x in cells):.0f} |")
         print(rows[-1], flush=True)
     return "\n".join(rows)
@@ -172,13 +167,16 @@ def reshard_table(steps: int, overrides: list[str]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per cell (after one warm-up step)")
-    parser.add_argument("--reshard", action="store_true", help="FSDP2 reshard_after_forward on 2 gloo ranks")
+    parser.add_argument("--reshard", action="store_true",
+                        help="FSDP2 reshard_after_forward x fsdp_sync on 2 gloo ranks, collectives per step")
+    parser.add_argument("--micro-batch-size", type=int, default=1,
+                        help="--reshard: rows per micro-batch (4 rows per rank: 1 gives 4 micro-batches)")
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # internal: one cell, JSON argv
     args, overrides = parser.parse_known_args(argv)
     if args.cell:
         print(json.dumps(run_cell(json.loads(args.cell), args.steps)))
         return 0
-    print(reshard_table(args.steps, overrides) if args.reshard else kxac_table(args.steps, overrides))
+    print(reshard_table(args.steps, overrides, args.micro_batch_size) if args.reshard else kxac_table(args.steps, overrides))
     return 0
 
 

@@ -55,7 +55,7 @@ PRECISIONS = {
     "float8_tensorwise": ["--float8.enable", "--float8.recipe", "tensorwise"],
     "float8_rowwise": ["--float8.enable", "--float8.recipe", "rowwise"],
 }
-COMPILE = {"off": [], "on": ["--compile.enable", "true"]}
+COMPILE = {"off": ["--compile.enable", "false"], "on": ["--compile.enable", "true"]}  # GPU presets compile
 AC = {"none": [], "loop": ["--activation_checkpoint.mode", "loop"]}
 _GIB = float(1 << 30)
 PROFILE_STEPS = 2
@@ -180,7 +180,7 @@ def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if any(a.startswith("--compile.enable") for a in argv):
+        if cfg.compile.enable:
             torch._dynamo.reset()
 
 
@@ -232,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    probe = load_config(["--job.config_file", str(ROOT / "train_configs" / PRESET_FILES[args.preset]), *overrides])
+    try:
+        probe = load_config(["--job.config_file", str(ROOT / "train_configs" / PRESET_FILES[args.preset]), *overrides])
+    except ConfigError as exc:  # an override every cell shares: no cell can run
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     t = probe.training
     if not has_override(overrides, "data.path"):
         need = (args.warmup + args.steps + PROFILE_STEPS * args.profile) * t.global_batch_size * (t.seq_len + 1)
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         torchao_version = None
     meta = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup, "global_batch_size": t.global_batch_size,
-            "micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len, "overrides": overrides,
+            "micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len, "num_loops": probe.model.num_loops, "overrides": overrides,
             "torch": torch.__version__, "torchao": torchao_version, "cpu_mode": args.cpu,
             "command": " ".join(["python", "benchmarks/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
             "mfu_note": "MFU against the dense bf16 peak for every precision", **device_meta(args.cpu)}

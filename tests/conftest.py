@@ -24,3 +24,12 @@ def tiny_pack(tmp_path_factory):
             w.add_document(np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64))
         w.finish(epochs=2, holdout_tokens=2000, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def launch_cost_s():
+    """Seconds a bare 2-rank launch takes on this machine now (tests/launch_cost.py), measured once
+    per session when a multi-process test first asks: their time limits are multiples of it."""
+    from tests import launch_cost
+
+    return launch_cost.measure()

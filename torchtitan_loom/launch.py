@@ -85,20 +85,38 @@ def _train(cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trai
         trainer = trainer_cls(cfg, resolved, info, run_id=run_id)
         code = trainer.train()
     except CheckpointError as exc:  # a checkpoint that does not fit this run
+        _record_end(trainer, "failed")  # a refused resume recorded nothing: run.json stays as it was
         return _errors("checkpoint", exc)
     except PackError as exc:  # a pack that does not fit this run
+        _record_end(trainer, "failed")
         return _errors("data", exc)
     except (CheckpointSaveError, KeyboardInterrupt) as exc:  # disk full; or SIGINT twice / checkpoints off
         if trainer is not None:  # no waiting on an in-flight save: put the handlers back, close the files
             trainer.stop_signals.close()
             trainer.metrics.close()
         if isinstance(exc, KeyboardInterrupt):
+            _record_end(trainer, "stopped")
             print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
             return exit_codes.INTERRUPTED
+        _record_end(trainer, "failed")
         print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
         return exit_codes.FAILED
+    except BaseException:
+        _record_end(trainer, "failed")
+        raise
     trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.validator.last))
-    if info.rank == 0:
-        done = code == exit_codes.OK and trainer.state.step >= cfg.training.steps
-        record_launch(cfg, run_id, "finished" if done else "stopped", trainer.state.step)
+    done = code == exit_codes.OK and trainer.state.step >= cfg.training.steps
+    # train() returns BAD_INPUT only for a divergence abort (every other refusal is an exception).
+    _record_end(trainer, "finished" if done else "diverged" if code == exit_codes.BAD_INPUT else "stopped")
     return code
+
+
+def _record_end(trainer: Any, status: str) -> None:
+    """run.json's status at the end of a launch that recorded itself as running (rank 0): finished,
+    stopped (resumable: a signal, exit_after_step, Ctrl-C twice), diverged (exit 2) or failed."""
+    if trainer is None or not trainer.launch_recorded:
+        return
+    try:
+        record_launch(trainer.cfg, trainer.run_id, status, trainer.state.step)
+    except OSError as exc:  # e.g. the disk that ended the run is still full: say so, keep the exit code
+        print(f"warning: run.json not updated to {status!r}: {exc}", file=sys.stderr)

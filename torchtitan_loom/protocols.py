@@ -136,6 +136,9 @@ class Parallelized(NamedTuple):
     finish_gradients: Callable[[], None]
     """Called once per segment after backward: sums over the data-parallel ranks every gradient the
     applied wrappers (FSDP) did not already reduce, so the step need not know which those are."""
+    before_micro_batch: Callable[[bool], None] = lambda last: None
+    """Called before each micro-batch's forward with last=True for a segment's final one: lets the
+    wrappers defer their gradient reduction (and keep parameters gathered) to the segment's end."""
 
 
 class FsdpUnit(NamedTuple):

@@ -77,9 +77,11 @@ class Trainer:
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
         if self.spec.parallelize_fn is not None:
-            model, self.finish_gradients = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+            model, self.finish_gradients, self.before_micro_batch = self.spec.parallelize_fn(
+                model, self.parallel_dims, cfg)
         else:  # a plain replicated model: every gradient is summed over the ranks
             self.finish_gradients = lambda: dist_utils.reduce_gradients(self.params, self.reduce_dtype)
+            self.before_micro_batch = lambda last: None
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights()
@@ -137,6 +139,7 @@ class Trainer:
                                        device=self.device, autocast=self.autocast,
                                        stop_requested=self.stop_signals.requested, log=self.log)
         self.resumed, self.resumed_from = False, None
+        self.launch_recorded = False  # run.json says "running" for this launch (rank 0)
         self.checkpointer = CheckpointManager(
             ck, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader,
@@ -178,7 +181,7 @@ class Trainer:
         n_layers, n_experts = self.model.routing or (0, 0)
         counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
-        grad_norm, skip_reason, n_valid = None, None, 0.0
+        grad_norm, skip_reason, n_valid, non_finite_in = None, None, 0.0, None
         diag = self.diagnostics.begin(self.state.step + 1)  # None on most steps: nothing extra
         for j, (a, b) in enumerate(self.segments):
             self.optimizer.zero_grad(set_to_none=True)
@@ -188,6 +191,7 @@ class Trainer:
                 # ranks agree through segment 1's statistics below (no collective per micro-batch).
                 if j == 0 and not self.info.world_size > 1 and self.stop_signals.requested():
                     raise StepAbandoned
+                self.before_micro_batch(m == len(micro) - 1)  # FSDP reduces after the last one
                 with self.autocast():
                     observe = None if diag is None else diag.observer(m, real_tokens(mb["doc_ids"]))
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=a, loop_end=b,
@@ -215,7 +219,14 @@ class Trainer:
                 raise StepAbandoned
             seg_loss = stats.loss_sum / max(n_valid, 1.0)
             seg_losses.append(seg_loss)
-            skip_reason = self.spike_guard.check(j, seg_loss, stats.non_finite == 0, self.state.step + 1)
+            # A non-finite loss or gradient is never stepped on, whatever the guard says; the loop then
+            # stops the run (only finite spikes are skipped and trained past).
+            bad = "loss" if not math.isfinite(seg_loss) else "gradient" if stats.non_finite else None
+            if bad:
+                non_finite_in = f"non-finite {bad} in segment {j + 1} (loops {a}-{b})"
+                skip_reason = f"non-finite {bad}"
+            else:
+                skip_reason = self.spike_guard.check(j, seg_loss, True, self.state.step + 1)
             if skip_reason is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.state.skipped_segments += 1
@@ -238,7 +249,8 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += int(n_valid)
         return StepResult(seg_losses=seg_losses, grad_norm=grad_norm, lr=lr, skip_reason=skip_reason,
-                          counts_LHE=counts_LHE, n_valid=n_valid, diag=None if diag is None else diag.finish())
+                          counts_LHE=counts_LHE, n_valid=n_valid, non_finite=non_finite_in,
+                          diag=None if diag is None else diag.finish())
 
     # -------------------------------------------------------------------- loop
     def resume(self) -> None:
@@ -263,6 +275,7 @@ class Trainer:
             with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
             record_launch(cfg, self.run_id, "running", self.state.step, resumed)
+            self.launch_recorded = True
 
     def train(self) -> int:
         """Run the steps left; returns the exit code (0 also after a stop that saved)."""
@@ -324,7 +337,7 @@ class Trainer:
             report.write(step, scalars, out, routing, console=console)
         if out.skip_reason:
             self.log(f"step {step}: skipped {out.skip_reason}")
-        abort = divergence.after_step(step, out.skip_reason, model_finite(self.model))
+        abort = divergence.after_step(step, out.skip_reason, model_finite(self.model), out.non_finite)
         if out.skip_reason and divergence.streak_started:  # the last good checkpoint survives pruning
             kept = self.checkpointer.protect_newest()
             if kept:

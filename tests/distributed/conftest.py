@@ -1,5 +1,5 @@
 """The one launcher of the multi-process tests: spawn `world` ranks of a worker function, wait for
-all of them under a deadline, and kill whatever is still alive when the test ends (a hung gloo rank
+all of them under a deadline of a number of measured launch costs, and kill whatever is still alive when the test ends (a hung gloo rank
 must never outlive its test). Worker modules live next to this file; the spawned ranks import them
 by name, so this folder is put on sys.path."""
 
@@ -14,15 +14,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture
-def launch_ranks():
-    def launch(fn, world: int, args: tuple, timeout_s: float, what: str) -> None:
-        """Run fn(rank, *args) on `world` spawned processes; fail the test past `timeout_s`."""
+def launch_ranks(launch_cost_s):
+    def launch(fn, world: int, args: tuple, launches: float, what: str) -> None:
+        """Run fn(rank, *args) on `world` spawned processes; fail the test past `launches` times the
+        measured cost of a bare launch (tests/launch_cost.py), so the limit grows with the load."""
+        timeout_s = launches * launch_cost_s
         ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    pytest.fail(f"{what}: {world} ranks did not finish within {timeout_s:.0f} s")
+                    pytest.fail(f"{what}: {world} ranks did not finish within {timeout_s:.0f} s "
+                                f"({launches:g} × the {launch_cost_s:.1f} s a bare launch took)")
         finally:
             for process in ctx.processes:
                 if process.is_alive():

@@ -60,10 +60,11 @@ def _layer_inputs(rank: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 12, D, generator=g), torch.randn(2, 12, D, generator=g)
 
 
-def check_layer(ep_mesh, impl: str) -> None:
-    """One EP MoE layer == the single-process LoomMoE: outputs, kept counts, input and weight grads."""
+def check_layer(ep_mesh, impl: str, capacity_factor: float = 1.0) -> None:
+    """One EP MoE layer == the single-process LoomMoE: outputs, kept counts, input and weight grads.
+    Capacity on: the kept assignments travel in fixed slots; off: every assignment, split sizes."""
     args = loom_flavors["debug"].replace(
-        dim=64, n_heads=1, expert_intermediate_size=32, moe_impl=impl, capacity_factor=1.0)
+        dim=64, n_heads=1, expert_intermediate_size=32, moe_impl=impl, capacity_factor=capacity_factor)
     ref = LoomMoE(args)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -88,14 +89,15 @@ def check_layer(ep_mesh, impl: str) -> None:
         ref_out.append(out.detach()), ref_kept.append(kept), ref_xgrad.append(x.grad)
     all_kept = torch.stack(ref_kept)
     # The case must exercise dropping and experts without rows.
-    assert (all_kept.sum(1) < 2 * 12 * args.routed_top_k).all(), "capacity dropped nothing"
+    if capacity_factor:
+        assert (all_kept.sum(1) < 2 * 12 * args.routed_top_k).all(), "capacity dropped nothing"
     assert all_kept[:, list(UNPICKED)].sum() == 0
 
     x, cot = _layer_inputs(dist.get_rank(), args.dim)
     x.requires_grad_(True)
     out, kept, _ = ep_moe(x, ep_moe.routers[0])
     (out * cot).sum().backward()
-    tag = f"{impl} ep={W}"
+    tag = f"{impl} ep={W} capacity_factor={capacity_factor}"
     _close(f"{tag} output", out.detach(), ref_out[me])
     assert torch.equal(kept, ref_kept[me]), f"{tag} kept counts {kept.tolist()} != {ref_kept[me].tolist()}"
     _close(f"{tag} input grad", x.grad, ref_xgrad[me])
@@ -108,29 +110,32 @@ def check_layer(ep_mesh, impl: str) -> None:
         _close(f"{tag} {name} local grad", param.grad.to_local(), want, relative=True)
 
 
-def check_one_host_sync(ep_mesh) -> None:
-    """The EP experts call copies to the host exactly once (loop impl, which needs group sizes)."""
-    args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32, moe_impl="loop")
-    moe = LoomMoE(args)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.1)
-    apply_expert_parallel(_OneLayer(moe), ep_mesh)
-    x, _ = _layer_inputs(dist.get_rank(), args.dim)
-    calls = []
+def check_host_syncs(ep_mesh) -> None:
+    """Host copies of one EP MoE call: none with capacity on (fixed slots, grouped GEMM and loop
+    alike); exactly one with capacity off (the split sizes; the loop reuses them)."""
+    for capacity_factor, impl, want in ((1.5, "grouped", []), (1.5, "loop", []), (0.0, "loop", ["tolist"])):
+        args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32, moe_impl=impl,
+                                             capacity_factor=capacity_factor)
+        moe = LoomMoE(args)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0, 0.1)
+        apply_expert_parallel(_OneLayer(moe), ep_mesh)
+        x, _ = _layer_inputs(dist.get_rank(), args.dim)
+        calls = []
 
-    def counted(name):
-        original = getattr(torch.Tensor, name)
+        def counted(name):
+            original = getattr(torch.Tensor, name)
 
-        def wrapper(self, *a, **k):
-            calls.append(name)
-            return original(self, *a, **k)
-        return wrapper
+            def wrapper(self, *a, **k):
+                calls.append(name)
+                return original(self, *a, **k)
+            return wrapper
 
-    with mock.patch.object(torch.Tensor, "tolist", counted("tolist")), \
-            mock.patch.object(torch.Tensor, "item", counted("item")):
-        moe(x, moe.routers[0])
-    assert calls == ["tolist"], f"host copies in one EP MoE call: {calls}"
+        with mock.patch.object(torch.Tensor, "tolist", counted("tolist")), \
+                mock.patch.object(torch.Tensor, "item", counted("item")):
+            moe(x, moe.routers[0])[0].sum().backward()
+        assert calls == want, f"host copies in one EP MoE call (capacity_factor={capacity_factor}, {impl}): {calls}"
 
 
 class _GroupedMMDtypes(TorchFunctionMode):
@@ -146,8 +151,9 @@ class _GroupedMMDtypes(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _bf16_layer(ep_mesh) -> LoomMoE:
-    args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32)
+def _bf16_layer(ep_mesh, capacity_factor: float = 1.5) -> LoomMoE:
+    args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32,
+                                         capacity_factor=capacity_factor)
     moe = LoomMoE(args)
     with torch.no_grad():
         for p in moe.parameters():
@@ -174,19 +180,21 @@ def check_bf16_experts(ep_mesh, dp_mesh) -> None:
 
 
 def check_compile_breaks_at_dispatch(ep_mesh) -> None:
-    """torch.compile of an EP MoE call (fullgraph off, as parallelize applies it with EP) breaks
-    the graph only at the documented dispatch point, the host copy of the split sizes in
-    _split_sizes: one break reported by each of the 3 frames on the stack there (LoomMoE.forward,
-    ExpertParallelExperts.forward, _split_sizes), under bf16 autocast (fp32 breaks at the same
-    point; one dtype keeps this 4-rank launch short)."""
-    moe = _bf16_layer(ep_mesh)
-    x, _ = _layer_inputs(dist.get_rank(), 64)
-    torch._dynamo.reset()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        explained = torch._dynamo.explain(moe)(x, moe.routers[0])
-    torch._dynamo.reset()
-    sites = [reason.user_stack[-1].name for reason in explained.break_reasons]
-    assert sites == ["_split_sizes"] * 3, [(r.reason[:60], r.user_stack[-3:]) for r in explained.break_reasons]
+    """torch.compile of an EP MoE call (fullgraph off, as parallelize applies it with EP): with
+    capacity off it breaks the graph only at the documented dispatch point, the host copy of the
+    split sizes in _split_sizes (one break reported by each of the 3 frames on the stack there:
+    LoomMoE.forward, ExpertParallelExperts.forward, _split_sizes); with capacity on (fixed slots)
+    not at all. Under bf16 autocast (fp32 breaks at the same point; one dtype keeps this 4-rank
+    launch short)."""
+    for capacity_factor, want in ((0.0, ["_split_sizes"] * 3), (1.5, [])):
+        moe = _bf16_layer(ep_mesh, capacity_factor)
+        x, _ = _layer_inputs(dist.get_rank(), 64)
+        torch._dynamo.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            explained = torch._dynamo.explain(moe)(x, moe.routers[0])
+        torch._dynamo.reset()
+        sites = [reason.user_stack[-1].name for reason in explained.break_reasons]
+        assert sites == want, (capacity_factor, [(r.reason[:60], r.user_stack[-3:]) for r in explained.break_reasons])
 
 
 def _model_batch(rank: int, B: int = 2, S: int = 16):
@@ -261,7 +269,8 @@ def run(rank: int, world: int, store_path: str) -> None:
         for impl in ("grouped", "loop"):
             check_layer(mesh_4["ep"], impl)
             check_layer(mesh_2x2["ep"], impl)
-        check_one_host_sync(mesh_4["ep"])
+            check_layer(mesh_4["ep"], impl, capacity_factor=0.0)
+        check_host_syncs(mesh_4["ep"])
         check_bf16_experts(mesh_2x2["ep"], mesh_2x2["dp"])
         check_compile_breaks_at_dispatch(mesh_4["ep"])
         check_model(mesh_2x2["ep"])

@@ -4,10 +4,10 @@ signal seen by one rank stops all of them after the same step."""
 
 import checkpoint_workers  # next to this file (conftest puts it on sys.path for the spawned ranks)
 
-LAUNCH_TIMEOUT_S = 120.0
+LAUNCHES = 24  # the limit, in bare-launch costs (tests/launch_cost.py)
 
 
 def test_async_save_and_preemption_on_2_gloo_ranks(tmp_path, launch_ranks):
     world = 2
     launch_ranks(checkpoint_workers.run, world, (world, str(tmp_path / "store"), str(tmp_path / "run")),
-                 LAUNCH_TIMEOUT_S, "checkpoint")
+                 LAUNCHES, "checkpoint")

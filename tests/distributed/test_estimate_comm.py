@@ -1,7 +1,8 @@
 """The dry run's predicted collectives (distributed/comm_plan.py) equal those a real step makes on
 2 and 4 gloo ranks: calls and bytes of every all-gather, reduce-scatter, all-reduce and all-to-all,
-for FSDP, plain replicas, HSDP, expert parallelism, both reshard_after_forward policies, activation
-checkpointing, bf16 parameters and a vocabulary FSDP must pad (514 rows over 4 ranks).
+for FSDP, plain replicas, HSDP, expert parallelism, both reshard_after_forward policies, both
+fsdp_sync modes (where the trainer has the key), activation checkpointing, bf16 parameters and a
+vocabulary FSDP must pad (514 rows over 4 ranks).
 
 Exact equality, no tolerance: the counts follow from FSDP2's hooks and the step's structure. The one
 quantity that depends on the data is the rows an expert-parallel rank receives (routing); the sum
@@ -16,11 +17,23 @@ import estimate_workers  # next to this file (conftest puts it on sys.path for t
 import pytest
 
 from torchtitan_loom.config import load_config
+from torchtitan_loom.config.schema import Parallelism
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.protocols import get_train_spec
 
 LAUNCH_TIMEOUT_S = 300.0
+# FSDP's sync per segment or per micro-batch, where the trainer has the choice.
+SYNC_MODES = Parallelism.__dataclass_fields__["fsdp_sync"].metadata["choices"] \
+    if "fsdp_sync" in Parallelism.__dataclass_fields__ else ()
+
+
+def per_sync_mode(case: dict) -> list[dict]:
+    """The case once per fsdp_sync mode (once when the key does not exist)."""
+    if not SYNC_MODES:
+        return [case]
+    return [{"name": f"{case['name']}_{mode}", "argv": case["argv"] + ["--parallelism.fsdp_sync", mode]}
+            for mode in SYNC_MODES]
 
 
 def base_argv(pack_dir) -> list[str]:
@@ -57,10 +70,10 @@ def check(launch_ranks, world: int, cases: list[dict], pack_dir, tmp_path) -> No
 
 def test_predicted_collectives_on_2_ranks(tiny_pack, tmp_path, launch_ranks):
     check(launch_ranks, 2, [
-        {"name": "fsdp2", "argv": ["--training.micro_batch_size", "2"]},
-        {"name": "fsdp2_always_ac_loop_bf16", "argv": [
+        *per_sync_mode({"name": "fsdp2", "argv": ["--training.micro_batch_size", "2"]}),
+        *per_sync_mode({"name": "fsdp2_always_ac_loop_bf16", "argv": [
             "--training.micro_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "always",
-            "--activation_checkpoint.mode", "loop", "--training.mixed_precision_param", "bfloat16"]},
+            "--activation_checkpoint.mode", "loop", "--training.mixed_precision_param", "bfloat16"]}),
         {"name": "replicate2", "argv": ["--parallelism.dp_replicate", "2", "--training.micro_batch_size", "4"]},
     ], tiny_pack, tmp_path)
 
@@ -69,7 +82,8 @@ def test_predicted_collectives_on_4_ranks(tiny_pack, tmp_path, launch_ranks):
     check(launch_ranks, 4, [
         {"name": "ep2_ac_block", "argv": ["--training.micro_batch_size", "1", "--parallelism.ep", "2",
                                          "--activation_checkpoint.mode", "block"]},
-        {"name": "hsdp_ep2_bf16", "argv": ["--training.micro_batch_size", "1", "--parallelism.dp_replicate", "2",
-                                          "--parallelism.ep", "2", "--training.mixed_precision_param", "bfloat16"]},
+        *per_sync_mode({"name": "hsdp_ep2_bf16", "argv": [
+            "--training.micro_batch_size", "1", "--parallelism.dp_replicate", "2", "--parallelism.ep", "2",
+            "--training.mixed_precision_param", "bfloat16"]}),
         {"name": "fsdp4_padded_vocab", "argv": ["--training.micro_batch_size", "2", "--model.vocab_size", "514"]},
     ], tiny_pack, tmp_path)

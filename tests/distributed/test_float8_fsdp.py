@@ -31,7 +31,7 @@ def common(pack, dump):
             "--spike_guard.enable", "false", "--float8.enable", "--float8.emulate", "--float8.experts"]
 
 
-def test_fsdp_float8_all_gather_and_precompute_train_like_one_process(tiny_pack, tmp_path):
+def test_fsdp_float8_all_gather_and_precompute_train_like_one_process(tiny_pack, tmp_path, launch_cost_s):
     cfg = load_config(common(tiny_pack, tmp_path / "one"))
     tr = Trainer(cfg, resolve(cfg, 1), DistInfo(rank=0, world_size=1, device=torch.device("cpu")))
     assert not tr.float8_precompute                                   # no FSDP on one process
@@ -44,7 +44,8 @@ def test_fsdp_float8_all_gather_and_precompute_train_like_one_process(tiny_pack,
     # torchrun directly (run_train.sh would first start a third interpreter to check the config).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "torchtitan_loom.train", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+    # The limit: 48 bare-launch costs (tests/launch_cost.py), 240 s at its 5 s floor.
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=48 * launch_cost_s,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]

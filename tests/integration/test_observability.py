@@ -3,6 +3,7 @@ in TensorBoard (read back through the event API), expert_load only at eval steps
 that parse as JSON, and tools.analyze's report on the run's checkpoint."""
 
 import contextlib
+import dataclasses
 import io
 import json
 
@@ -13,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from torchtitan_loom.components import routing_plots
 from torchtitan_loom.components.metrics import MetricsLogger
+from torchtitan_loom.components.validate import Validator
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
@@ -167,3 +169,22 @@ def test_analyze_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("analyze error:")
     assert analyze.main([str(tmp_path), "--tokens", "0"]) == 2
+
+
+def test_the_eval_line_announces_the_holdout_tokens_it_reads(run, tiny_pack):
+    dump, trainer, lines = run
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    read = next(r["eval_tokens"] for r in rows if r["step"] == 2)
+    assert f"[torchtitan_loom] eval at step 2: {read:,} holdout tokens, 3 loops ..." in lines  # not eval.tokens
+    # eval.tokens above what the holdout holds: the line gives the count read, and says so.
+    t = trainer.cfg.training
+    lines_big = []
+    big = Validator(dataclasses.replace(trainer.cfg.eval, tokens=10**7), model=trainer.model, data_path=str(tiny_pack),
+                    val_path=None, seq_len=t.seq_len, vocab_size=trainer.vocab_size, batch_rows=t.global_batch_size,
+                    dp_rank=0, dp_world=1, tokenizer_name=None, device=trainer.device,
+                    micro_batches=trainer.micro_batches, autocast=trainer.autocast, stop_requested=lambda: 0,
+                    log=lines_big.append)
+    scalars, _ = big.validate(4)
+    assert scalars["eval_tokens"] < 10**7
+    assert lines_big[0] == (f"eval at step 4: {scalars['eval_tokens']:,} holdout tokens (the holdout holds fewer "
+                            f"than eval.tokens = 10,000,000), 3 loops ...")

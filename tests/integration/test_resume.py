@@ -40,10 +40,14 @@ def common(pack, steps=12):
             "--checkpoint.keep_latest_k", "0"]
 
 
-def run_train(args, ngpu, timeout=300):
+LAUNCHES = 60  # one run's limit, in bare-launch costs (tests/launch_cost.py): 300 s at its 5 s floor
+
+
+def run_train(args, ngpu, cost_s):
+    """./run_train.sh on ``ngpu`` ranks; ``cost_s``: the measured launch cost (launch_cost_s)."""
     env = dict(os.environ, NGPU=str(ngpu), **ENV)
     proc = subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=LAUNCHES * cost_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -74,25 +78,26 @@ def resume_copy(src_dump, step, dst_dump):
 
 
 @pytest.fixture(scope="module")
-def one_rank_straight(tiny_pack, tmp_path_factory):
+def one_rank_straight(tiny_pack, tmp_path_factory, launch_cost_s):
     dump = tmp_path_factory.mktemp("straight1")
-    run_train(common(tiny_pack) + ["--job.dump_folder", str(dump)], ngpu=1)
+    run_train(common(tiny_pack) + ["--job.dump_folder", str(dump)], 1, launch_cost_s)
     return dump
 
 
 @pytest.fixture(scope="module")
-def four_rank_straight(tiny_pack, tmp_path_factory):
+def four_rank_straight(tiny_pack, tmp_path_factory, launch_cost_s):
     dump = tmp_path_factory.mktemp("straight4")
-    run_train(common(tiny_pack) + SMOOTH + ["--job.dump_folder", str(dump)], ngpu=4)
+    run_train(common(tiny_pack) + SMOOTH + ["--job.dump_folder", str(dump)], 4, launch_cost_s)
     return dump
 
 
-def test_bit_exact_restart_same_world_size(one_rank_straight, tiny_pack, tmp_path):
+def test_bit_exact_restart_same_world_size(one_rank_straight, tiny_pack, tmp_path, launch_cost_s):
     dump = tmp_path / "restarted"
-    out = run_train(common(tiny_pack) + ["--job.dump_folder", str(dump), "--checkpoint.exit_after_step", "6"], 1)
+    out = run_train(common(tiny_pack) + ["--job.dump_folder", str(dump), "--checkpoint.exit_after_step", "6"], 1,
+                    launch_cost_s)
     assert "checkpoint.exit_after_step = 6 reached" in out
     assert max(losses(dump)) == 6                       # the process really stopped at step 6
-    out = run_train(common(tiny_pack) + ["--job.dump_folder", str(dump)], 1)
+    out = run_train(common(tiny_pack) + ["--job.dump_folder", str(dump)], 1, launch_cost_s)
     assert f"resumed from {checkpoint(dump, 6)} (step 6)" in out
     assert losses(dump) == losses(one_rank_straight)    # identical floats, steps 1..12
     assert_same_checkpoint(checkpoint(dump, 6), checkpoint(one_rank_straight, 6))
@@ -100,10 +105,10 @@ def test_bit_exact_restart_same_world_size(one_rank_straight, tiny_pack, tmp_pat
 
 
 @pytest.mark.parametrize("ngpu", [2, 1])
-def test_resharded_restart_from_four_ranks(four_rank_straight, tiny_pack, tmp_path, ngpu):
+def test_resharded_restart_from_four_ranks(four_rank_straight, tiny_pack, tmp_path, ngpu, launch_cost_s):
     dump = tmp_path / f"on{ngpu}"
     resume_copy(four_rank_straight, 6, dump)
-    out = run_train(common(tiny_pack) + SMOOTH + ["--job.dump_folder", str(dump)], ngpu)
+    out = run_train(common(tiny_pack) + SMOOTH + ["--job.dump_folder", str(dump)], ngpu, launch_cost_s)
     assert f"(step 6, saved at 4 ranks, now {ngpu})" in out
     want, got = losses(four_rank_straight), losses(dump)
     assert sorted(got) == list(range(7, 13))
@@ -133,7 +138,7 @@ def _ep_layout(world, base):
     return None
 
 
-def test_resharded_restart_from_fsdp_x_ep(tiny_pack, tmp_path):
+def test_resharded_restart_from_fsdp_x_ep(tiny_pack, tmp_path, launch_cost_s):
     """Save at 4 ranks with FSDP × expert parallelism, resume at 2 ranks (FSDP only) and at 1:
     the losses after the restart follow the uninterrupted 4-rank run within 1e-5 relative
     (measured ≤ 5.5e-7; uninterrupted 4-rank EP and 2-rank runs differ by ≤ 5.6e-7 themselves)."""
@@ -142,12 +147,12 @@ def test_resharded_restart_from_fsdp_x_ep(tiny_pack, tmp_path):
         pytest.skip("config validation still rejects parallelism.dp_shard × parallelism.ep at 4 ranks "
                     "(FSDP/EP not landed); the resharding path is covered by the default layout above")
     straight = tmp_path / "ep4"
-    run_train(common(tiny_pack) + SMOOTH + ["--job.dump_folder", str(straight)] + ep, 4)
+    run_train(common(tiny_pack) + SMOOTH + ["--job.dump_folder", str(straight)] + ep, 4, launch_cost_s)
     want = losses(straight)
     for ngpu, extra in ((2, ["--parallelism.dp_shard", "2"]), (1, [])):
         dump = tmp_path / f"ep_on{ngpu}"
         resume_copy(straight, 6, dump)
-        out = run_train(common(tiny_pack) + SMOOTH + ["--job.dump_folder", str(dump)] + extra, ngpu)
+        out = run_train(common(tiny_pack) + SMOOTH + ["--job.dump_folder", str(dump)] + extra, ngpu, launch_cost_s)
         assert f"(step 6, saved at 4 ranks, now {ngpu})" in out
         got = losses(dump)
         assert sorted(got) == list(range(7, 13))
@@ -157,24 +162,68 @@ def test_resharded_restart_from_fsdp_x_ep(tiny_pack, tmp_path):
     assert export_tool.main([str(straight), str(tmp_path / "export"), "--verify"]) == 0
 
 
-def test_sigterm_saves_exits_0_and_the_next_launch_continues(tiny_pack, tmp_path):
+def test_sigterm_saves_exits_0_and_the_next_launch_continues(tiny_pack, tmp_path, launch_cost_s):
     dump = tmp_path / "preempted"
     args = common(tiny_pack, steps=400) + ["--job.dump_folder", str(dump), "--checkpoint.interval", "1000"]
     env = dict(os.environ, NGPU="1", **ENV)
     proc = subprocess.Popen(["./run_train.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     metrics = dump / "metrics.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + LAUNCHES * launch_cost_s
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # wait until it trains
         assert proc.poll() is None and time.monotonic() < deadline, "the run never started training"
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=LAUNCHES * launch_cost_s)
     assert proc.returncode == 0, out[-3000:]
     stopped = max(losses(dump))
     assert stopped < 400 and f"received SIGTERM: stopped after step {stopped}" in out
     assert layout.scan(str(dump / "checkpoint")).newest().step == stopped
-    out = run_train(args + ["--checkpoint.exit_after_step", str(stopped + 2)], 1)
+    out = run_train(args + ["--checkpoint.exit_after_step", str(stopped + 2)], 1, launch_cost_s)
     assert f"(step {stopped})" in out
     rows = [json.loads(r)["step"] for r in metrics.read_text().splitlines()]
     assert rows == list(range(1, stopped + 3))          # continued at the next step, none repeated
+
+
+def _children(pid):
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killing_the_launcher_stops_the_ranks_and_they_save(tiny_pack, tmp_path, launch_cost_s):
+    # kill -9 of torchrun alone used to leave both ranks training to the end, unattended.
+    dump = tmp_path / "orphaned"
+    args = common(tiny_pack, steps=100000) + ["--job.dump_folder", str(dump), "--checkpoint.interval", "100000"]
+    env = dict(os.environ, NGPU="2", **ENV)
+    proc = subprocess.Popen(["./run_train.sh", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    ranks = []
+    try:
+        metrics, deadline = dump / "metrics.jsonl", time.monotonic() + LAUNCHES * launch_cost_s
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # both ranks train
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never started training"
+            time.sleep(0.2)
+        ranks = _children(proc.pid)  # run_train.sh exec'd torchrun, whose children are the ranks
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + LAUNCHES * launch_cost_s  # a bound against hanging, not a timing claim
+        while any(_alive(p) for p in ranks):
+            assert time.monotonic() < deadline, "the ranks kept training after their launcher died"
+            time.sleep(0.2)
+    finally:
+        for p in ranks:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    stopped = max(losses(dump))
+    assert layout.scan(str(dump / "checkpoint")).newest().step == stopped  # saved on the way out
+    assert json.loads((dump / "run.json").read_text())["status"] == "stopped"

@@ -3,6 +3,7 @@ one-line error), before any process group; and a full disk during a save says so
 
 import errno
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -191,6 +192,7 @@ def assert_disk_full_handled(dump, capsys, code):
     found = layout.scan(str(root))
     assert [e.step for e in found.complete] == [2] and not found.incomplete
     assert integrity.verify(str(root / "step-2")) is None
+    assert json.loads((dump / "run.json").read_text())["status"] == "failed"  # not left at "running"
 
 
 def test_disk_full_during_save_on_a_small_tmpfs(tiny_pack, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Checksummed checkpoints (issue #11): every kind of file corrupted (bytes, truncation, deletion)
 makes the resume fall back to the previous checkpoint, bit-identical to a run that never saw the
-corrupt one; load_step of a corrupt one, non-finite weights, export --verify, disk full."""
+corrupt one; load_step of a corrupt one, non-finite weights, export --verify, disk full; a run
+whose checkpoints are all damaged is refused, not restarted."""
 
 import os
 import shutil
@@ -8,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from torchtitan_loom import train
 from torchtitan_loom.components.checkpoint import CheckpointError, integrity, layout
 from torchtitan_loom.config import ConfigError
 from torchtitan_loom.tools import export as export_tool
@@ -124,3 +126,31 @@ def test_checksums_are_recorded_before_the_marker(pristine):
     sums = layout.read_json(str(step / integrity.CHECKSUMS))["files"]
     assert set(sums) == set(os.listdir(step)) - {layout.MARKER, integrity.CHECKSUMS}
     assert sums["__0_0.distcp"]["crc32"] == f"{integrity.crc32_file(str(step / '__0_0.distcp')):08x}"
+
+
+def _tree(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("how", ["truncate", "bytes"])  # found by the config check / by the full CRC at load
+def test_a_run_whose_checkpoints_are_all_damaged_is_refused_never_restarted(tiny_pack, tmp_path, pristine, how,
+                                                                           capsys):
+    dump = tmp_path / "run"
+    shutil.copytree(pristine, dump)
+    for step in (2, 4):
+        corrupt(dump / "checkpoint" / f"step-{step}" / "__0_0.distcp", how)
+    before = _tree(dump)
+    args = ["--data.path", str(tiny_pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
+            "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
+            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--eval.interval", "0",
+            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", *STEPS]
+    capsys.readouterr()
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "every complete checkpoint" in err[0] and "step-2, step-4" in err[0], err
+    assert "--job.overwrite" in err[0]
+    # Nothing written, renamed or deleted: the damaged checkpoints and the history are as they were.
+    assert _tree(dump) == before
+    assert train.main(args + ["--job.overwrite", "true"]) == 0  # the explicit way to start over
+    replaced = [p for p in dump.iterdir() if p.name.startswith("replaced-")]
+    assert len(replaced) == 1 and (replaced[0] / "checkpoint" / "step-4" / "__0_0.distcp").exists()

@@ -143,6 +143,14 @@ def test_shipped_configs_load_and_validate():
         resolve(cfg, 8)
 
 
+def test_gpu_presets_compile_and_debug_stays_eager():
+    # TorchTitan's GPU configs compile; the CPU debug preset does not (a cold compile costs minutes there).
+    for name, compiled in (("loom_329m", True), ("loom_1p7b", True), ("loom_1p7b_float8", True),
+                           ("debug_model", False)):
+        cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / f"{name}.toml")])
+        assert cfg.compile.enable is compiled, name
+
+
 def test_cli_exit_code_2_and_one_line_per_error():
     proc = subprocess.run([sys.executable, "-m", "torchtitan_loom.train", "--training.stepz", "3"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)

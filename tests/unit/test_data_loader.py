@@ -1,5 +1,10 @@
 """Train loader: world-size independence, resume, epoch roll-over; eval loader."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +20,7 @@ from torchtitan_loom.components.data import (
 from torchtitan_loom.components.data.rows import assemble_rows, layout_rows
 from torchtitan_loom.components.tokenizer import ByteTokenizer
 
+ROOT = Path(__file__).resolve().parents[2]
 S = 15  # model sequence length; records of up to 16 tokens
 BYTE_INFO = {"vocab_size": 258, "name_or_path": "byte", "eos_token_id": 256}
 
@@ -198,3 +204,28 @@ def test_eval_on_separate_val_pack_reads_its_epoch_0(pack_dir, tmp_path):
     assert val.holdout_epoch is None
     with pytest.raises(ValueError, match="has no holdout epoch"):
         build_eval_loader(tmp_path / "val", S, 258, 4, 0, 1)
+
+
+def test_loader_without_torchdata_gives_the_same_batches_and_state(pack_dir, tmp_path):
+    # The GPU image has no torchdata: the loader falls back to torch's DataLoader (its state is its own).
+    script = tmp_path / "no_torchdata.py"
+    script.write_text(
+        "import sys\n"
+        "sys.modules['torchdata'] = sys.modules['torchdata.stateful_dataloader'] = None  # import fails\n"
+        "import torch\n"
+        "from torchtitan_loom.components.data import build_train_loader\n"
+        f"ld = build_train_loader({str(pack_dir)!r}, seq_len={S}, vocab_size=258, global_batch_rows=4,"
+        " dp_rank=0, dp_world=1)\n"
+        "assert type(ld).__mro__[1] is torch.utils.data.DataLoader, type(ld).__mro__\n"
+        "it = iter(ld)\n"
+        "batches = [next(it)['input_ids'] for _ in range(3)]\n"
+        "torch.save({'batches': batches, 'state': ld.state_dict()}, sys.argv[1])\n")
+    out = tmp_path / "out.pt"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    got = torch.load(out)
+    ld = build_train_loader(pack_dir, seq_len=S, vocab_size=258, global_batch_rows=4, dp_rank=0, dp_world=1)
+    it = iter(ld)
+    want = [next(it)["input_ids"] for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(got["batches"], want))
+    assert got["state"] == ld.state_dict() == {"epoch": 0, "cursor": 12, "global_batch_rows": 4, "seq_len": S}

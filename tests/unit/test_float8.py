@@ -240,8 +240,9 @@ def test_float8_preset_is_loom_1p7b_plus_the_float8_section():
                     "checkpoint", "data", "metrics", "compile", "activation_checkpoint"):
         assert getattr(f8, section) == getattr(base, section), section
     f8 = load_config(["--job.config_file", str(configs / "loom_1p7b_float8.toml"), "--parallelism.dry_run", "true",
-                      "--float8.emulate", "--training.device", "cpu"])
-    assert resolve(f8, 8).model_args.num_loops == 9  # valid as shipped once the device can run it
+                      "--float8.emulate", "--training.device", "cpu", "--compile.enable", "false"])
+    # valid as shipped once the device can run it (emulated float8 experts do not compile)
+    assert resolve(f8, 8).model_args.num_loops == 9
 
 
 def test_float8_section_is_documented():

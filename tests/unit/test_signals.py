@@ -5,6 +5,7 @@ signal leaves no trace: the resumed run is bit-identical to one never interrupte
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan_loom import launch
 from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.train import Trainer
 from tests.unit.test_checkpoint import assert_same_state, make_trainer, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,3 +106,76 @@ def test_signal_is_acknowledged_within_a_second_from_the_command_line(tiny_pack,
     acks = [t for t, l in lines if f"received {signal.Signals(sig).name}: stopping" in l]
     assert acks and acks[0] - sent < 1.0, (acks, sent)
     assert layout.scan(str(dump / "checkpoint")).newest() is not None
+
+
+def test_an_unreachable_launcher_store_counts_as_the_launcher_gone():
+    from torchtitan_loom.components.preemption import LauncherWatch
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_USE_AGENT_STORE": "True", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    assert LauncherWatch.applies(env) and not LauncherWatch.applies({})
+    gone = threading.Event()
+    reasons = []
+    watch = LauncherWatch.start(env, poll_s=0.01, on_gone=lambda why: (reasons.append(why), gone.set()))
+    try:
+        assert gone.wait(60), "an unreachable store was never noticed"
+    finally:
+        watch.close()
+    assert reasons == [f"the launcher's store 127.0.0.1:{port} is unreachable"]
+
+
+def test_ctrl_c_twice_exits_130_and_run_json_says_stopped(tiny_pack, tmp_path, capfd):
+    class TwiceInterrupted(Trainer):  # Ctrl-C pressed twice during step 3
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+            def hook(module, args):
+                if module.training and self.state.step == 2:
+                    signal.raise_signal(signal.SIGINT)
+                    signal.raise_signal(signal.SIGINT)
+
+            self.model.register_forward_pre_hook(hook)
+
+    argv = ["--data.path", str(tiny_pack), "--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
+            "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
+            "--training.mixed_precision_param", "float32", "--eval.interval", "0",
+            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", *STEPS]
+    assert launch.run(argv, TwiceInterrupted) == 130
+    assert "interrupted (SIGINT): stopped without saving" in capfd.readouterr().err
+    run_json = json.loads((tmp_path / "run.json").read_text())
+    assert run_json["status"] == "stopped" and run_json["step"] == 2  # was left at "running"
+
+
+def test_the_sigint_stop_line_names_the_exit_code_it_exits_with(tiny_pack, tmp_path, capfd):
+    t = make_trainer(tiny_pack, tmp_path, *STEPS)
+    calls = {"n": 0}
+
+    def hook(module, args):  # after step 2's save: the stop is taken between steps, not in a step
+        if module.training and t.state.step == 2 and calls["n"] == 0:
+            calls["n"] += 1
+            signal.raise_signal(signal.SIGINT)
+
+    t.model.register_forward_pre_hook(hook)
+    assert t.train() == 130
+    out = capfd.readouterr().out
+    assert "exiting 130" in out and "exiting 0" not in out, out
+
+
+def test_a_signal_during_a_save_does_not_save_that_step_twice(tiny_pack, tmp_path, capfd):
+    t = make_trainer(tiny_pack, tmp_path, *STEPS)
+    real, saved = t.checkpointer._save, []
+
+    def save_then_signal(step, *args):
+        saved.append(step)
+        real(step, *args)
+        if step == 2:
+            signal.raise_signal(signal.SIGTERM)  # arrives while step 2's save is being written
+
+    t.checkpointer._save = save_then_signal
+    assert t.train() == 0 and t.state.step == 2
+    assert saved == [1, 2]  # step 2 was saved once; the stop that followed it found it saved
+    out = capfd.readouterr().out
+    assert out.count("checkpoint step 2 saved") == 1 and "saved " + str(tmp_path / "checkpoint" / "step-2") in out

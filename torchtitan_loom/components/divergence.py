@@ -1,5 +1,6 @@
-"""When a run stops because it diverged: a spike with ``abort_on_spike``, too many
-consecutive skipped steps, or a non-finite weight after a step. Each stop exits 2 and writes
+"""When a run stops because it diverged: a non-finite loss or gradient (always), a spike with
+``abort_on_spike``, too many consecutive skipped steps, or a non-finite weight after a step. Only
+finite spikes are ever skipped and trained past. Each stop exits 2 and writes
 SPIKE_ABORT.txt; the step it stopped at is never saved (its update may already hold the
 diverged segments), and the newest checkpoint saved before the first skipped step of a streak
 is marked KEEP so pruning never removes it.
@@ -26,11 +27,17 @@ class DivergenceMonitor:
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive = 0
 
-    def after_step(self, step: int, skip_reason: str | None, nonfinite: list[str]) -> str | None:
-        """Update the streak with this step's outcome; a message when the run must stop."""
+    def after_step(self, step: int, skip_reason: str | None, nonfinite: list[str],
+                   nonfinite_stat: str | None = None) -> str | None:
+        """Update the streak with this step's outcome; a message when the run must stop.
+        ``nonfinite``: parameters holding a non-finite value; ``nonfinite_stat``: the step's
+        non-finite loss or gradient (StepResult.non_finite), None when they were finite."""
         if nonfinite:
             return (f"non-finite weights after step {step} ({', '.join(nonfinite)}); stopping, the last "
                     f"checkpoint before this step is kept. Lower optimizer.lr or resume from an earlier step")
+        if nonfinite_stat:  # the weights before this step already produce it: skipping would only repeat it
+            return (f"{nonfinite_stat} at step {step}; stopping without saving this step (its update was not "
+                    f"applied). Lower optimizer.lr and resume from an earlier checkpoint (checkpoint.load_step)")
         if skip_reason is None:
             self.consecutive = 0
             return None

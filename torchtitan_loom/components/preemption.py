@@ -9,13 +9,20 @@ until its first optimizer update (a step abandoned there leaves no trace), so a 
 in the middle of an update. A second SIGINT raises KeyboardInterrupt (stop without saving). Ranks receive a scheduler's signal at
 slightly different moments, so with several processes the flag is agreed by an all-reduce (max):
 every rank stops after the same step, and a rank that got no signal stops too.
+
+A rank started by torchrun also watches its launcher (LauncherWatch): when the agent dies (its
+parent pid changes, or the agent's store stops accepting connections) the rank sends itself
+SIGTERM, so it stops, and saves when checkpoints are on, exactly as if the agent had sent it,
+instead of training unattended to the end.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +46,8 @@ class PreemptionWatcher:
         if enabled and threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        # Also without handlers (checkpoints off): the SIGTERM then ends the process as torchrun's would.
+        self.launcher = LauncherWatch.start() if LauncherWatch.applies(os.environ) else None
 
     @property
     def installed(self) -> bool:
@@ -92,7 +101,82 @@ class PreemptionWatcher:
         return exit_codes.INTERRUPTED if self.agreed == signal.SIGINT else exit_codes.OK
 
     def close(self) -> None:
-        """Put back the handlers that were there before."""
+        """Stop watching the launcher and put back the handlers that were there before."""
+        if self.launcher is not None:
+            self.launcher.close()
+            self.launcher = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def _sigterm_self(reason: str) -> None:
+    try:
+        os.write(1, f"[torchtitan_loom] {reason}: stopping as on SIGTERM\n".encode())
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class LauncherWatch:
+    """A daemon thread that notices the death of the torchrun agent that started this rank.
+
+    Every ``poll_s`` it compares the parent pid with the one at start (the agent is the parent of
+    its workers); local rank 0 also opens a TCP connection to the agent's store (MASTER_ADDR:
+    MASTER_PORT, when TORCHELASTIC_USE_AGENT_STORE says the agent hosts it) every other poll, and
+    ``STORE_FAILURES`` refusals in a row count as the agent gone (a remote node's agent included).
+    One rank noticing is enough: the trainer's stop flag is agreed by every rank. ``on_gone(reason)``
+    runs once, in the thread (default: a line on stdout, then SIGTERM to this process).
+    """
+
+    STORE_FAILURES = 3
+
+    def __init__(self, env: Mapping[str, str], poll_s: float = 1.0,
+                 on_gone: Callable[[str], None] = _sigterm_self) -> None:
+        self.parent = os.getppid()
+        self.poll_s, self.on_gone = poll_s, on_gone
+        self.store = None
+        if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and env.get("LOCAL_RANK", "0") == "0":
+            if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+                self.store = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        self.gone: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loom-launcher-watch", daemon=True)
+
+    @staticmethod
+    def applies(env: Mapping[str, str]) -> bool:
+        """True for a rank started by torchrun's elastic agent (a directly started process has a
+        shell or a scheduler as its parent, whose exit must not stop it: nohup, srun)."""
+        return bool(env.get("TORCHELASTIC_RUN_ID"))
+
+    @classmethod
+    def start(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> LauncherWatch:
+        watch = cls(os.environ if env is None else env, **kwargs)
+        watch._thread.start()
+        return watch
+
+    def _store_reachable(self) -> bool:
+        try:
+            socket.create_connection(self.store, timeout=max(self.poll_s, 1.0)).close()
+            return True
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        failures, n = 0, 0
+        while not self._stop.wait(self.poll_s):
+            n += 1
+            if os.getppid() != self.parent:
+                self.gone = f"the launcher (parent pid {self.parent}) is gone"
+            elif self.store is not None and n % 2 == 0:
+                failures = 0 if self._store_reachable() else failures + 1
+                if failures >= self.STORE_FAILURES:
+                    self.gone = f"the launcher's store {self.store[0]}:{self.store[1]} is unreachable"
+            if self.gone:
+                self.on_gone(self.gone)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self.poll_s + 2)

@@ -6,8 +6,8 @@ the folder holds, and what happens when another launch arrives.
                stale and taken over with a warning. A lock from another host cannot be checked
                from here: the message says which file to delete once that run is known dead.
     run.json   the run's identity (the config keys that define WHAT is trained), its status
-               (running / finished / stopped), and one entry per launch (run_id, start, resumed
-               step). A relaunch whose identity differs, or into a finished run (training.steps
+               (running / finished / stopped / diverged / failed), and one entry per launch
+               (run_id, start, resumed step). A relaunch whose identity differs, or into a finished run (training.steps
                not raised, no checkpoint.load_step given), or that cannot continue the run
                (checkpoints off) is refused unless
                job.overwrite, which moves the old run's files to ``replaced-<run_id>/`` first.
@@ -168,7 +168,8 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
 
 
 def record_launch(cfg: Any, run_id: str, status: str, step: int, resumed_from: int | None = None) -> None:
-    """Write run.json: identity, status ("running", "finished", "stopped"), step, launches."""
+    """Write run.json: identity, status ("running", or how the launch ended: train._record_end), step,
+    launches."""
     dump = cfg.job.dump_folder
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
     run["identity"] = identity(cfg)

@@ -47,5 +47,7 @@ class StepResult:
     """int64 kept assignments per layer, loop and expert, summed over micro-batches and ranks."""
     n_valid: float
     """Valid target tokens of the global batch."""
+    non_finite: str | None = None
+    """Which statistic of which segment was non-finite (the run stops), None when all were finite."""
     diag: dict[str, float | None] | None = None
     """The branch diagnostics of a diagnostic step (components/diagnostics.py), else None."""

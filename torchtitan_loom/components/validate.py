@@ -52,8 +52,8 @@ class Validator:
         """Whether an eval follows global step ``step`` (every ``interval`` steps and the last one)."""
         return bool(self.cfg.interval) and (step % self.cfg.interval == 0 or step == last_step)
 
-    def _micro(self) -> Iterator[dict[str, torch.Tensor]]:
-        for batch in build_eval_loader(**self._loader_args):
+    def _micro(self, loader: Any) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in loader:
             yield from self._micro_batches(batch)
 
     @torch.no_grad()
@@ -62,10 +62,13 @@ class Validator:
         summary) and the routing sums; (None, None) when a stop signal interrupted it."""
         model, num_loops = self.model, self.model.num_loops
         started = time.perf_counter()
-        self.log(f"eval at step {step}: {self.cfg.tokens:,} holdout tokens, {num_loops} loops ...")
+        loader = build_eval_loader(**self._loader_args)
+        read = loader.num_label_tokens  # what this pass reads, which a small holdout keeps below eval.tokens
+        short = f" (the holdout holds fewer than eval.tokens = {self.cfg.tokens:,})" if read < self.cfg.tokens else ""
+        self.log(f"eval at step {step}: {read:,} holdout tokens{short}, {num_loops} loops ...")
         model.eval()
         try:
-            sums = self._run(model, num_loops)
+            sums = self._run(model, num_loops, loader)
         finally:
             model.train()
         if sums is None:
@@ -86,12 +89,13 @@ class Validator:
             result.update(routing.summary())
         return result, routing
 
-    def _run(self, model: Any, num_loops: int) -> tuple[torch.Tensor, torch.Tensor, RoutingStats | None] | None:
+    def _run(self, model: Any, num_loops: int,
+             loader: Any) -> tuple[torch.Tensor, torch.Tensor, RoutingStats | None] | None:
         ce_H = torch.zeros(num_loops, dtype=torch.float64, device=self.device)
         n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
         n_layers, n_experts = model.routing or (0, 0)
         routing: RoutingStats | None = None
-        for mb in self._micro():
+        for mb in self._micro(loader):
             if self._stop_requested():  # a stop signal: drop this eval
                 return None
             carry = None

@@ -23,7 +23,7 @@ from torchtitan_loom.components.lr_scheduler import VALID_KINDS as LR_KINDS
 from torchtitan_loom.components.optimizer import OPTIMIZER_NAMES
 from torchtitan_loom.components.optimizer import VALID_IMPLEMENTATIONS as OPTIMIZER_IMPLEMENTATIONS
 from torchtitan_loom.distributed.activation_checkpoint import AC_MODES
-from torchtitan_loom.distributed.utils import COMPILE_BACKENDS, DEVICES, DTYPES, RESHARD_AFTER_FORWARD
+from torchtitan_loom.distributed.utils import COMPILE_BACKENDS, DEVICES, DTYPES, FSDP_SYNC, RESHARD_AFTER_FORWARD
 from torchtitan_loom.protocols import TrainSpec, get_train_spec
 
 
@@ -138,8 +138,8 @@ class SpikeGuard:
     abort_on_spike: bool = opt(True, "Stop after a step with a skipped segment, exit code 2 (that step is not "
                                      "saved).")
     max_consecutive_skips: int = opt(10, "With abort_on_spike off: stop (exit 2, SPIKE_ABORT.txt) after this many "
-                                         "skipped steps in a row; 0 = never. A non-finite weight after any step "
-                                         "always stops the run.")
+                                         "skipped steps in a row; 0 = never. A non-finite loss, gradient or weight "
+                                         "at any step always stops the run.")
 
 
 @dataclass
@@ -252,6 +252,12 @@ class Parallelism:
         "default", "Free gathered parameters after forward (always) or keep them until backward (never). "
                    "default = never: each block runs K times per forward, so 'always' re-gathers it per loop.",
         choices=tuple(RESHARD_AFTER_FORWARD))
+    fsdp_sync: str = opt(
+        "segment", "When FSDP reduces gradients and frees gathered parameters within a backprop segment: "
+                   "segment = after its last micro-batch (one all-gather and one reduce-scatter per unit "
+                   "and segment; each rank holds unsharded fp32 gradients meanwhile), micro_batch = after "
+                   "every micro-batch's backward (sharded gradients only, traffic × micro-batches).",
+        choices=FSDP_SYNC)
     dry_run: bool = opt(False, "Validate the config, print the mesh layout, batch split, per-rank parameter "
                                "shards, and an estimate of per-rank memory, communication per step, FLOPs, "
                                "step time and MFU with the fastest layout that fits (hardware assumptions "

@@ -9,8 +9,11 @@ FSDP's post-backward reshards, so the next one gathers again) and 2·c times wit
 gradient is reduce-scattered once (autograd sums the c contributions first); with HSDP the
 reduce-scattered shard is then all-reduced over the replicas. Activation checkpointing adds no
 gather (the recompute runs while the unit is gathered for backward). A unit on a mesh of one rank
-makes no call. With ``parallelism.fsdp_sync = "segment"`` the micro-batches of a segment share one
-gather (parameters stay gathered, gradients accumulate unsharded) and one reduction after the last.
+makes no call. With ``parallelism.fsdp_sync = "segment"`` the micro-batches of a segment share the
+gathers (parameters stay gathered, gradients accumulate unsharded until the last micro-batch): c
+gathers per unit and segment with "never", c·(micro + 1) with "always"; one reduction, two for a
+unit called c > 1 times when micro > 1 (the last micro-batch's first backward use already finds
+the accumulated gradients).
 
 Bytes are those of the tensors passed: an all-gather's gathered output, a reduce-scatter's
 unsharded input (FSDP pads each parameter's split dimension to a multiple of the shard degree),
@@ -86,7 +89,12 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
                 group = "dp_shard" if unit.mesh == "fsdp" else "dp_shard_mod_ep"
                 numel, c = padded_numel(unit, n), seg.unit_calls[unit.name]
                 if per_segment_sync:
-                    gathers, reductions = (2 * c * micro if always else 1), 1
+                    # The last micro-batch reshards after each backward use, so a unit used c times
+                    # is gathered c times ("never"), c·(micro + 1) with "always"; FSDP's post-backward
+                    # of its first backward use already finds the earlier micro-batches' gradients,
+                    # so a unit used more than once reduces twice when micro > 1.
+                    gathers = c * (micro + 1) if always else c
+                    reductions = 2 if c > 1 and micro > 1 else 1
                 else:
                     gathers, reductions = (2 * c if always else c) * micro, micro
                 if n > 1:

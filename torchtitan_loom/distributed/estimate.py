@@ -70,7 +70,9 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
         keep_all = cfg.parallelism.fsdp_reshard_after_forward != "always"
         gathered_bytes = pb * (sum(gathered) if keep_all else 2 * max(gathered))
         per_segment_sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch") == "segment"
-        unsharded_grads = rb * sum(gathered) if per_segment_sync else 0
+        # Accumulated in the parameters' own (unpadded) shapes; padding lives in the gather buffers only.
+        full = sum(math.prod(shape) for u in cost.units for shape in u.shapes)
+        unsharded_grads = rb * full if per_segment_sync else 0
     else:
         local, gathered_bytes, unsharded_grads = cost.total_params, 0, 0
     memory = {

@@ -22,9 +22,11 @@ from torch.distributed.tensor import DTensor
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # training.mixed_precision_* values
-# The knobs every parallelize function honours: compile.backend and parallelism.fsdp_reshard_after_forward.
+# The knobs every parallelize function honours: compile.backend, parallelism.fsdp_reshard_after_forward
+# and parallelism.fsdp_sync (when FSDP reduces within a segment: after its last micro-batch, or each).
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 RESHARD_AFTER_FORWARD = {"default": False, "never": False, "always": True}
+FSDP_SYNC = ("segment", "micro_batch")
 
 
 @dataclass(frozen=True)

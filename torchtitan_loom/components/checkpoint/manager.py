@@ -85,6 +85,7 @@ class CheckpointManager:
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._pending: _Pending | None = None
         self.loaded_total_steps: int | None = None
+        self._saved: dict[str, int] = {}  # kind → the step last saved (or in flight) by this process
         self._pg = None
         self._async = self.enabled and cfg.async_mode != "disabled"
         if self._async and self._distributed:
@@ -137,8 +138,9 @@ class CheckpointManager:
             return None
         self._poll()
         c = self.cfg
-        periodic = bool(last or stopping or step % c.interval == 0)
-        snapshot = bool(c.snapshot_interval and step % c.snapshot_interval == 0)
+        # One save per step: a stop that follows this step's save (a signal during it) saves nothing more.
+        periodic = bool(last or stopping or step % c.interval == 0) and self._saved.get("periodic") != step
+        snapshot = bool(c.snapshot_interval and step % c.snapshot_interval == 0) and self._saved.get("snapshot") != step
         if periodic or snapshot:
             self.save(step, periodic=periodic, snapshot=snapshot)
         if not stopping:
@@ -159,6 +161,7 @@ class CheckpointManager:
         tmp = layout.temp_dir(self.root, step, kind)
         try:
             self._save(step, kind, tmp, periodic, snapshot)
+            self._saved.update({k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on})
         except (Exception, CheckpointException) as exc:  # any write failure: clean up, say why, keep the rest
             self._pending = None
             self._failed(step, tmp, exc)

@@ -1,7 +1,8 @@
 """Which checkpoint a run loads, and whether it fits the configured model (checked up front).
 
 Order: ``checkpoint.load_step N`` (must exist, complete) > the newest complete checkpoint of the
-run's folder > ``checkpoint.initial_load_path`` (model-only warm start) > nothing (fresh start).
+run's folder that verifies > ``checkpoint.initial_load_path`` (model-only warm start) > nothing
+(fresh start). A folder whose complete checkpoints all fail verification is refused.
 ``config/validate.py`` calls ``config_errors`` before any process starts, so a checkpoint of a
 different model fails with one message and nothing on disk is touched.
 """
@@ -41,7 +42,8 @@ def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "
     when the chosen checkpoint predates checksums.
 
     Raises ValueError with a user-facing message when ``load_step`` or ``initial_load_path`` point
-    at nothing usable, or when the explicitly requested ``load_step`` fails verification."""
+    at nothing usable, when the explicitly requested ``load_step`` fails verification, or when
+    every complete checkpoint fails it (a run that cannot be continued is never restarted in place)."""
     found = layout.scan(root)
 
     def problem(entry: layout.Entry) -> str | None:
@@ -67,7 +69,14 @@ def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "
         bad = problem(entry)
         if bad is None:
             return LoadChoice(entry.path, entry.step, model_only=False), found, _notes(entry.path, skipped, verify)
+        newest_bad = newest_bad if skipped else bad
         skipped.append(f"skipping corrupt checkpoint {entry.path}: {bad}")
+    if skipped:  # the run has a history that no checkpoint can continue: never start over on top of it
+        names = ", ".join(os.path.relpath(e.path, root) for e in found.complete)
+        raise ValueError(f"every complete checkpoint in {root} is damaged ({names}; the newest: "
+                         f"{newest_bad}): refusing to start over on top of them. Repair or move "
+                         f"them, or pass --job.overwrite true to start a new run (the old files move to "
+                         f"replaced-<run_id>/)")
     if initial_load_path:
         path = warm_start_dir(initial_load_path)
         bad = None if verify == "none" else checkpoint_problem(path, quick=verify == "quick")

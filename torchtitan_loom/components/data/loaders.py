@@ -16,7 +16,11 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from torchdata.stateful_dataloader import StatefulDataLoader
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader as _BaseLoader
+except ImportError:  # e.g. a GPU image without torchdata: the position below is the whole state anyway
+    from torch.utils.data import DataLoader as _BaseLoader
 
 from torchtitan_loom.components.data.pack_format import Pack, PackError, open_pack
 from torchtitan_loom.components.data.rows import RowLayout, assemble_rows, layout_rows
@@ -94,10 +98,11 @@ class GlobalBatchStream(IterableDataset):
         return state
 
 
-class TrainLoader(StatefulDataLoader):
+class TrainLoader(_BaseLoader):
     """StatefulDataLoader whose state is the global position {epoch, cursor} of the next batch.
 
-    The position is advanced in the main process as batches are handed out, so a state taken
+    The state is this class's own (none of the base loader's), so without torchdata the plain
+    torch DataLoader serves as the base with the same batches and the same state. The position is advanced in the main process as batches are handed out, so a state taken
     after n batches resumes at batch n+1 even when workers have prefetched further. Each
     `iter(loader)` continues from the current position.
     """

@@ -3,12 +3,13 @@
 import torch
 
 from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
-from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
+from torchtitan_loom.models.loom.attention import resolve_attn_backend
 from torchtitan_loom.models.loom.cost import loom_cost
 from torchtitan_loom.models.loom.infra.checks import config_errors, layout_errors
 from torchtitan_loom.models.loom.infra.parallelize import parallelize_loom
 from torchtitan_loom.models.loom.model import LoomTransformer
 from torchtitan_loom.models.loom.moe import RoutedExperts, moe_gemm_fallbacks
+from torchtitan_loom.models.loom.target import flash_attn_available
 from torchtitan_loom.protocols import Sharding, TrainSpec, register_train_spec
 
 _LOOM_SIZES = dict(vocab_size=49152, num_loops=9, max_seq_len=1023)

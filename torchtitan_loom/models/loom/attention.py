@@ -2,10 +2,12 @@
 
 Three interchangeable kernels compute the same math, chosen by `LoomModelArgs.attn_backend`:
 - "sdpa": F.scaled_dot_product_attention with a boolean [B, 1, S, S] mask (the CPU reference);
-- "flex": torch flex_attention with a BlockMask (GPU; fused only when the block is compiled);
+- "flex": torch flex_attention with a BlockMask (GPU: always the compiled, fused kernel of
+  flex_compiled.py; CPU: eager, forward only);
 - "flash_attn": flash_attn_varlen_func over (row, document) segments (GPU, package required).
 "auto" picks one of them per forward from the device and the compute dtype (resolve_attn_backend);
-the mask's type then tells each layer which kernel it was built for (mask_backend).
+the mask's type then tells each layer which kernel it was built for (mask_backend). The device is
+the tensors' unless a KernelTarget (target.py) names one.
 A mask is built once per forward by `build_attention_mask` and reused by every layer and loop.
 Incremental decoding (a `KVCache`) always runs the "sdpa" kernel: the new queries attend to the
 cached keys of the same (layer, loop) plus their own, causally (one document per row).
@@ -24,8 +26,8 @@ with a cache: N new positions, P cached + new key positions.
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +37,7 @@ from torch import nn
 from torchtitan_loom.data_contract import PAD_DOC_ID
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
+from torchtitan_loom.models.loom.target import KernelTarget
 
 
 # ---------------------------------------------------------------- RoPE
@@ -63,11 +66,6 @@ def apply_rope(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tenso
 
 
 # ---------------------------------------------------------------- backend choice
-
-
-def flash_attn_available() -> bool:
-    """Whether the flash-attn package is installed (without importing it)."""
-    return importlib.util.find_spec("flash_attn") is not None
 
 
 def resolve_attn_backend(requested: str, device_type: str, dtype: torch.dtype, flash_available: bool) -> str:
@@ -197,10 +195,12 @@ class KVSlot:
 # ---------------------------------------------------------------- kernels
 
 
-def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: torch.Tensor, mask: Any) -> torch.Tensor:
+def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: torch.Tensor, mask: Any,
+           target: KernelTarget | None = None) -> torch.Tensor:
     """Softmax(q k^T / sqrt(d)) v under the document-causal `mask`; returns [B, S, H, d].
 
-    k and v may be longer than q (cached keys first; "sdpa" only).
+    k and v may be longer than q (cached keys first; "sdpa" only). `target`: the device the flex
+    kernel is chosen for (None: the tensors').
     """
     B, S, H, d = q_BSHd.shape
     K = k_BSKd.shape[2]
@@ -210,16 +210,17 @@ def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: tor
         k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
     if backend == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
-
-        if q_BSHd.device.type == "cpu" and torch.is_grad_enabled() and (
+        device_type = q_BSHd.device.type if target is None else target.device_type
+        flex = _flex_kernel(device_type)
+        if device_type == "cpu" and torch.is_grad_enabled() and (
             q_BSHd.requires_grad or k_BSKd.requires_grad or v_BSKd.requires_grad
         ):
             raise RuntimeError(
                 "attn_backend='flex' has no backward on CPU; use attn_backend='sdpa' for CPU "
                 "training (flex works on CPU only under torch.no_grad()).")
         q, k, v = (t.transpose(1, 2) for t in (q_BSHd, k_BSKd, v_BSKd))
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=H != K).transpose(1, 2)
+        call = flex if target is None else functools.partial(target.call, flex)
+        return call(q, k, v, block_mask=mask, enable_gqa=H != K).transpose(1, 2)
     if backend == "flash_attn":
         flash_attn = _import_flash_attn()
         if q_BSHd.dtype not in (torch.float16, torch.bfloat16):
@@ -234,6 +235,18 @@ def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: tor
     raise ValueError(f"attn_backend={backend!r} is not valid; choose one of sdpa, flex, flash_attn")
 
 
+def _flex_kernel(device_type: str):
+    """The compiled flex_attention on CUDA (eager flex materialises the S x S scores there); the
+    eager one elsewhere: CPU flex runs forward only (evaluation), where compiling buys nothing."""
+    if device_type == "cuda":
+        from torchtitan_loom.models.loom.flex_compiled import compiled_flex_attention
+
+        return compiled_flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
 # ---------------------------------------------------------------- module
 
 
@@ -244,6 +257,7 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.backend = args.attn_backend
+        self.kernel_target: KernelTarget | None = None  # None: the tensors' device (see target.py)
         qkv_out = (2 * args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Linear(args.dim, qkv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
@@ -265,7 +279,7 @@ class GatedAttention(nn.Module):
         if kv_slot is not None:
             k_BSKd, v_BSKd = kv_slot.append(k_BSKd, v_BSKd)
             backend = "sdpa"
-        attn_BSHd = attend(backend, q_BSHd, k_BSKd, v_BSKd, mask.kernel)
+        attn_BSHd = attend(backend, q_BSHd, k_BSKd, v_BSKd, mask.kernel, self.kernel_target)
         # where, not a product: an exact 0 for padding queries whatever the kernel gave them.
         attn_BSHd = torch.where(mask.real_BS11, attn_BSHd, attn_BSHd.new_zeros(()))
         gated_BSHd = torch.sigmoid(gate.view(B, S, H, d)) * attn_BSHd

@@ -28,9 +28,11 @@ import torch
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.attention import flash_attn_available, resolve_attn_backend
+from torchtitan_loom.models.loom.attention import resolve_attn_backend
+from torchtitan_loom.models.loom.target import flash_attn_available
 from torchtitan_loom.models.loom.infra.expert_parallel import all_to_alls_per_call
 from torchtitan_loom.models.loom.infra.parallelize import fsdp_units
+from torchtitan_loom.models.loom.moe import expert_capacity
 from torchtitan_loom.protocols import ModelCost, SegmentCost
 
 _F32, _I64 = 4, 8
@@ -64,9 +66,11 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
         flops = N * (T * loop_flops + head_flops)
         recompute = 0.0 if mode == "none" else N * T * loop_flops / 3  # the forward third, once more
         a2a = ()
-        if dims.ep_enabled:  # per MoE call: L per loop
+        if dims.ep_enabled:  # per MoE call: L per loop; with capacity the E*C fixed slots travel
+            capacity = expert_capacity(N, k, E, args.capacity_factor)
+            rows = N * k if capacity is None else E * capacity
             a2a = tuple((f"experts {what}", L * T, nbytes) for what, nbytes in
-                        all_to_alls_per_call(N * k, args.dim, E, c, recompute=mode != "none"))
+                        all_to_alls_per_call(rows, args.dim, E, c, recompute=mode != "none"))
         return SegmentCost(unit_calls=calls, idle_params=idle, all_to_alls=a2a, activation_bytes=acts.peak(mode, T), logits_bytes=acts.logits(),
                            carry_bytes=acts.carry(), flops=flops, recompute_flops=recompute)
 

@@ -26,12 +26,12 @@ from torch import nn
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import (
-    AttentionMask, KVCache, build_attention_mask, build_cache_mask, flash_attn_available,
-    resolve_attn_backend, rope_cos_sin)
+    AttentionMask, KVCache, build_attention_mask, build_cache_mask, resolve_attn_backend, rope_cos_sin)
 from torchtitan_loom.models.loom.block import BRANCHES, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
+from torchtitan_loom.models.loom.target import KernelTarget, target_of
 from torchtitan_loom.protocols import ModelOutput, Routing
 
 TRUNC_NORMAL_GAIN = 1.014762601732121  # restores the std after the fmod-3 fold (spec §3)
@@ -63,6 +63,16 @@ class LoomTransformer(nn.Module):
         # "loop" or "segment" = the loops of one forward call) -> wrapper(fn, *args) that must
         # return fn(*args). Empty = plain calls. Set by distributed/activation_checkpoint.py.
         self.region_wrappers: dict[str, Callable[..., Any]] = {}
+        self.kernel_target: KernelTarget | None = None  # None: kernels chosen from the tensors' device
+
+    def set_kernel_target(self, target: KernelTarget | None) -> None:
+        """Choose every kernel (attention backend, flex compiled or not, grouped GEMM) for
+        `target.device_type` instead of the tensors' device; None restores the default."""
+        self.kernel_target = target
+        for layer in self.layers:
+            layer.attention.kernel_target = target
+            if hasattr(layer.moe.experts, "kernel_device"):  # a float8 module has its own kernels
+                layer.moe.experts.kernel_device = None if target is None else target.device_type
 
     @property
     def num_loops(self) -> int:
@@ -168,11 +178,13 @@ class LoomTransformer(nn.Module):
         return groups
 
     def attention_backend(self, e_BSD: torch.Tensor) -> str:
-        """The attention kernel of this forward: args.attn_backend, "auto" resolved from the device
-        and the compute dtype (autocast's, else the embedding's: FSDP's param dtype)."""
+        """The attention kernel of this forward: args.attn_backend, "auto" resolved from the target
+        device (the embedding's unless set_kernel_target named one) and the compute dtype (autocast's,
+        else the embedding's: FSDP's param dtype)."""
         device_type = e_BSD.device.type
+        target = self.kernel_target or target_of(device_type)
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else e_BSD.dtype
-        return resolve_attn_backend(self.args.attn_backend, device_type, dtype, flash_attn_available())
+        return resolve_attn_backend(self.args.attn_backend, target.device_type, dtype, target.flash_attn)
 
     def _region(self, scope: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
         """fn(*fn_args), through the wrapper registered for `scope` if any (see region_wrappers)."""

@@ -6,7 +6,7 @@ as a tensor argument (the model picks `routers[t-1]`), so a compiled block serve
 Counts of kept assignments are returned, never accumulated in buffers.
 
 Legend: B batch rows, S sequence length, D model dim, N tokens (B*S), E routed experts,
-K routed top-k, A assignments (N*K), I expert width.
+K routed top-k, A assignments (N*K), I expert width, C capacity, X capacity slots (E*C).
 """
 
 from __future__ import annotations
@@ -83,6 +83,25 @@ def capacity_plan(
     return order_A, counts_E, counts_E.clamp_max(capacity), gate_NK
 
 
+def capacity_slots(token_A: torch.Tensor, gate_A: torch.Tensor, counts_E: torch.Tensor,
+                   capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept assignments laid out in E slots of `capacity` rows each (X = E*C), tensor ops only.
+
+    Takes the assignments in capacity_plan's order (grouped by expert, kept ones first in each
+    group) with their tokens and gate weights. Returns (token_X, gate_X): slot e*C + r holds the
+    r-th kept assignment of expert e; an unfilled slot points at token 0 with weight 0.
+    """
+    E, A = counts_E.numel(), token_A.numel()
+    device = token_A.device
+    expert_A = torch.repeat_interleave(torch.arange(E, device=device), counts_E, output_size=A)
+    rank_A = torch.arange(A, device=device) - (torch.cumsum(counts_E, 0) - counts_E)[expert_A]
+    # Dropped assignments all go to one extra slot, cut off below.
+    slot_A = torch.where(rank_A < capacity, expert_A * capacity + rank_A, E * capacity)
+    token_X = token_A.new_zeros(E * capacity + 1).scatter(0, slot_A, token_A)[:-1]
+    gate_X = gate_A.new_zeros(E * capacity + 1).scatter(0, slot_A, gate_A)[:-1]
+    return token_X, gate_X
+
+
 def swiglu(x_MD: torch.Tensor, w13_2ID: torch.Tensor, w2_DI: torch.Tensor) -> torch.Tensor:
     """W_d (silu(W_g x) * W_u x) with W_g, W_u the first and second halves of w13."""
     gate_MI, up_MI = (x_MD @ w13_2ID.t()).chunk(2, dim=-1)
@@ -124,12 +143,13 @@ class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, inter: int, impl: str):
         super().__init__()
         self.impl = impl
+        self.kernel_device: str | None = None  # the device the GEMM path is chosen for; None: the rows'
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter))
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Apply expert e to the rows of its group; rows are grouped by expert, group sizes counts_E."""
-        return run_experts(x_AD, counts_E, self.w13, self.w2, self.impl)
+        return run_experts(x_AD, counts_E, self.w13, self.w2, self.impl, device_type=self.kernel_device)
 
 
 def run_experts(
@@ -139,18 +159,20 @@ def run_experts(
     w2_EDI: torch.Tensor,
     impl: str,
     sizes_E: list[int] | None = None,
+    device_type: str | None = None,
 ) -> torch.Tensor:
     """SwiGLU expert e on the rows of group e (rows grouped by expert, group sizes counts_E).
 
     `sizes_E` = counts_E as Python ints when the caller already has them on the host (expert
-    parallel does), so the per-expert loop does not synchronise a second time.
+    parallel does), so the per-expert loop does not synchronise a second time. `device_type`: the
+    device the GEMM path is chosen for (None: the rows'; see models/loom/target.py).
     """
     D, I = w2_EDI.shape[1], w2_EDI.shape[2]
     # Autocast does not cover _grouped_mm: cast the rows and the weights here (a no-op under FSDP
     # bf16, where both already are), so the routed experts compute in bf16 like the shared ones.
     dtype = expert_dtype(x_AD.device.type, w13_E2ID.dtype)
     x_AD, w13_E2ID, w2_EDI = x_AD.to(dtype), w13_E2ID.to(dtype), w2_EDI.to(dtype)
-    path, _ = gemm_path(x_AD.device.type, dtype, torch.compiler.is_compiling(), D, I, impl)
+    path, _ = gemm_path(device_type or x_AD.device.type, dtype, torch.compiler.is_compiling(), D, I, impl)
     if path == "grouped":
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group ends, stays on device
         h_A2I = torch._grouped_mm(x_AD, w13_E2ID.transpose(-2, -1), offs=offsets_E)
@@ -210,6 +232,13 @@ class LoomMoE(nn.Module):
         self.experts = RoutedExperts(E, D, I, args.moe_impl)
         self.shared_experts = nn.ModuleList([SharedExpert(D, I) for _ in range(args.num_shared_experts)])
 
+    def experts_dtype(self, x_ND: torch.Tensor) -> torch.dtype:
+        """The dtype the routed experts cast their rows to (run_experts, expert parallel); a
+        converted module (float8, no `impl`) quantises the rows as they come."""
+        if getattr(self.experts, "impl", None) is None:
+            return x_ND.dtype
+        return expert_dtype(x_ND.device.type, self.experts.w13.dtype)
+
     def select(self, x_BSD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids [B, S, K] that forward() routes x to (before capacity dropping).
 
@@ -234,12 +263,21 @@ class LoomMoE(nn.Module):
         capacity = expert_capacity(N, K, self.num_experts, self.capacity_factor)
         order_A, counts_E, kept_E, gate_NK = capacity_plan(expert_NK, gate_NK, self.num_experts, capacity)
 
-        # Dispatch every assignment (dropped ones too, weighted 0: fixed shapes, no sync).
-        x_AD = x_ND[order_A // K]
-        out_AD = self.experts(x_AD, counts_E)
-        # Undo the expert grouping: row order_A[i] of the flat [N*K] layout is out_AD[i].
-        out_NKD = out_AD.new_empty(N * K, D).index_copy(0, order_A, out_AD).view(N, K, D)
-        y_ND = (out_NKD * gate_NK.unsqueeze(-1)).sum(dim=1)
+        x_cast_ND = x_ND.to(self.experts_dtype(x_ND))  # before the gather: one [A, D] copy, not two
+        gate_A = gate_NK.reshape(-1)[order_A]
+        token_A = order_A // K
+        if capacity is not None and getattr(self.experts, "takes_capacity_slots", False):
+            # Only the kept assignments, in E fixed slots of C rows (padding weighted 0): shapes
+            # known on the host, so expert parallelism needs no split sizes from the device.
+            token_A, gate_A = capacity_slots(token_A, gate_A, counts_E, capacity)  # [X]: X = E*C
+            out_AD = self.experts(x_cast_ND[token_A], kept_E, capacity=capacity)
+        else:
+            # Every assignment (dropped ones too, weighted 0: fixed shapes, no sync).
+            out_AD = self.experts(x_cast_ND[token_A], counts_E)
+        # Combine: each output weighted by its gate and added into its token's row (no [N, K, D]
+        # buffer). The K terms of a token add up in expert order, not slot order: fp32 rounding.
+        weighted_AD = out_AD * gate_A.unsqueeze(-1)
+        y_ND = weighted_AD.new_zeros(N, D).index_add_(0, token_A, weighted_AD)
         for shared in self.shared_experts:
             y_ND = y_ND + shared(x_ND)
 

@@ -20,19 +20,32 @@ Dispatch protocol of one MoE call (rows x_AD already grouped by expert ascending
   5. combine: the inverse gather restores source-major order, and a second all_to_all_single
      returns every row to its source in its original position, so out_AD lines up with x_AD.
 Backward is the same two all_to_alls in reverse (autograd through the functional collectives).
-Under torch.compile (fullgraph off with EP) step 2 is the one graph break of a call; the rows are
+Under torch.compile (fullgraph off with EP) step 2 is the one graph break of a capacity-off call; the rows are
 cast to the experts' compute dtype before step 3 (bf16 under autocast or FSDP mixed precision).
 Weight gradients land on the local shards: the forward uses `to_local()` of the DTensor params.
 
-Capacity keep/drop (LOOM_SPEC §14) is decided by LoomMoE on the LOCAL tokens before step 1: dropped
-assignments are dispatched with gate weight 0 like in the single-process model, so expert
-parallelism never changes which assignments survive, only where the expert math runs.
+Capacity keep/drop (LOOM_SPEC §14) is decided by LoomMoE on the LOCAL tokens, so expert
+parallelism never changes which assignments survive, only where the expert math runs. With
+capacity off every assignment is dispatched by the protocol above. With capacity C on, at most C
+assignments per expert survive on each rank, so LoomMoE hands over only the kept ones in fixed
+slots (`takes_capacity_slots`, moe.capacity_slots: E slots of C rows, padding weighted 0) and
+the call makes NO host sync:
+  1. kept counts exchange: an all_to_all of kept_E (device tensors, equal splits) gives recv_WL;
+  2. dispatch: an all_to_all_single with equal splits of [L, C] rows per peer (no split sizes);
+  3. the received [W, L, C] slots are put in (local expert, source, slot) order; the grouped GEMM
+     gets the valid rows first (one stable sort on the device) with device offsets and skips the
+     padding; the per-expert loop runs on every slot (padding rows carry weight 0);
+  4. padding rows are zeroed (forward and backward), the inverse gather and a second equal-split
+     all_to_all bring the slots home.
+The padding travels (E·C rows per rank and call instead of the kept ones: at capacity factor f the
+all-to-all moves f·N·K rows, today's capacity-off dispatch N·K) but the grouped GEMM computes only
+kept rows (fewer FLOPs than dispatching dropped rows with weight 0 did); the loop computes all E·C.
 
 Backends: the same collectives (all_to_all_single with uneven, possibly empty splits) run on nccl
 and on gloo, so there is one code path for both.
 
 Legend: A assignment rows of this rank (N*K), D model dim, I expert width, E routed experts,
-W ep ranks, L local experts (E/W), R rows received by this rank.
+W ep ranks, L local experts (E/W), R rows received by this rank, C capacity, X slots (E*C).
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtitan_loom.models.loom.moe import RoutedExperts, expert_dtype, run_experts
+from torchtitan_loom.models.loom.moe import RoutedExperts, expert_dtype, gemm_path, run_experts
 
 
 class ExpertParallelExperts(nn.Module):
@@ -52,6 +65,7 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh):
         super().__init__()
         self.impl = experts.impl
+        self.kernel_device = getattr(experts, "kernel_device", None)  # see models/loom/target.py
         self.ep_mesh = ep_mesh
         # src_data_rank=None: each rank keeps its own slice, no communication. The model's init is
         # layout-independent (the same full tensor everywhere), and on meta there is no data at all.
@@ -64,8 +78,16 @@ class ExpertParallelExperts(nn.Module):
         E, W = self.w13.shape[0], self.ep_mesh.size()
         return f"experts={E}, local_experts={E // W}, ep={W}, impl={self.impl}"
 
-    def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by expert (group sizes counts_E, int64 [E]) -> expert outputs, same order."""
+    takes_capacity_slots = True  # LoomMoE may hand over the kept assignments in fixed slots
+
+    def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+        """Rows grouped by expert (group sizes counts_E, int64 [E]) -> expert outputs, same order.
+
+        With `capacity` C: the rows are E slots of C (slot c of expert e valid when c < counts_E[e]);
+        padding rows come back as zeros, and no host sync is made.
+        """
+        if capacity is not None:
+            return self._forward_slots(x_AD, counts_E, capacity)
         group = self.ep_mesh.get_group()
         W = self.ep_mesh.size()
         E = counts_E.numel()
@@ -84,10 +106,44 @@ class ExpertParallelExperts(nn.Module):
         order_R, back_R = _local_expert_order(recv_WL, sum(recv_splits))
         # 4. local experts on their rows (weights: this rank's shards, autograd reaches the DTensors).
         y_RD = run_experts(
-            recv_RD[order_R], recv_WL.sum(0), self.w13.to_local(), self.w2.to_local(), self.impl, local_sizes_L
-        )
+            recv_RD[order_R], recv_WL.sum(0), self.w13.to_local(), self.w2.to_local(), self.impl, local_sizes_L,
+            device_type=self.kernel_device)
         # 5. back to source-major order, then home.
         return funcol.all_to_all_single_autograd(y_RD[back_R].contiguous(), send_splits, recv_splits, group)
+
+
+    def _forward_slots(self, x_XD: torch.Tensor, kept_E: torch.Tensor, C: int) -> torch.Tensor:
+        group, W = self.ep_mesh.get_group(), self.ep_mesh.size()
+        E, D = kept_E.numel(), x_XD.shape[1]
+        L = E // W
+        dtype = expert_dtype(x_XD.device.type, self.w13.dtype)
+        # 1.-2. kept counts and the slots, equal splits (block j = experts of rank j).
+        recv_WL = funcol.all_to_all_single(kept_E.contiguous(), None, None, group).view(W, L)
+        recv_RD = funcol.all_to_all_single_autograd(x_XD.to(dtype).contiguous(), None, None, group)
+        # 3. (local expert, source, slot) order of the received (source, local expert, slot) rows.
+        device = x_XD.device
+        by_expert_R = torch.arange(W * L * C, device=device).view(W, L, C).transpose(0, 1).reshape(-1)
+        w13, w2 = self.w13.to_local(), self.w2.to_local()
+        kernel = self.kernel_device  # the GEMM path is chosen as run_experts chooses it (models/loom/target.py)
+        path, _ = gemm_path(kernel or device.type, dtype, torch.compiler.is_compiling(), D, w2.shape[2], self.impl)
+        if path == "loop":  # every slot computed: group sizes W*C, known here
+            y_RD = run_experts(recv_RD[by_expert_R], recv_WL.new_full((L,), W * C), w13, w2, self.impl, [W * C] * L,
+                               device_type=kernel)
+            return funcol.all_to_all_single_autograd(y_RD[_inverse(by_expert_R)].contiguous(), None, None, group)
+        valid_WLC = torch.arange(C, device=device) < recv_WL.unsqueeze(-1)
+        valid_R = valid_WLC.transpose(0, 1).reshape(-1)
+        first_R = torch.argsort((~valid_R).to(torch.uint8), stable=True)  # valid rows first, order kept
+        order_R, valid_R = by_expert_R[first_R], valid_R[first_R].unsqueeze(-1)
+        # The grouped GEMM leaves rows past its last offset unwritten: zero them both ways.
+        rows_RD = torch.where(valid_R, recv_RD[order_R], 0)
+        y_RD = torch.where(valid_R, run_experts(rows_RD, recv_WL.sum(0), w13, w2, self.impl, device_type=kernel), 0)
+        # 4. home.
+        return funcol.all_to_all_single_autograd(y_RD[_inverse(order_R)].contiguous(), None, None, group)
+
+
+def _inverse(order_R: torch.Tensor) -> torch.Tensor:
+    """The permutation p with order_R[p] = arange: gathering by it undoes a gather by order_R."""
+    return torch.empty_like(order_R).scatter_(0, order_R, torch.arange(order_R.numel(), device=order_R.device))
 
 
 def all_to_alls_per_call(rows: int, dim: int, experts: int, row_bytes: int, recompute: bool) -> list[tuple[str, int]]:

@@ -14,6 +14,12 @@ Choices made for the looped model (each block runs H times per forward, K per se
   all-reduce per segment. A forward pre-hook on each block turns the DTensor into its local tensor.
 - ``reshard_after_forward`` "default" = False ("never"): a block's parameters are all-gathered
   once per forward instead of once per loop (measured, README "Parallelism").
+- ``fsdp_sync`` "segment" (default): within a segment FSDP reduces gradients (reduce-scatter, and
+  the HSDP all-reduce) only after the last micro-batch, and parameters stay gathered across the
+  segment's micro-batches, so a segment makes one all-gather and one reduce-scatter per unit
+  whatever the micro-batch count. Cost: each rank holds the unsharded fp32 (``reduce_dtype``)
+  gradients of every FSDP unit until the segment's last backward (docs/parallelism.md gives the
+  figures). "micro_batch": FSDP's per-backward behaviour, the sharded gradients only.
 - FSDP's gradient division is off and its reductions are plain sums (gloo has no pre-multiplied
   sum), because the loss is already divided by the global valid-token count.
 - ``cast_forward_inputs=False``: the Looping-Residual memories, the carry and the RoPE tables stay
@@ -38,8 +44,9 @@ from torchtitan_loom.protocols import FsdpUnit, Parallelized
 def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> Parallelized:
     """Apply EP, AC, compile and FSDP2 as configured (in place, on the meta-device model).
 
-    Returns the model and its ``finish_gradients``: without FSDP it sums every gradient over the
-    data-parallel ranks; under FSDP only the replicated routers' (FSDP reduce-scattered the rest).
+    Returns the model, its ``finish_gradients`` (without FSDP it sums every gradient over the
+    data-parallel ranks; under FSDP only the replicated routers', FSDP reduce-scattered the rest)
+    and its ``before_micro_batch`` (FSDP's sync per segment or per micro-batch, ``fsdp_sync``).
     The caller materialises afterwards (``to_empty`` + ``init_weights``, layout-independent).
     """
     cfg = job_config
@@ -66,7 +73,14 @@ def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: 
             unreduced = [p for p in model.parameters() if p.requires_grad]
         reduce_gradients(unreduced, reduce_dtype)
 
-    return Parallelized(model, finish_gradients)
+    def before_micro_batch(last: bool) -> None:
+        # Deferred sync: gradients accumulate unsharded and the gathered parameters stay until the
+        # segment's last backward, which reduces and reshards (before the optimizer step).
+        if parallel_dims.fsdp_enabled and cfg.parallelism.fsdp_sync == "segment":
+            model.set_requires_gradient_sync(last, recurse=True)
+            model.set_reshard_after_backward(last, recurse=True)
+
+    return Parallelized(model, finish_gradients, before_micro_batch)
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True) -> None:

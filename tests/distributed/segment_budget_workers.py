@@ -1,0 +1,58 @@
+"""Rank side of test_segment_budget.py: what a train step costs per segment, per case.
+
+Each case trains the debug model with the real Trainer on the existing gloo group: one uncounted
+step (FSDP's lazy init, the optimizer state), then `steps` steps under a CollectiveCounter and a
+HostSyncCounter. Rank 0 writes the collective counts, the host syncs (every rank must make the
+same number: it checks its own) and the per-segment losses of the counted steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_loom.config import load_config
+from torchtitan_loom.config.validate import resolve
+from torchtitan_loom.distributed.comm_count import CollectiveCounter
+from torchtitan_loom.distributed.utils import DistInfo
+from torchtitan_loom.train import Trainer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
+from host_syncs import HostSyncCounter  # noqa: E402
+
+
+def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        with open(spec_path) as fh:
+            spec = json.load(fh)
+        info = DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
+        for case in spec["cases"]:
+            cfg = load_config(spec["base"] + case["argv"] + ["--job.dump_folder", os.path.join(spec["out"], case["name"])])
+            trainer = Trainer(cfg, resolve(cfg, world), info)
+            data = iter(trainer.dataloader)
+            trainer.train_step(next(data))
+            losses = []
+            # AdamW's step counters live on the host by design: reading them is no device sync.
+            steps = tuple(s["step"] for s in trainer.optimizer.state.values() if torch.is_tensor(s.get("step")))
+            with CollectiveCounter() as counter, HostSyncCounter(ignore=steps) as syncs:
+                for _ in range(spec["steps"]):
+                    losses.append(trainer.train_step(next(data)).seg_losses)
+            per_step = len(syncs.calls) / spec["steps"]
+            assert per_step == len(trainer.segments) or not case.get("sync_budget"), \
+                f"rank {rank}, {case['name']}: {per_step} host syncs per step, {len(trainer.segments)} segments: {syncs.calls}"
+            if rank == 0:
+                with open(os.path.join(spec["out"], case["name"] + ".json"), "w") as fh:
+                    json.dump({"counts": dict(counter.counts), "seg_losses": losses, "host_syncs": syncs.calls,
+                               "segments": len(trainer.segments)}, fh)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

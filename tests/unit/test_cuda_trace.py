@@ -1,0 +1,138 @@
+"""The CUDA path of one training segment, traced on CPU (no GPU, no real weights).
+
+A loom_1p7b-shaped model (micro-batch 8 x 1023, loops 1-3 = the preset's first segment) runs
+forward, the trainer's loss and backward under FakeTensorMode with every kernel decision made for
+CUDA (cuda_trace.py). From the recorded aten ops:
+- every GEMM except the router's runs in bf16 (the routers' three fp32 GEMMs per layer and loop
+  are by design: sigmoid routing decides top-k on them);
+- the routed experts reach torch._grouped_mm with 16-byte-aligned strides (its CUDA kernel's rule);
+- no floating S x S tensor (attention scores) is created: flex runs as one fused kernel;
+- no op forces a device-to-host transfer (budget 0 inside the model: the trainer's one sync per
+  segment is outside it, tests/unit/test_host_sync_budget.py);
+- with float8 (the loom_1p7b_float8 preset on an H200), every linear the converter claims runs
+  its three GEMMs per call on float8 tensors.
+"""
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from cuda_trace import GEMMS, AtenRecorder, cuda_kernel, trace_segment  # tests/unit/cuda_trace.py
+from torchtitan_loom.models.loom import loom_flavors
+
+ARGS = loom_flavors["loom_1p7b"]
+B, S, LOOPS = 8, 1023, (1, 3)
+T = LOOPS[1] - LOOPS[0] + 1
+E = ARGS.num_routed_experts
+ROUTER_GEMMS = 3  # logits = x @ w^T, and its two gradients
+
+
+def tensors(op, n=2):
+    return [a for a in op.args[:n] if isinstance(a, torch.Tensor)]
+
+
+def score_like(t: torch.Tensor) -> bool:
+    """A floating tensor whose last two dims are S (or S padded to a kernel block): attention scores."""
+    return t.dim() >= 2 and t.is_floating_point() and all(S <= n < S + 128 for n in t.shape[-2:])
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """torch._grouped_mm's rule: every non-unit stride and the start offset are 16-byte multiples."""
+    size = t.element_size()
+    strides_ok = all(st * size % 16 == 0 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1)
+    return strides_ok and t.storage_offset() * size % 16 == 0
+
+
+def check_cuda_segment(rec: AtenRecorder, n_layers: int, low_precision_gemm=lambda op: False) -> None:
+    LT = n_layers * T
+    gemms = rec.named(*GEMMS)
+    high = [op for op in gemms if not low_precision_gemm(op)
+            and any(t.dtype != torch.bfloat16 for t in tensors(op))]
+    # The routers' GEMMs (an [*, E] operand, fp32), and nothing else outside bf16.
+    assert all(any(E in t.shape for t in tensors(op)) and all(t.dtype == torch.float32 for t in tensors(op))
+               for op in high), [(op.name, [(t.dtype, tuple(t.shape)) for t in tensors(op)]) for op in high][:5]
+    assert len(high) == ROUTER_GEMMS * LT
+
+    grouped = rec.named("_grouped_mm")
+    assert len(grouped) == 6 * LT  # w13 and w2, forward and both gradients
+    for op in grouped:
+        assert all(t.dtype == torch.bfloat16 and aligned(t) for t in tensors(op)), \
+            [(t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors(op)]
+
+    # Flex attention: one fused forward and backward per layer and loop, and no score tensor.
+    assert len(rec.named("flex_attention")) == LT and len(rec.named("flex_attention_backward")) == LT
+    scores = [(op.name, tuple(t.shape), t.dtype) for op in rec.ops for t in op.outputs if score_like(t)]
+    assert not scores, scores[:5]
+
+
+@pytest.fixture(scope="module")
+def autocast_trace():
+    rec, _ = trace_segment(ARGS, micro_batch=B, seq_len=S, loops=LOOPS, precision="autocast")
+    return rec
+
+
+def test_one_gpu_segment_runs_the_cuda_kernels_in_bf16(autocast_trace):
+    """One GPU, as benchmarks/gpu_check.sh runs it: bf16 autocast over fp32 parameters."""
+    check_cuda_segment(autocast_trace, ARGS.n_layers)
+    # The head: its three GEMMs in bf16 (the logits are upcast after it, for the loss).
+    head = [op for op in autocast_trace.named("mm") if any(ARGS.vocab_size in t.shape for t in tensors(op))]
+    assert len(head) == 3 and all(t.dtype == torch.bfloat16 for op in head for t in tensors(op))
+
+
+def test_fsdp_segment_runs_the_cuda_kernels_in_bf16():
+    """Under FSDP the parameters arrive in bf16 (MixedPrecisionPolicy), without autocast; two
+    layers of loom_1p7b's shape keep it quick (every layer is the same)."""
+    args = dataclasses.replace(ARGS, n_layers=2)
+    rec, _ = trace_segment(args, micro_batch=B, seq_len=S, loops=LOOPS, precision="fsdp")
+    check_cuda_segment(rec, args.n_layers)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+def test_float8_segment_converts_what_it_claims():
+    """loom_1p7b_float8 planned for an H200. The routed experts' fp8-rowwise kernels quantise with
+    triton, which this CPU wheel lacks, so they stay bf16 here (tests/gpu runs them)."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    from torchtitan_loom.components.float8 import Float8Converter, plan_float8
+    from torchtitan_loom.config import load_config
+
+    cfg = load_config(["--job.config_file", "train_configs/loom_1p7b_float8.toml", "--float8.experts", "false"])
+    plan, errors = plan_float8(cfg.float8, "cuda", (9, 0), "NVIDIA H200")
+    assert not errors and plan is not None and not plan.emulate
+    args = dataclasses.replace(ARGS, n_layers=2)
+    rec, report = trace_segment(args, micro_batch=B, seq_len=S, loops=LOOPS, precision="autocast",
+                                convert=Float8Converter(plan).convert)
+    per_layer = ("attention.wqkv", "attention.wo", "moe.shared_experts.0.w13", "moe.shared_experts.0.w2",
+                 "moe.shared_experts.1.w13", "moe.shared_experts.1.w2")
+    assert sorted(report.dense) == sorted(f"layers.{i}.{n}" for i in range(args.n_layers) for n in per_layer)
+
+    def is_float8(op):
+        return all(isinstance(t, Float8TrainingTensor) for t in tensors(op))
+
+    # Each claimed linear runs once per loop: forward and its two gradients, all on float8 tensors.
+    assert len([op for op in rec.named("mm") if is_float8(op)]) == 3 * len(report.dense) * T
+    check_cuda_segment(rec, args.n_layers, low_precision_gemm=is_float8)
+
+
+def test_eager_flex_on_cuda_would_show_as_scores():
+    """The check above can fail: flex attention left uncompiled on CUDA (what 'auto' ran before)
+    computes the reference math, whose S x S scores the trace sees."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    with FakeTensorMode():
+        q = torch.randn(1, 2, S, 64, requires_grad=True)
+        mask = create_block_mask(lambda b, h, i, j: i >= j, 1, None, S, S, device="cpu")
+        rec = AtenRecorder()
+        with rec:
+            cuda_kernel(flex_attention, q, q, q, block_mask=mask).sum().backward()
+    assert any(score_like(t) for op in rec.ops for t in op.outputs)
+
+
+def test_a_host_sync_in_the_segment_fails_the_trace():
+    """The budget check can fail: the per-expert loop reads its group sizes on the host."""
+    args = dataclasses.replace(ARGS, n_layers=1, moe_impl="loop")
+    with pytest.raises(AssertionError, match=r"host sync: aten._local_scalar_dense"):
+        trace_segment(args, micro_batch=1, seq_len=64, loops=(1, 1), precision="autocast")

@@ -1,0 +1,63 @@
+"""The lean MoE combine: LoomMoE.forward weights the expert outputs by their gates and adds them
+into [N, D] (no [N, K, D] copy; rows gathered in the experts' compute dtype). Against the combine
+it replaced (`before_forward` of benchmarks/moe_layer.py, the benchmark's reference): the same
+output and gradients to fp32 rounding, and fewer bytes allocated per forward + backward.
+
+Tolerance: the K terms of a token are now added in expert order instead of slot order, so fp32
+results move by a few ulps (relative 1e-6 bounds it with room; a wrong weight or a lost term moves
+them by ~1e-1). Gradients of the experts' inputs see the same per-row values (exact).
+"""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_loom.models.loom import loom_flavors
+from torchtitan_loom.models.loom.moe import LoomMoE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench():
+    spec = importlib.util.spec_from_file_location("moe_layer_bench", ROOT / "benchmarks" / "moe_layer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def small_moe(capacity_factor: float) -> LoomMoE:
+    args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32,
+                                         capacity_factor=capacity_factor)
+    moe = LoomMoE(args)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return moe
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+@pytest.mark.parametrize("precision", ["float32", "autocast"])
+def test_lean_combine_matches_the_old_one_and_allocates_less(capacity_factor, precision):
+    b = bench()
+    moe = small_moe(capacity_factor)
+    router_w = moe.routers[0].detach().clone().requires_grad_(True)
+    x = torch.randn(2, 96, 64, generator=torch.Generator().manual_seed(1))
+    grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    y0, g0 = b.fwd_bwd(b.before_forward, moe, x, router_w, grad_y, precision)
+    y1, g1 = b.fwd_bwd(b.after_forward, moe, x, router_w, grad_y, precision)
+    # fp32: a few ulps. autocast: the outputs are fp32 sums of bf16 expert outputs (same few ulps);
+    # gradients pass through bf16 GEMMs whose inputs differ by those ulps, so bf16 rounding (2^-8).
+    grad_tol = 1e-6 if precision == "float32" else 1e-2
+    assert ((y1 - y0).abs().max() / y0.abs().max()).item() <= 1e-6
+    for a, c in zip(g0, g1):
+        if a is not None:
+            assert ((c - a).abs().max() / a.abs().max()).item() <= grad_tol
+    before, _ = b.allocation_profile(b.before_forward, moe, x, router_w, grad_y, precision)
+    after, _ = b.allocation_profile(b.after_forward, moe, x, router_w, grad_y, precision)
+    A, D = x.shape[0] * x.shape[1] * moe.top_k, x.shape[-1]
+    # At least the [N, K, D] copy of the outputs (fp32 here: the weighted sum is fp32) is gone.
+    assert before - after >= A * D * 4, (before, after)
