@@ -40,6 +40,9 @@ PY"""
 DRY_RUN = ("python -m torchtitan_loom.train --job.config_file train_configs/loom_1p7b.toml \\\n"
            "    --parallelism.dry_run --parallelism.dry_run_world_size 64 --parallelism.dp_replicate 2 --parallelism.ep 2")
 MEMORY_TIME = "python benchmarks/memory_time.py --steps 2"
+ESTIMATE = "python -m torchtitan_loom.train --job.config_file train_configs/loom_1p7b.toml --parallelism.dry_run"
+ESTIMATE_SHOWN = (ESTIMATE.replace(" --parallelism.dry_run", " --parallelism.dry_run \\\n   ")
+                  + " --parallelism.dry_run_world_size 8     # and 64; 512 with --training.micro_batch_size 2")
 RESHARD = "python benchmarks/memory_time.py --reshard --steps 3"
 METRICS_SIZE = "python benchmarks/metrics_size.py"
 DIAG_COST = "python benchmarks/diag_cost.py --cpu --preset debug --rounds 10 --out /tmp/diag_cost"
@@ -232,8 +235,45 @@ def dry_run_console(ctx: Context) -> str:
     res = ctx.run(DRY_RUN)
     lines = res.console.rstrip("\n").split("\n")
     head = [ln for ln in lines[:12] if not ln.startswith("  mesh ")][:3]
-    tail = lines[next(i for i, ln in enumerate(lines) if ln.startswith("rank 0 memory estimate")):]
-    return block(res, "\n".join(head + ["..."] + tail))
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("estimate per rank"))
+    wanted = ("estimate per rank", "gathered parameters", "unsharded gradient", "total", "step time:", "recommended:")
+    out, cut = head + ["..."], False
+    for ln in lines[start:]:
+        if ln.strip().startswith(wanted):
+            out.append(ln)
+            cut = False
+        elif not cut:
+            out.append("...")
+            cut = True
+    return block(res, "\n".join(out))
+
+
+def _estimate(ctx: Context, extra: str) -> tuple[dict, str]:
+    out = ctx.runner.run(f"{ESTIMATE} {extra}").console
+    est = out[out.index("estimate per rank"):]
+    step = re.search(r"-> ([\d.]+) s per step, MFU ([\d.]+)%", est)
+    total = re.search(r"^\s+total\s+([\d.]+)", est, re.M)
+    rec = re.search(r"recommended: --parallelism.dp_replicate (\d+) --parallelism.dp_shard (\d+) --parallelism.ep (\d+)", est)
+    layout = f"dp_replicate {rec[1]} × dp_shard {rec[2]}, ep {rec[3]}"
+    best = re.search(re.escape(layout) + r": ([\d.]+) s per step, MFU ([\d.]+)%, ([\d.]+) GiB", est)
+    short = layout.replace("dp_replicate 1 × ", "").replace(", ep 1", "")
+    return dict(step=step[1], mfu=step[2], mem=f"{float(total[1]):.1f}", rec=short, rec_step=best[1], rec_mfu=best[2],
+                rec_mem=best[3]), est
+
+
+def dry_run_estimates(ctx: Context) -> str:
+    rows = ["| GPUs | layout | step time | MFU | memory per rank | recommended layout | step time | MFU | memory per rank |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for world, extra in ((8, ""), (64, ""), (512, " --training.micro_batch_size 2")):
+        e, _ = _estimate(ctx, f"--parallelism.dry_run_world_size {world}{extra}")
+        same = e["rec"] == f"dp_shard {world}"
+        rows.append(f"| {world} | dp_shard {world} (the default) | {e['step']} s | {e['mfu']}% | {e['mem']} GiB | "
+                    + ("the same" if same else e["rec"]) + f" | {e['rec_step']} s | {e['rec_mfu']}% | {e['rec_mem']} GiB |")
+    _, est = _estimate(ctx, "--parallelism.dry_run_world_size 64 --parallelism.dp_replicate 8")
+    excerpt = est[:est.index("\n", est.index("  step time:"))]
+    return ("```bash\n" + ESTIMATE_SHOWN + "\n```\n\n" + "\n".join(rows) + "\n\n"
+            "The estimate at 64 GPUs with the recommended layout (`--parallelism.dp_replicate 8`):\n\n"
+            "```\n" + excerpt + "\n```")
 
 
 # ----- docs/checkpoints.md
@@ -358,6 +398,7 @@ PRODUCERS: dict[str, Producer] = {
     "suite-duration": Producer((), suite_duration, needs="suite_log"),
     "preset-sizes": Producer((), preset_sizes),
     "dry-run-console": Producer((DRY_RUN,), dry_run_console),
+    "dry-run-estimates": Producer((), dry_run_estimates),
     "reshard-table": Producer((RESHARD,), reshard_table),
     "memory-time-table": Producer((MEMORY_TIME,), memory_time_table),
     "checksum-cost": Producer((), checksum_cost),
