@@ -29,8 +29,9 @@ from torchtitan_loom.tools.loading import Loaded
 MODELING_FILE = "modeling_loom.py"
 _PKG = Path(torchtitan_loom.__file__).parent
 # Stitch order: every module after the ones it imports from.
-MODEL_SOURCES = ("data_contract.py", "models/loom/args.py", "models/loom/looping_residual.py", "models/loom/attention.py",
-                 "models/loom/moe.py", "models/loom/block.py")
+MODEL_SOURCES = ("data_contract.py", "models/loom/args.py", "models/loom/target.py", "models/loom/flex_compiled.py",
+                 "models/loom/looping_residual.py", "models/loom/attention.py", "models/loom/moe.py",
+                 "models/loom/block.py")
 PROTOCOL_NAMES = ("ModelOutput", "Routing")
 WRAPPER_SOURCE = "models/loom/infra/hf_wrapper_template.py"
 
@@ -62,7 +63,10 @@ def _strip(source: str, keep: tuple[str, ...] | None = None) -> tuple[str, set[s
             if isinstance(target, ast.Name):
                 defined.add(target.id)
         start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        text = "\n".join(lines[start - 1:node.end_lineno])
+        # Lazy internal imports inside functions go too: their names are stitched in at top level.
+        nested = {n for sub in ast.walk(node) if sub is not node and isinstance(sub, (ast.Import, ast.ImportFrom))
+                  and _is_internal(sub) for n in range(sub.lineno, sub.end_lineno + 1)}
+        text = "\n".join(line for n, line in enumerate(lines[start - 1:node.end_lineno], start) if n not in nested)
         is_import = isinstance(node, (ast.Import, ast.ImportFrom))
         if pieces and not (is_import and pieces[-1][0]):
             text = "\n\n" + text  # PEP 8 spacing between top-level statements
