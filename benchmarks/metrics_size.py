@@ -21,7 +21,8 @@ from torchtitan_loom.components.metrics import MetricsLogger
 from torchtitan_loom.components.routing_stats import RoutingStats
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve_model_args
-from torchtitan_loom.train import segments
+from torchtitan_loom.protocols import segments
+from torchtitan_loom.config.schema import Metrics
 
 
 def row_sizes(config_file: str) -> dict[str, float]:
@@ -45,7 +46,7 @@ def row_sizes(config_file: str) -> dict[str, float]:
         for kind, scalars, extra in (("train", train, None), ("train+load", train, {"expert_load": load}),
                                      ("eval+load", {**train, **evals}, {"expert_load": load})):
             path = os.path.join(tmp, kind + ".jsonl")
-            with MetricsLogger(tmp, enable_tensorboard=False, jsonl_name=kind + ".jsonl") as logger:
+            with MetricsLogger(tmp, Metrics(enable_tensorboard=False), jsonl_name=kind + ".jsonl") as logger:
                 logger.log(1000, scalars, extra)
             sizes[kind] = os.path.getsize(path)
     per_k = 1000 / cfg.metrics.log_freq

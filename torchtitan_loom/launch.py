@@ -91,8 +91,9 @@ def _train(cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trai
         _record_end(trainer, "failed")
         return _errors("data", exc)
     except (CheckpointSaveError, KeyboardInterrupt) as exc:  # disk full; or SIGINT twice / checkpoints off
-        if trainer is not None:
-            trainer.close()
+        if trainer is not None:  # no waiting on an in-flight save: put the handlers back, close the files
+            trainer.stop_signals.close()
+            trainer.metrics.close()
         if isinstance(exc, KeyboardInterrupt):
             _record_end(trainer, "stopped")
             print("interrupted (SIGINT): stopped without saving", file=sys.stderr)

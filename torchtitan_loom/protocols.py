@@ -1,32 +1,29 @@
-"""What the trainer knows about a model: the ModelProtocol, its output types, and the TrainSpec
+"""What the trainer knows about a model: the ModelProtocol, its output type, and the TrainSpec
 registry (TorchTitan v0.2.2 spirit: a named spec carries the model class, its flavors and the
-parallelize function).
+parallelize function, plus what the tools around the trainer need to know about the model).
 
-Legend: B batch rows, S sequence length, D model dim, V vocab, L layers, T loops in the range
-run, E routed experts, K routed top-k.
+The legend of the whole package (a file that uses a letter otherwise says so in its own legend):
+B batch rows, S sequence length, D model dim, V vocab, L layers, H loops of a full forward, T loops of
+the range a call runs, E routed experts, K routed top-k. A shape suffix names a tensor's axes in order
+(x_BSD is [B, S, D]).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 
-class LoopCarry(NamedTuple):
-    """State handed from one loop range to the next: the stream and the H-axis memory (fp32)."""
-
-    z_BSD: torch.Tensor
-    h_num_BSD: torch.Tensor
-    h_den_BS1: torch.Tensor
-
-    def detach(self) -> "LoopCarry":
-        """Values only, no autograd history (segment boundary of truncated backprop)."""
-        return LoopCarry(*(t.detach() for t in self))
+def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
+    """1-based inclusive loop ranges of the backprop segments; seg_len 0 = one segment."""
+    if seg_len <= 0 or seg_len >= num_loops:
+        return [(1, num_loops)]
+    return [(a, min(a + seg_len - 1, num_loops)) for a in range(1, num_loops + 1, seg_len)]
 
 
 class ModelOutput(NamedTuple):
@@ -34,55 +31,65 @@ class ModelOutput(NamedTuple):
 
     logits_BSV: torch.Tensor
     """fp32 logits of the head applied to the state after loop_end."""
-    carry: LoopCarry
-    """State after loop_end, NOT detached (the caller detaches)."""
-    counts_LTE: torch.Tensor
-    """int64 kept (post-capacity) assignments per layer, per loop of the range, per expert."""
+    carry: Any
+    """State after loop_end, opaque to the trainer, NOT detached: handed back as ``carry`` to run the
+    next loops, and ``carry.detach()`` at a segment boundary (a tensor qualifies)."""
     aux_loss: torch.Tensor
-    """Scalar: router_z_loss_coef * sum over layers and loops of the z-loss term (0 when off)."""
+    """Scalar auxiliary loss added to the step's loss (0 when the model has none)."""
+    counts_LTE: torch.Tensor | None = None
+    """int64 kept assignments per layer, per loop of the range, per routed expert; None for a model
+    without routed experts (``ModelProtocol.routing`` is None)."""
     topk_LTBSK: torch.Tensor | None = None
-    """int64 routed expert ids chosen (top-k, before capacity) per layer, loop, token; only with
-    return_topk=True (analysis / eval), else None so training carries nothing extra."""
+    """int64 routed expert ids chosen per layer, loop, token; only with return_topk=True (eval,
+    analysis) on a routed model, else None so training carries nothing extra."""
     observed_LTNK: torch.Tensor | None = None
     """The caller's `observe` function applied to each of the N observed branch outputs (see
     ModelProtocol.observation_layout) of every layer and loop of the range, stacked; None without it."""
+
+
+class Routing(NamedTuple):
+    """How a model with routed experts reports them (``ModelProtocol.routing``)."""
+
+    num_layers: int
+    """L of ``counts_LTE`` / ``topk_LTBSK``."""
+    num_experts: int
+    """E of ``counts_LTE``."""
 
 
 @runtime_checkable
 class ModelProtocol(Protocol):
     """Everything the trainer uses of a model, and nothing about its internals.
 
-    The trainer reads no model-specific field: shapes of the step's buffers, FLOPs, the bias update
-    and the activation-checkpoint seam all come through this surface (a second model registered in
-    tests/unit/test_protocol.py trains through the same trainer).
+    The trainer reads no model-specific field: shapes of the step's buffers, FLOPs, memory terms, the
+    bias update and the activation-checkpoint seam all come through this surface (a second model
+    registered in tests/unit/test_protocol.py trains through the same trainer).
     """
 
     args: Any
-    """The typed model args (a frozen dataclass with `validate()`, `init_seed`, `vocab_size`)."""
+    """The typed model args: a frozen dataclass with ``validate()``, ``init_seed``, ``vocab_size`` and
+    ``max_seq_len``; its other fields are the model's own ``[model]`` config keys."""
     region_wrappers: dict[str, Callable[..., Any]]
     """The AC seam: scope -> wrapper(fn, *args) that must return fn(*args); empty = plain calls.
-    Scopes are the model's own (LOOM: "block", "loop", "segment"); parameter names never change."""
+    Scopes are the model's own; parameter names never change."""
 
     @property
     def num_loops(self) -> int:
         """H, the number of loops of a full forward."""
         ...
 
+    @property
+    def routing(self) -> Routing | None:
+        """The routed experts' shape, or None for a model without any."""
+        ...
+
     def init_weights(self) -> None:
         """(Re)initialise every parameter and buffer in place, layout-independently."""
         ...
 
-    def __call__(
-        self,
-        tokens_BS: torch.Tensor,
-        positions_BS: torch.Tensor,
-        doc_ids_BS: torch.Tensor,
-        loop_start: int = 1,
-        loop_end: int | None = None,
-        carry: LoopCarry | None = None,
-        return_topk: bool = False,
-        observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> ModelOutput:
+    def __call__(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, doc_ids_BS: torch.Tensor,
+                 loop_start: int = 1, loop_end: int | None = None, carry: Any = None,
+                 return_topk: bool = False, observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1.
         return_topk=True also fills ModelOutput.topk_LTBSK; `observe` (a pure function of one branch
         output [B, S, D] returning a 1-D tensor, the same length every call) fills observed_LTNK."""
@@ -98,13 +105,13 @@ class ModelProtocol(Protocol):
         listed even when empty, so the key set does not depend on the layout."""
         ...
 
-    def expert_counts_shape(self) -> tuple[int, int]:
-        """(L, E) of `ModelOutput.counts_LTE`; (0, 0) for a model without routed experts."""
+    def carry_stream(self, carry: Any) -> torch.Tensor:
+        """The [B, S, D] stream held in ``carry`` (the eval's stream statistics read it)."""
         ...
 
     def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
-        """Apply the once-per-step routing-bias update from loads summed over loops, micro-batches and
-        ranks (LOOM_SPEC §5.2); a no-op for a model without one."""
+        """Once per step, from the loads summed over loops, micro-batches and ranks; a no-op for a
+        model without a routing bias."""
         ...
 
     def param_counts(self) -> dict[str, int]:
@@ -114,6 +121,11 @@ class ModelProtocol(Protocol):
     def flops_per_token(self, seq_len: int, head_calls: int = 1) -> float:
         """Training FLOPs per token over all loops (forward + backward); the head counted `head_calls`
         times (once per backprop segment)."""
+        ...
+
+    def saved_values_per_token(self, loops: int, checkpointed: bool) -> int:
+        """Activation values one token keeps for the backward of ``loops`` loops (without the logits);
+        ``checkpointed``: activation checkpointing is on. The start line's memory estimate."""
         ...
 
 
@@ -176,21 +188,60 @@ class ModelCost(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How the dry run's parameter report folds the model's repeated units (by parameter name)."""
+
+    repeated_unit: str | None = None
+    """Regex matching the name prefix of a repeated unit, its index the first group (e.g. a layer):
+    units whose parameters match the first one's are reported once."""
+    unit_name: str = "unit"
+    """What one repeated unit is called in the report ("layer")."""
+
+
+@dataclass(frozen=True)
 class TrainSpec:
-    """A registered model: its class, its named argument sets, and how to parallelize it."""
+    """A registered model: its class, its named argument sets, how to parallelize it, and what the
+    config, the dry run and the float8 converter need to know about it."""
 
     name: str
     model_cls: type[nn.Module]
     model_args: Mapping[str, Any]
-    """flavor name -> model args (e.g. LoomModelArgs)."""
+    """flavor name -> model args (a frozen dataclass; its fields are the ``[model]`` config keys)."""
     parallelize_fn: Callable[..., Parallelized] | None = None
     """parallelize(model, parallel_dims, job_config) -> Parallelized; None = a plain replicated model."""
     kernel_report_fn: Callable[..., list[str]] | None = None
     """kernel_report(model, device_type, compute_dtype, compiling) -> log lines naming the kernels the
     model will use on this device (attention backend, GEMM fallbacks); the trainer logs them once."""
+    arg_choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """[model] key -> its valid string values (shown by --help, checked on load)."""
+    relaunch_tunable: tuple[str, ...] = ()
+    """Args that may change between launches of one run and between save and resume (same math)."""
+    config_errors_fn: Callable[..., list[str]] | None = None
+    """config_errors(job_config, model_args, parallel_dims | None) -> one line per problem of the model
+    with this config (checked before any process group exists)."""
+    layout_errors_fn: Callable[[Any, Any], list[str]] | None = None
+    """layout_errors(model_args, parallel_dims) -> one line per rule of the model that this layout
+    breaks (the config check and every layout the dry run's estimate ranks)."""
+    num_experts_fn: Callable[[Any], int | None] | None = None
+    """model args -> routed experts to split over the ep mesh (None: the model cannot use ep)."""
+    sharding: Sharding = Sharding()
+    float8_never_convert: tuple[str, ...] = ()
+    """Module-name segments the float8 converter never converts (e.g. embedding, head, routers)."""
+    float8_expert_cls: type[nn.Module] | None = None
+    """The grouped routed-expert module the float8 expert converter targets (None: no experts)."""
+    portable_args_fn: Callable[[Any, bool], Any] | None = None
+    """portable_args(args, decoding) -> the args the inference tools run a trained model with: kernels
+    that run on any device, the training math unchanged; ``decoding`` also makes each token's result
+    independent of the rest of the batch (incremental decoding). None: the args as trained."""
+
     cost_fn: Callable[..., ModelCost] | None = None
     """cost(model_args, parallel_dims, job_config) -> ModelCost: FSDP units, FLOPs and activation
     bytes per segment, read by the dry run's estimate (None: the dry run prints no estimate)."""
+
+
+def portable_args(spec: TrainSpec, args: Any, decoding: bool) -> Any:
+    """``spec.portable_args_fn(args, decoding)``, or ``args`` when the spec has none."""
+    return args if spec.portable_args_fn is None else spec.portable_args_fn(args, decoding)
 
 
 # The registry is the only module-level mutable state in the package: specs register once at

@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from torchtitan_loom.components.downstream import build_scorer
 from torchtitan_loom.components.float8 import build_float8_converter
 from torchtitan_loom.components.gc_control import GarbageCollection
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
-from torchtitan_loom.components.lr_scheduler import build_lr_scheduler
+from torchtitan_loom.components.lr_scheduler import build_lr_scheduler, extension_note
 from torchtitan_loom.components.metrics import MetricsLogger, peak_flops
 from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
 from torchtitan_loom.components.preemption import PreemptionWatcher
@@ -41,59 +40,13 @@ from torchtitan_loom.components.progress import start_report
 from torchtitan_loom.components.run_folder import new_run_id, record_launch
 from torchtitan_loom.components.spike_guard import SpikeGuard
 from torchtitan_loom.components.step_metrics import StepMetrics
+from torchtitan_loom.components.train_state import StepAbandoned, StepResult, TrainState
 from torchtitan_loom.components.validate import Validator
 from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.config.validate import Resolved
+from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
-from torchtitan_loom.protocols import ModelProtocol, get_train_spec
-
-
-class StepAbandoned(Exception):
-    """A stop signal arrived before the step's first optimizer update."""
-
-
-def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
-    """1-based inclusive loop ranges of the backprop segments; seg_len 0 = one segment."""
-    if seg_len <= 0 or seg_len >= num_loops:
-        return [(1, num_loops)]
-    return [(a, min(a + seg_len - 1, num_loops)) for a in range(1, num_loops + 1, seg_len)]
-
-
-class TrainState:
-    """Step counters that must survive a restart (Stateful)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.tokens_seen = 0
-        self.skipped_segments = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_segments": self.skipped_segments}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
-        self.skipped_segments = int(sd.get("skipped_segments", 0))
-
-
-@dataclass
-class StepResult:
-    """What one global step did (``Trainer.train_step``)."""
-
-    seg_losses: list[float]
-    """Global token-mean loss of every segment that ran (a skipped one included, then none after it)."""
-    grad_norm: float | None
-    """Pre-clip gradient norm of the last segment that stepped; None when no segment stepped."""
-    lr: float
-    skip_reason: str | None
-    """Why a segment was skipped (the rest of the step with it), None when every segment stepped."""
-    counts_LHE: torch.Tensor
-    """int64 kept assignments per layer, loop and expert, summed over micro-batches and ranks."""
-    n_valid: float
-    """Valid target tokens of the global batch."""
-    non_finite: str | None = None
-    """Which statistic of which segment was non-finite (the run stops), None when all were finite."""
-    diag: dict[str, float | None] | None = None
-    """The branch diagnostics of a diagnostic step (components/diagnostics.py), else None."""
+from torchtitan_loom.protocols import ModelProtocol, get_train_spec, segments
 
 
 class Trainer:
@@ -117,10 +70,10 @@ class Trainer:
         with torch.device("meta"):
             model = self.spec.model_cls(model_args)
         if info.rank == cfg.metrics.log_rank:  # within seconds of start, before anything is allocated
-            for line in start_report(cfg, model_args, self.parallel_dims, model,
+            for line in start_report(cfg, self.parallel_dims, model,
                                      len(segments(model.num_loops, t.bp_segment_len)), self.device, self.compute_dtype):
                 self.log(line)
-        self.float8 = build_float8_converter(cfg.float8, t.device)  # None unless float8.enable
+        self.float8 = build_float8_converter(cfg.float8, t.device, self.spec)  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
         if self.spec.parallelize_fn is not None:
@@ -146,13 +99,11 @@ class Trainer:
         self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
         counts = model.param_counts()
 
-        o, s, g = cfg.optimizer, cfg.lr_scheduler, cfg.spike_guard
-        self.optimizer = build_optimizer(model, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                                         weight_decay=o.weight_decay, implementation=o.implementation)
+        s = cfg.lr_scheduler
+        self.optimizer = build_optimizer(model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps=t.steps, warmup_ratio=s.warmup_ratio,
                                                decay_ratio=s.decay_ratio, min_ratio=s.min_ratio, kind=s.kind)
-        self.spike_guard = SpikeGuard(enabled=g.enable, delta=g.delta, rel=g.rel, ratio=g.ratio, hard=g.hard,
-                                      ema=g.ema, warmup_steps=g.warmup_steps)
+        self.spike_guard = SpikeGuard(cfg.spike_guard)
         self.state = TrainState()
 
         data_path = cfg.data.path or bundled_corpus_path(cfg.data.cache_dir or None, log=self.log)
@@ -162,10 +113,8 @@ class Trainer:
         self.dataloader = build_train_loader(data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
                                              global_batch_rows=t.global_batch_size, dp_rank=info.rank,
                                              dp_world=self.parallel_dims.dp, tokenizer_name=self.tokenizer_name)
-        self.metrics = MetricsLogger(cfg.job.dump_folder, enable_tensorboard=cfg.metrics.enable_tensorboard,
-                                     tb_folder=cfg.metrics.tb_folder, rank=info.rank,
-                                     log_rank=cfg.metrics.log_rank, run_id=self.run_id,
-                                     enable_wandb=cfg.metrics.enable_wandb, wandb_config=cfg.to_dict())
+        self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, rank=info.rank, run_id=self.run_id,
+                                     wandb_config=cfg.to_dict())
         # The head runs once per segment, so it counts once per segment (see the model docstring).
         self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
         self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {counts['total']:,} parameters "
@@ -229,7 +178,7 @@ class Trainer:
         denom_t = n_valid_t.clamp_min(1.0)
         num_dp = self.parallel_dims.dp
         carries: list[Any] = [None] * len(micro)
-        n_layers, n_experts = self.model.expert_counts_shape()
+        n_layers, n_experts = self.model.routing or (0, 0)
         counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
         seg_losses: list[float] = []
         grad_norm, skip_reason, n_valid, non_finite_in = None, None, 0.0, None
@@ -244,15 +193,16 @@ class Trainer:
                     raise StepAbandoned
                 self.before_micro_batch(m == len(micro) - 1)  # FSDP reduces after the last one
                 with self.autocast():
+                    observe = None if diag is None else diag.observer(m, real_tokens(mb["doc_ids"]))
                     out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=a, loop_end=b,
-                                     carry=carries[m],
-                                     observe=None if diag is None else diag.observer(m, mb["doc_ids"] >= 0))
+                                     carry=carries[m], observe=observe)
                 ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
                 loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (len(micro) * num_dp)
                 loss.backward()
                 carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
-                counts_LHE[:, a - 1:b] += out.counts_LTE
+                if out.counts_LTE is not None:
+                    counts_LHE[:, a - 1:b] += out.counts_LTE
                 if diag is not None:
                     diag.add_forward(a, out.observed_LTNK)
             # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
@@ -315,10 +265,11 @@ class Trainer:
             self.stop_signals.close()  # train() will not run: leave the signal handlers as found
             raise
         self.metrics.mark_launch(resumed)
+        saved_total = self.checkpointer.loaded_total_steps
+        if resumed is not None and saved_total is not None and saved_total != cfg.training.steps:
+            self.log(extension_note(cfg.lr_scheduler, saved_total, cfg.training.steps, resumed + 1))
         if resumed is not None:
-            o = cfg.optimizer
-            for line in apply_config_hyperparameters(self.optimizer, self.lr_scheduler, lr=o.lr, beta1=o.beta1,
-                                                     beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay):
+            for line in apply_config_hyperparameters(self.optimizer, self.lr_scheduler, cfg.optimizer):
                 self.log(f"resume: the config wins: {line}")
         if self.info.rank == 0:  # after the resume succeeded, so a refused one leaves the run as it was
             with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:

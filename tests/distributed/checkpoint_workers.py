@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torchtitan_loom.components.checkpoint import CheckpointManager, layout, load_full
 from torchtitan_loom.components.preemption import PreemptionWatcher
 from torchtitan_loom.components.optimizer import build_optimizer
-from torchtitan_loom.config.schema import Checkpoint
+from torchtitan_loom.config.schema import Checkpoint, Optimizer
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 
 
@@ -44,7 +44,7 @@ def _model() -> LoomTransformer:
 
 def _manager(dump: str, rank: int, world: int, async_mode: str):
     model = _model()
-    opt = build_optimizer(model, lr=1e-2)
+    opt = build_optimizer(model, Optimizer(lr=1e-2))
     counter = _Counter()
     cfg = Checkpoint(enable=True, interval=1, keep_latest_k=0, async_mode=async_mode, save_on_signal=False)
     mgr = CheckpointManager(cfg, dump_folder=dump, model=model, optimizer=opt, states={"train_state": counter},

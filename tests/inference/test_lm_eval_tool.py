@@ -50,6 +50,7 @@ def reference_loglikelihood(model, ctx, cont):
 
 def test_end_to_end_results_scores_and_batch_size_independence(trained_run, tmp_path, capsys):
     code, r1, stdout, err = run_eval(capsys, trained_run, tmp_path / "b1", "--batch-size", "1")
+    assert stdout.startswith(f"lm_eval: loading lm-eval, then the checkpoint {trained_run} ...\n")  # before the slow part
     assert code == 0, err
     assert r1["step"] == 40 and r1["checkpoint"].endswith("step-40")
     assert r1["commit"] and r1["config"]["training"]["seq_len"] == 32

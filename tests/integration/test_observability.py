@@ -20,6 +20,7 @@ from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.tools import analyze
 from torchtitan_loom.train import Trainer
+from torchtitan_loom.config.schema import Metrics
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 STEPS, EVAL_EVERY = 4, 2
@@ -98,7 +99,7 @@ def test_numpy_fallback_heatmap_pixels(tmp_path):
     # vmax = 4: cell (0,0) = 0 -> the darkest anchor, cell (1,0) = 4 -> the brightest one.
     assert image[:, 0, 0].tolist() == [68, 1, 84] and image[:, c, 0].tolist() == [253, 231, 37]
     assert (image[:, :c, :c] == image[:, :1, :1]).all()  # one colour per cell
-    with MetricsLogger(str(tmp_path)) as logger:
+    with MetricsLogger(str(tmp_path), Metrics()) as logger:
         logger.log_image("routing/load_layer_0", image, step=7)
     acc = EventAccumulator(logger.tb_dir, size_guidance={"images": 0})
     acc.Reload()

@@ -164,11 +164,13 @@ def test_cli_exit_code_2_and_one_line_per_error():
 def test_model_keys_are_generated_from_the_model_args_and_choices_come_from_their_modules():
     from torchtitan_loom.components import lr_scheduler, optimizer
     from torchtitan_loom.config.manager import section_fields
-    from torchtitan_loom.config.schema import ActivationCheckpoint, LRScheduler, Model
+    from torchtitan_loom.config.schema import ActivationCheckpoint, LRScheduler, model_section
     from torchtitan_loom.config.schema import Optimizer as OptimizerSection
     from torchtitan_loom.distributed import activation_checkpoint
     from torchtitan_loom.models.loom import args as loom_args
+    from torchtitan_loom.protocols import get_train_spec
 
+    Model = model_section(get_train_spec("loom"))
     model_keys = set(section_fields(Model)) - {"name", "flavor"}
     assert model_keys == {f.name for f in dataclasses.fields(loom_args.LoomModelArgs)} - {"init_seed"}
     fields = section_fields(Model)

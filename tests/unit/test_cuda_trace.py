@@ -97,13 +97,15 @@ def test_float8_segment_converts_what_it_claims():
 
     from torchtitan_loom.components.float8 import Float8Converter, plan_float8
     from torchtitan_loom.config import load_config
+    from torchtitan_loom.protocols import get_train_spec
 
     cfg = load_config(["--job.config_file", "train_configs/loom_1p7b_float8.toml", "--float8.experts", "false"])
+    spec = get_train_spec("loom")
     plan, errors = plan_float8(cfg.float8, "cuda", (9, 0), "NVIDIA H200")
     assert not errors and plan is not None and not plan.emulate
     args = dataclasses.replace(ARGS, n_layers=2)
     rec, report = trace_segment(args, micro_batch=B, seq_len=S, loops=LOOPS, precision="autocast",
-                                convert=Float8Converter(plan).convert)
+                                convert=Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls).convert)
     per_layer = ("attention.wqkv", "attention.wo", "moe.shared_experts.0.w13", "moe.shared_experts.0.w2",
                  "moe.shared_experts.1.w13", "moe.shared_experts.1.w2")
     assert sorted(report.dense) == sorted(f"layers.{i}.{n}" for i in range(args.n_layers) for n in per_layer)

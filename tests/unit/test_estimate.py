@@ -17,7 +17,7 @@ from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.estimate import estimate, recommend, report, seconds
 from torchtitan_loom.protocols import get_train_spec
-from torchtitan_loom.train import segments
+from torchtitan_loom.protocols import segments
 
 BASE = ["--parallelism.dry_run", "--training.global_batch_size", "64", "--training.micro_batch_size", "2"]
 

@@ -15,7 +15,10 @@ from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.moe import RoutedExperts, run_experts
+from torchtitan_loom.protocols import get_train_spec
 from torchtitan_loom.train import main
+
+LOOM = get_train_spec("loom")
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 
@@ -42,7 +45,7 @@ def meta_model(**changes):
 def converted(model, **changes):
     plan, errors = plan_float8(f8_section(emulate=True, **changes), "cpu", None, "cpu")
     assert not errors, errors
-    return Float8Converter(plan).convert(model)
+    return Float8Converter(plan, LOOM.float8_never_convert, LOOM.float8_expert_cls).convert(model)
 
 
 # ------------------------------------------------------------------ which modules convert
@@ -61,10 +64,10 @@ def test_converter_touches_exactly_the_dense_linears_and_routed_experts():
     assert all(after[n] is Float8GroupedExperts for n in EXPERTS)
     # Never converted: the head stays a plain Linear, the embedding an Embedding, routers Parameters.
     assert after["output"] is nn.Linear and after["tok_embeddings"] is nn.Embedding
-    assert report.skipped == {"output": "never converted (router / embedding / output head)"}
+    assert report.skipped == {"output": "never converted (routers, tok_embeddings, output)"}
     assert all(type(p) is nn.Parameter for n, p in model.named_parameters() if ".routers." in n)
-    assert "never converted: routers, tok_embeddings, output" in report.summary(Float8Converter(
-        plan_float8(f8_section(emulate=True), "cpu", None, "cpu")[0]).plan)
+    assert "never converted: routers, tok_embeddings, output" in report.summary(
+        plan_float8(f8_section(emulate=True), "cpu", None, "cpu")[0])
 
 
 @needs_torchao
@@ -80,13 +83,13 @@ def test_layers_whose_dims_are_not_multiples_of_16_are_skipped_and_named():
     # Expert width 120: shared w13 [240, 128] qualifies, shared w2 [128, 120] does not; the routed
     # experts need multiples of 32 for MXFP8 and are skipped too. Attention (dim 128) converts.
     model = meta_model(expert_intermediate_size=120)
-    dense, skipped = select_dense(model)
+    dense, skipped = select_dense(model, LOOM.float8_never_convert)
     assert sorted(dense) == sorted(n for n in DENSE if not n.endswith(".w2") or "attention" in n)
     assert skipped["layers.1.moe.shared_experts.0.w2"] == "weight [128, 120] not multiples of 16"
-    experts, skipped_experts = select_experts(model, "mxfp8_emulated")
+    experts, skipped_experts = select_experts(model, RoutedExperts, "mxfp8_emulated")
     assert experts == [] and set(skipped_experts) == set(EXPERTS)
     assert "expert width 120 not multiples of 32" in skipped_experts["layers.0.moe.experts"]
-    assert select_experts(meta_model(), "fp8_rowwise")[0] == EXPERTS
+    assert select_experts(meta_model(), RoutedExperts, "fp8_rowwise")[0] == EXPERTS
 
 
 @needs_torchao

@@ -16,6 +16,7 @@ from torchtitan_loom.components.metrics import (
     tb_tag,
     throughput,
 )
+from torchtitan_loom.config.schema import Metrics
 
 
 def _read_jsonl(path):
@@ -24,7 +25,7 @@ def _read_jsonl(path):
 
 
 def test_jsonl_lines_written_and_flushed_per_call(tmp_path):
-    logger = MetricsLogger(str(tmp_path), enable_tensorboard=False)
+    logger = MetricsLogger(str(tmp_path), Metrics(enable_tensorboard=False))
     logger.log(1, {"loss": 3.5, "loss_segment_1": 4.0, "mfu": None, "skipped": False,
                    "tokens": 2048, "grad_norm": torch.tensor(0.5)},
                extra={"expert_load": torch.tensor([[1, 2], [3, 4]])})
@@ -41,14 +42,14 @@ def test_jsonl_lines_written_and_flushed_per_call(tmp_path):
 
 
 def test_only_log_rank_writes(tmp_path):
-    logger = MetricsLogger(str(tmp_path / "run"), rank=1, log_rank=0)
+    logger = MetricsLogger(str(tmp_path / "run"), Metrics(log_rank=0), rank=1)
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert not (tmp_path / "run").exists()
 
 
 def test_duplicate_and_bad_values_raise(tmp_path):
-    with MetricsLogger(str(tmp_path), enable_tensorboard=False) as logger:
+    with MetricsLogger(str(tmp_path), Metrics(enable_tensorboard=False)) as logger:
         with pytest.raises(ValueError, match="duplicate"):
             logger.log(1, {"loss": 1.0}, extra={"loss": 2.0})
         with pytest.raises(ValueError, match="'lr' must be a number"):
@@ -56,7 +57,7 @@ def test_duplicate_and_bad_values_raise(tmp_path):
 
 
 def test_tensorboard_scalars_read_back(tmp_path):
-    with MetricsLogger(str(tmp_path)) as logger:
+    with MetricsLogger(str(tmp_path), Metrics()) as logger:
         logger.log(1, {"loss": 3.5, "loss_segment_2": 3.75, "mfu": None})
         logger.log(2, {"loss": 3.0, "eval_loss_loop_3": 3.125})
     acc = EventAccumulator(logger.tb_dir)

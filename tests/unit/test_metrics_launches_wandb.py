@@ -11,6 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from torchtitan_loom.components.metrics import MetricsLogger
+from torchtitan_loom.config.schema import Metrics
 
 
 def tb_scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
@@ -20,10 +21,10 @@ def tb_scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_each_launch_gets_its_own_tensorboard_folder(tmp_path):
-    with MetricsLogger(str(tmp_path)) as first:
+    with MetricsLogger(str(tmp_path), Metrics()) as first:
         first.log(1, {"loss": 3.0})
         first.log(2, {"loss": 2.5})
-    with MetricsLogger(str(tmp_path)) as resumed:  # same dump folder, same second is fine too
+    with MetricsLogger(str(tmp_path), Metrics()) as resumed:  # same dump folder, same second is fine too
         resumed.log(2, {"loss": 2.375})
         resumed.log(3, {"loss": 2.0})
     launches = sorted(p for p in (tmp_path / "tb").iterdir())
@@ -63,7 +64,7 @@ def test_wandb_offline_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_PROJECT", "loom-test")
-    with MetricsLogger(str(tmp_path), enable_wandb=True, wandb_config={"training": {"steps": 2}}) as logger:
+    with MetricsLogger(str(tmp_path), Metrics(enable_wandb=True), wandb_config={"training": {"steps": 2}}) as logger:
         logger.log(1, {"loss": 3.5, "loss_segment_1": 3.75, "lr": 1e-3, "mfu": None})
         logger.log(2, {"loss": 3.0, "eval_loss": 3.25, "eval_loss_loop_1": 3.5})
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))

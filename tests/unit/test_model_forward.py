@@ -8,7 +8,7 @@ import torch
 
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.attention import build_attention_mask, rope_cos_sin
-from torchtitan_loom.protocols import LoopCarry
+from torchtitan_loom.models.loom.looping_residual import LoopCarry
 
 
 

@@ -9,6 +9,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from torchtitan_loom.components.optimizer import build_optimizer
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
+from torchtitan_loom.config.schema import Optimizer
 
 
 class _Toy(nn.Module):
@@ -27,7 +28,7 @@ class _Toy(nn.Module):
 def test_one_group_of_trainable_params_with_recipe_hparams():
     torch.manual_seed(0)
     m = _Toy()
-    opt = build_optimizer(m, lr=2e-4)
+    opt = build_optimizer(m, Optimizer(lr=2e-4))
     assert len(opt.param_groups) == 1
     g = opt.param_groups[0]
     assert [id(p) for p in g["params"]] == [id(m.shared.weight)] + [id(r) for r in m.routers]
@@ -40,7 +41,7 @@ def test_param_without_grad_is_untouched(impl):
     """A router whose loop is outside the segment has grad None: no step, no decay, no moments."""
     torch.manual_seed(0)
     m = _Toy()
-    opt = build_optimizer(m, lr=1e-2, implementation=impl)
+    opt = build_optimizer(m, Optimizer(lr=1e-2, implementation=impl))
     before = m.routers[1].detach().clone()
     x = torch.randn(5, 4)
     for _ in range(3):  # three "segments", all using loop 0 only
@@ -59,7 +60,7 @@ def test_implementations_agree():
     for impl in ["foreach", "fused", "for-loop"]:
         torch.manual_seed(0)
         m = _Toy()
-        opt = build_optimizer(m, lr=1e-2, implementation=impl)
+        opt = build_optimizer(m, Optimizer(lr=1e-2, implementation=impl))
         x = torch.randn(5, 4)
         for loop in (0, 1, 0):
             opt.zero_grad(set_to_none=True)
@@ -73,11 +74,11 @@ def test_implementations_agree():
 
 def test_bad_implementation_and_fused_on_unsupported_device():
     with pytest.raises(ValueError, match="optimizer.implementation.*foreach"):
-        build_optimizer(_Toy(), lr=1e-3, implementation="apex")
+        build_optimizer(_Toy(), Optimizer(lr=1e-3, implementation="apex"))
     with torch.device("meta"):
         meta_model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="fused.*meta"):
-        build_optimizer(meta_model, lr=1e-3, implementation="fused")
+        build_optimizer(meta_model, Optimizer(lr=1e-3, implementation="fused"))
 
 
 class _MoE(nn.Module):

@@ -67,7 +67,7 @@ def test_each_broken_rule_gives_one_message(kwargs, message):
 @pytest.mark.parametrize("argv, world, expected", [
     # ep not dividing the debug flavor's 8 routed experts (and dp_shard fine): one line.
     (["--parallelism.ep", "3", "--training.global_batch_size", "12", "--training.micro_batch_size", "2"], 6,
-     "parallelism.ep = 3: must divide the 8 routed experts (model.num_routed_experts); valid: [1, 2, 4, 8]"),
+     "parallelism.ep = 3: must divide the 8 routed experts of the model; valid: [1, 2, 4, 8]"),
     # The degrees do not multiply to the world size.
     (["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "4", "--training.micro_batch_size", "2"], 4,
      "parallelism.dp_shard = 4: dp_replicate × dp_shard = 2 × 4 = 8 ranks, but the world size is 4; use 2 or -1"),

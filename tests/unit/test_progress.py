@@ -8,7 +8,7 @@ from torchtitan_loom.components.progress import estimate_step, start_lines
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer
-from torchtitan_loom.train import segments
+from torchtitan_loom.protocols import segments
 
 CPU = torch.device("cpu")
 
@@ -20,7 +20,7 @@ def _estimate(argv, world=1):
         model = LoomTransformer(args)
     segs = segments(model.num_loops, cfg.training.bp_segment_len)
     fpt = model.flops_per_token(cfg.training.seq_len, head_calls=len(segs))
-    return cfg, model, estimate_step(cfg, args, dims, model.param_counts(), fpt, model.num_loops, len(segs)), fpt
+    return cfg, model, estimate_step(cfg, model, dims, model.param_counts(), fpt, model.num_loops, len(segs)), fpt
 
 
 def test_state_and_flops_follow_the_model():

@@ -1,12 +1,19 @@
-"""The model protocol is real: a second, non-LOOM model (a looped dense toy) registers a TrainSpec and
-trains, evaluates and checkpoints through the unchanged trainer.
+"""The model protocol is real: a second, non-LOOM model (a looped dense toy, its carry a plain tensor,
+no routed experts) registers a TrainSpec and trains, evaluates, checkpoints, resumes at another world
+size and dry-runs through the unchanged trainer, without any LOOM field.
 
 Legend: B rows, S sequence length, D width, V vocab, T loops of a call.
 """
 
+import datetime
 import json
 import math
+import os
 from dataclasses import dataclass
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import torch
 from torch import nn
@@ -14,8 +21,9 @@ from torch import nn
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.protocols import LoopCarry, ModelOutput, ModelProtocol, TrainSpec, register_train_spec
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.config import ConfigError
+from torchtitan_loom.protocols import ModelOutput, ModelProtocol, TrainSpec, register_train_spec
+from torchtitan_loom.train import Trainer, main
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -57,16 +65,15 @@ class LoopedDenseToy(nn.Module):
     def forward(self, tokens_BS, positions_BS, doc_ids_BS, loop_start=1, loop_end=None, carry=None,
                 return_topk=False, observe=None):
         loop_end = self.num_loops if loop_end is None else loop_end
-        z_BSD = self.embed(tokens_BS) if carry is None else carry.z_BSD
+        z_BSD = self.embed(tokens_BS) if carry is None else carry  # the carry is the stream itself
         for _ in range(loop_start, loop_end + 1):
             z_BSD = z_BSD + self.mlp(z_BSD)
-        zeros_BSD = torch.zeros_like(z_BSD)
-        counts_LTE = torch.zeros(0, loop_end - loop_start + 1, 0, dtype=torch.int64)
-        return ModelOutput(self.head(z_BSD).float(), LoopCarry(z_BSD, zeros_BSD, zeros_BSD[..., :1]),
-                           counts_LTE, torch.zeros(()))
+        return ModelOutput(self.head(z_BSD).float(), z_BSD, torch.zeros(()))
 
-    def expert_counts_shape(self) -> tuple[int, int]:
-        return 0, 0
+    routing = None  # no routed experts: no counts, no routing statistics
+
+    def carry_stream(self, carry: torch.Tensor) -> torch.Tensor:
+        return carry
 
     def observation_layout(self) -> tuple[int, tuple[str, ...]]:
         return 0, ()
@@ -86,28 +93,93 @@ class LoopedDenseToy(nn.Module):
         mlp = sum(p.numel() for p in self.mlp.parameters())
         return 6.0 * (mlp * self.num_loops + self.head.weight.numel() * head_calls)
 
+    def saved_values_per_token(self, loops: int, checkpointed: bool) -> int:
+        return 10 * self.args.dim * loops
+
 
 TOY_SPEC = TrainSpec(name="toy_looped", model_cls=LoopedDenseToy, model_args={"tiny": ToyArgs()})
+
+
+def toy_argv(pack, dump, *extra, steps=8):
+    return ["--model.name", "toy_looped", "--model.flavor", "tiny", "--data.path", str(pack),
+            "--job.dump_folder", str(dump), "--training.seq_len", "32", "--training.steps", str(steps),
+            "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
+            "--training.mixed_precision_param", "float32", "--training.bp_segment_len", "1",
+            "--metrics.log_freq", "1", "--eval.interval", "8", "--eval.tokens", "500",
+            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
+            "--spike_guard.enable", "false", "--training.seed", "7", *extra]
+
+
+def losses_of(dump):
+    rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
+    return rows, {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def test_a_second_model_trains_through_the_same_trainer(tiny_pack, tmp_path):
     register_train_spec("toy_looped", TOY_SPEC)
     dump = tmp_path / "run"
-    cfg = load_config(["--model.name", "toy_looped", "--model.flavor", "tiny", "--data.path", str(tiny_pack),
-                       "--job.dump_folder", str(dump), "--training.seq_len", "32", "--training.steps", "8",
-                       "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-                       "--training.mixed_precision_param", "float32", "--training.bp_segment_len", "1",
-                       "--metrics.log_freq", "1", "--eval.interval", "8", "--eval.tokens", "500",
-                       "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
-                       "--spike_guard.enable", "false", "--training.seed", "7"])
+    cfg = load_config(toy_argv(tiny_pack, dump))
     trainer = Trainer(cfg, resolve(cfg, 1), CPU)
     assert isinstance(trainer.model, ModelProtocol)
     assert trainer.model.args.init_seed == 7  # training.seed reaches the model args
     assert trainer.train() == 0
-    rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
-    losses = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
-    assert losses[-1] < losses[0]
+    rows, losses = losses_of(dump)
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values())
+    assert losses[8] < losses[1]
     assert {"eval_loss_loop_1", "eval_loss_loop_2", "eval_loss_loop_3"} <= rows[-1].keys()
+    assert not any(k.startswith("routing_") for k in rows[-1])  # no routed experts, no routing statistics
     assert trainer.model.bias_updates == 8  # once per step, through the protocol
     assert (dump / "checkpoint" / "step-8").is_dir()
+
+
+def test_model_keys_are_the_chosen_models(tiny_pack, tmp_path, capsys):
+    register_train_spec("toy_looped", TOY_SPEC)
+    cfg = load_config(toy_argv(tiny_pack, tmp_path, "--model.dim", "16"))
+    assert resolve(cfg, 1).model_args.dim == 16  # the toy's own key
+    with pytest.raises(ConfigError, match=r"^model.n_heads: not a key of model 'toy_looped'"):
+        load_config(toy_argv(tiny_pack, tmp_path, "--model.n_heads", "2"))  # a LOOM key, not the toy's
+    assert main(toy_argv(tiny_pack, tmp_path / "bad", "--model.n_heads", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: model.n_heads: not a key of model 'toy_looped'")
+
+
+def test_the_toy_dry_runs(tiny_pack, tmp_path, capsys):
+    register_train_spec("toy_looped", TOY_SPEC)
+    argv = toy_argv(tiny_pack, tmp_path, "--parallelism.dry_run", "--parallelism.dry_run_world_size", "2")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dry run: toy_looped/tiny, H=3" in out and "rank 0 parameters" in out
+    assert "  head.weight  (512, 32) -> (512, 32)  plain" in out  # replicated: no parallelize function
+
+
+def _resume_rank(rank: int, world: int, store: str, pack: str, dump: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    register_train_spec("toy_looped", TOY_SPEC)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        cfg = load_config(toy_argv(pack, dump))
+        trainer = Trainer(cfg, resolve(cfg, world), DistInfo(rank=rank, world_size=world, device=torch.device("cpu")))
+        assert trainer.train() == 0 and trainer.resumed_from == 4 and trainer.state.step == 8
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_toy_resumes_at_another_world_size(tiny_pack, tmp_path):
+    """4 steps on one process, the last 4 on two: the same losses as 8 steps on one process."""
+    register_train_spec("toy_looped", TOY_SPEC)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    cfg = load_config(toy_argv(tiny_pack, straight))
+    assert Trainer(cfg, resolve(cfg, 1), CPU).train() == 0
+    first = load_config(toy_argv(tiny_pack, split, "--checkpoint.exit_after_step", "4"))
+    assert Trainer(first, resolve(first, 1), CPU).train() == 0
+    world = 2
+    mp.start_processes(_resume_rank, args=(world, str(tmp_path / "store"), str(tiny_pack), str(split)),
+                       nprocs=world, join=True, start_method="spawn")
+    _, want = losses_of(straight)
+    _, got = losses_of(split)
+    assert sorted(got) == list(range(1, 9))
+    # Two ranks sum the same token-mean gradient in another order: float32 rounding only.
+    for step in range(1, 9):
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step

@@ -48,3 +48,27 @@ def test_data_tokenizer_mismatch_is_one_line_and_exit_2(tiny_pack, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("data error: ") and "gpt2" in err[0], err
     assert main(argv(tiny_pack, tmp_path / "ok", "--data.tokenizer", "byte", "--training.steps", "1")) == 0
+
+
+def test_extending_a_finished_run_says_what_happens_to_the_lr_schedule(tiny_pack, tmp_path, capsys):
+    # 4 steps (2 warmup, then wsd decay to the end), then the same run raised to 8 steps.
+    short = [a if a != "10" else "4" for a in argv(tiny_pack, tmp_path)]
+    first = load_config(short)
+    assert Trainer(first, resolve(first, 1), CPU).train() == 0
+    cfg = load_config(argv(tiny_pack, tmp_path, "--training.steps", "8"))
+    trainer = Trainer(cfg, resolve(cfg, 1), CPU)
+    capsys.readouterr()
+    trainer.resume()
+    lines = [x for x in capsys.readouterr().out.splitlines() if "lr schedule" in x]
+    assert len(lines) == 1, lines
+    # Step 5 of 8 with 4 warmup steps: the peak again (the saved 4-step schedule had decayed to its floor).
+    assert "training.steps 4 → 8: the wsd lr schedule is recomputed over 8 steps, so step 5 runs at 1 ×" in lines[0]
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optimizer.lr)
+    # A resume with the same total says nothing about the schedule.
+    same = load_config(argv(tiny_pack, tmp_path / "other", "--checkpoint.exit_after_step", "2"))
+    assert Trainer(same, resolve(same, 1), CPU).train() == 0
+    relaunch = load_config(argv(tiny_pack, tmp_path / "other"))
+    again = Trainer(relaunch, resolve(relaunch, 1), CPU)
+    capsys.readouterr()
+    again.resume()
+    assert "lr schedule" not in capsys.readouterr().out

@@ -7,10 +7,12 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from torchtitan_loom.components.spike_guard import SpikeGuard
+from torchtitan_loom.config.schema import SpikeGuard as SpikeGuardSection
 
 
 def _guard_with_base(base=3.0, segment=0, **kw):
-    g = SpikeGuard(**kw)
+    kw = {"enable" if k == "enabled" else k: v for k, v in kw.items()}
+    g = SpikeGuard(SpikeGuardSection(**kw))
     g.accept(segment, base)  # the EMA starts at the first accepted loss
     return g
 
@@ -57,7 +59,7 @@ def test_rules_in_order():
 
 
 def test_ema_update():
-    g = SpikeGuard()
+    g = SpikeGuard(SpikeGuardSection())
     g.accept(0, 3.0)
     g.accept(0, 2.0)
     assert g.prev[0] == 2.0
@@ -85,7 +87,7 @@ def test_disabled_accepts_everything_and_ignores_non_finite_in_state():
 
 def test_bad_segment_index():
     with pytest.raises(ValueError, match="segment"):
-        SpikeGuard().check(-1, 1.0, True, step=1)
+        SpikeGuard(SpikeGuardSection()).check(-1, 1.0, True, step=1)
 
 
 def _trajectory():
@@ -111,28 +113,28 @@ def _run(guard, items):
 def test_state_round_trip_gives_identical_decisions():
     items = _trajectory()
     first, second = items[:40], items[40:]
-    ref = SpikeGuard()
+    ref = SpikeGuard(SpikeGuardSection())
     ref_decisions = _run(ref, items)
     assert any(d is not None for d in ref_decisions[40:])  # the comparison covers skips
 
-    g = SpikeGuard()
+    g = SpikeGuard(SpikeGuardSection())
     _run(g, first)
     sd = g.state_dict()
     assert set(sd) == {"prev", "ema"} and all(isinstance(v, list) for v in sd.values())
-    resumed = SpikeGuard()
+    resumed = SpikeGuard(SpikeGuardSection())
     resumed.load_state_dict(sd)
     assert _run(resumed, second) == ref_decisions[40:]
 
 
 def test_dcp_round_trip_into_fresh_guard(tmp_path):
-    g = SpikeGuard()
+    g = SpikeGuard(SpikeGuardSection())
     g.accept(0, 3.0)
     g.accept(2, 2.5)  # segment 1 never accepted: a hole in the lists
     g.accept(2, 2.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming single process" notice
         dcp.save({"spike_guard": g}, checkpoint_id=str(tmp_path))
-        fresh = SpikeGuard()
+        fresh = SpikeGuard(SpikeGuardSection())
         dcp.load({"spike_guard": fresh}, checkpoint_id=str(tmp_path))
     assert fresh.prev == g.prev and fresh.ema == g.ema
     assert 1 not in fresh.ema

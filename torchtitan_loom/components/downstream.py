@@ -1,5 +1,5 @@
 """Downstream scores during training: lm-eval tasks on the live model, through the adapter of
-tools.lm_eval (tools/lm_eval_adapter.py), logged as ``downstream/<task>/<metric>``.
+tools.lm_eval (components/lm_eval_adapter.py), logged as ``downstream/<task>/<metric>``.
 
 Every rank scores every request: with a sharded model every rank takes part in every forward,
 so the ranks cannot split the requests as the offline tool does. The random state of the run is
@@ -55,10 +55,6 @@ def flat_scores(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-class ScoringStopped(Exception):
-    """A stop signal arrived while scoring: the scores of this round are dropped."""
-
-
 class DownstreamScorer:
     """Built once by the trainer (the task index is read once); ``score(step)`` after the steps
     ``eval.downstream_interval`` asks for.
@@ -86,7 +82,7 @@ class DownstreamScorer:
         stop signal interrupted them (dropped, as an interrupted eval is)."""
         from lm_eval import simple_evaluate
 
-        from torchtitan_loom.tools.lm_eval_adapter import LoomLM
+        from torchtitan_loom.components.lm_eval_adapter import LoomLM, ScoringStopped
 
         cfg = self.cfg
         limit = f" (at most {cfg.downstream_limit} documents each)" if cfg.downstream_limit else ""
@@ -126,11 +122,11 @@ def build_scorer(cfg: Any, *, model: Any, data_path: str, tokenizer_name: str | 
     from pathlib import Path
 
     from torchtitan_loom.components.data import PackError
-    from torchtitan_loom.tools.loading import LoadError, load_tokenizer
+    from torchtitan_loom.components.data.pack_tokenizer import TokenizerError, pack_tokenizer
 
     try:
-        tokenizer = load_tokenizer(Path(data_path), tokenizer_name, vocab_size)
-    except LoadError as exc:
+        tokenizer = pack_tokenizer(Path(data_path), tokenizer_name, vocab_size)
+    except TokenizerError as exc:
         raise PackError(f"downstream scoring: {exc}") from None
     return DownstreamScorer(cfg, model=model, tokenizer=tokenizer, device=device, autocast=autocast,
                             stop_requested=stop_requested, log=log)

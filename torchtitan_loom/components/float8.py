@@ -25,9 +25,6 @@ from torch import nn
 
 DENSE_RECIPES = ("tensorwise", "rowwise")
 EXPERT_RECIPES = ("auto", "fp8_rowwise", "mxfp8")
-# Module-name segments that are never converted (LOOM_SPEC §14): the per-loop
-# routers (Parameters, not Linear, but listed so the rule is explicit), the embedding, the head.
-NEVER_CONVERT = ("routers", "tok_embeddings", "output")
 DIM_MULTIPLE = 16  # float8 GEMMs need both weight dims divisible by 16
 # Token-group alignment (rows) of each grouped-GEMM kernel, and the weight-dim multiple it needs
 # (MXFP8 scales blocks of 32 along the reduction dim).
@@ -143,6 +140,8 @@ class Float8Report:
     dense: list[str] = field(default_factory=list)
     experts: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    never_convert: tuple[str, ...] = ()
+    """The model's module-name segments that are never converted (its TrainSpec says which)."""
 
     def summary(self, plan: Float8Plan) -> str:
         mode = ", emulated" if plan.emulate else ""
@@ -153,25 +152,24 @@ class Float8Report:
         if plan.fsdp_float8_all_gather:
             text += "; FSDP float8 all-gather" + (" + scale precompute" if plan.precompute_scale else "")
         other = {k: v for k, v in self.skipped.items() if not v.startswith("never")}
-        text += f"; never converted: {', '.join(NEVER_CONVERT)}"
+        if self.never_convert:
+            text += f"; never converted: {', '.join(self.never_convert)}"
         if other:
             text += "; SKIPPED " + "; ".join(f"{k} ({v})" for k, v in other.items())
         return text
 
 
-def _never(fqn: str) -> bool:
-    return any(seg in NEVER_CONVERT for seg in fqn.split("."))
-
-
-def select_dense(model: nn.Module, filter_fqns: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
-    """(names of the nn.Linear modules to convert, {skipped name: reason}) — no torchao needed."""
+def select_dense(model: nn.Module, never_convert: tuple[str, ...],
+                 filter_fqns: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """(names of the nn.Linear modules to convert, {skipped name: reason}) — no torchao needed.
+    ``never_convert``: module-name segments the model's TrainSpec keeps in high precision."""
     chosen, skipped = [], {}
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
         out_f, in_f = mod.weight.shape
-        if _never(fqn):
-            skipped[fqn] = "never converted (router / embedding / output head)"
+        if any(seg in never_convert for seg in fqn.split(".")):
+            skipped[fqn] = f"never converted ({', '.join(never_convert)})"
         elif any(f in fqn for f in filter_fqns):
             skipped[fqn] = "matches float8.filter_fqns"
         elif out_f % DIM_MULTIPLE or in_f % DIM_MULTIPLE:
@@ -181,17 +179,16 @@ def select_dense(model: nn.Module, filter_fqns: tuple[str, ...] = ()) -> tuple[l
     return chosen, skipped
 
 
-def select_experts(model: nn.Module, kernel: str | None,
+def select_experts(model: nn.Module, expert_cls: type[nn.Module] | None, kernel: str | None,
                    filter_fqns: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
-    """(names of the routed-expert modules to convert, {skipped name: reason})."""
-    from torchtitan_loom.models.loom.moe import RoutedExperts
-
-    if kernel is None:
+    """(names of the routed-expert modules to convert, {skipped name: reason}). ``expert_cls``: the
+    model's grouped-experts module (w13 [E, 2I, D], w2 [E, D, I]; its TrainSpec names it)."""
+    if kernel is None or expert_cls is None:
         return [], {}
     chosen, skipped = [], {}
     multiple = EXPERT_DIM_MULTIPLE[kernel]
     for fqn, mod in model.named_modules():
-        if not isinstance(mod, RoutedExperts):
+        if not isinstance(mod, expert_cls):
             continue
         _, dim, inter = mod.w2.shape
         if any(f in fqn for f in filter_fqns):
@@ -212,8 +209,9 @@ def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
 class Float8Converter:
     """Swaps modules in place (on the meta model, before parallelize); parameter names unchanged."""
 
-    def __init__(self, plan: Float8Plan):
-        self.plan = plan
+    def __init__(self, plan: Float8Plan, never_convert: tuple[str, ...] = (),
+                 expert_cls: type[nn.Module] | None = None):
+        self.plan, self.never_convert, self.expert_cls = plan, tuple(never_convert), expert_cls
 
     def convert(self, model: nn.Module) -> Float8Report:
         """Convert `model` in place; returns what was converted and what was skipped (and why)."""
@@ -222,9 +220,9 @@ class Float8Converter:
         from torchtitan_loom.components.float8_experts import Float8GroupedExperts
 
         plan = self.plan
-        report = Float8Report()
-        report.dense, report.skipped = select_dense(model, plan.filter_fqns)
-        experts, skipped_experts = select_experts(model, plan.experts_kernel, plan.filter_fqns)
+        report = Float8Report(never_convert=self.never_convert)
+        report.dense, report.skipped = select_dense(model, self.never_convert, plan.filter_fqns)
+        experts, skipped_experts = select_experts(model, self.expert_cls, plan.experts_kernel, plan.filter_fqns)
         report.skipped.update(skipped_experts)
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(plan.recipe), emulate=plan.emulate,
                                      enable_fsdp_float8_all_gather=plan.fsdp_float8_all_gather)
@@ -252,9 +250,9 @@ class Float8Converter:
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def build_float8_converter(float8_section: Any, requested_device: str) -> Float8Converter | None:
-    """The converter for a validated config, or None when float8 is off."""
+def build_float8_converter(float8_section: Any, requested_device: str, spec: Any) -> Float8Converter | None:
+    """The converter for a validated config and the model's TrainSpec, or None when float8 is off."""
     plan, errors = float8_problems(float8_section, requested_device)
     if errors:  # validate() reports these before training starts; this guards direct callers
         raise ValueError("\n".join(errors))
-    return None if plan is None else Float8Converter(plan)
+    return None if plan is None else Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls)

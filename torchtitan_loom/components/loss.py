@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from torchtitan_loom.data_contract import IGNORE_INDEX
 
 
 def token_ce_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Sum of fp32 cross-entropy over positions whose label is not -100 (0-d tensor).
+    """Sum of fp32 cross-entropy over positions whose label is not IGNORE_INDEX (0-d tensor).
 
     Logits are upcast to float32 before the softmax; a batch with no valid label gives 0.
     """
@@ -28,5 +28,5 @@ def token_ce_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Ten
 
 
 def count_valid(labels_BS: torch.Tensor) -> torch.Tensor:
-    """Number of positions with a label other than -100 (0-d int64 tensor, on the labels' device)."""
+    """Number of positions with a label other than IGNORE_INDEX (0-d int64 tensor, on the labels' device)."""
     return (labels_BS != IGNORE_INDEX).sum(dtype=torch.int64)

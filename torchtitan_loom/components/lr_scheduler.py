@@ -8,6 +8,7 @@ every segment of that step uses the same lr.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -96,3 +97,16 @@ def build_lr_scheduler(
                         decay_ratio=decay_ratio, min_ratio=min_ratio, kind=kind)
 
     return LambdaLR(optimizer, lr_lambda=multiplier)
+
+
+def extension_note(section: Any, saved_total: int, total: int, next_step: int) -> str:
+    """One line for a resume whose training.steps changed: the schedule is a function of the total, so
+    the next step's lr comes from the schedule over the new total (``section``: ``[lr_scheduler]``)."""
+    shape = dict(warmup_ratio=section.warmup_ratio, decay_ratio=section.decay_ratio,
+                 min_ratio=section.min_ratio, kind=section.kind)
+    new = lr_scale(next_step, total_steps=total, **shape)
+    old = lr_scale(next_step, total_steps=saved_total, **shape)  # past its total: the final lr
+    return (f"resume: training.steps {saved_total} → {total}: the {section.kind} lr schedule is recomputed over "
+            f"{total} steps, so step {next_step} runs at {new:.3g} × the peak lr (the saved schedule was at "
+            f"{old:.3g} ×; its warmup and decay phases move with the new total)")
+

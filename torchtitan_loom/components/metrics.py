@@ -130,11 +130,11 @@ class MetricsLogger:
     append mode so a resumed run continues the same file.
     """
 
-    def __init__(self, dump_folder: str, *, enable_tensorboard: bool = True, tb_folder: str = "tb",
-                 jsonl_name: str = "metrics.jsonl", rank: int = 0, log_rank: int = 0,
-                 run_id: str | None = None, enable_wandb: bool = False,
-                 wandb_config: dict | None = None) -> None:
-        self.active = rank == log_rank
+    def __init__(self, dump_folder: str, section: Any, *, jsonl_name: str = "metrics.jsonl", rank: int = 0,
+                 run_id: str | None = None, wandb_config: dict | None = None) -> None:
+        """``section``: the ``[metrics]`` config section (enable_tensorboard, tb_folder, log_rank, enable_wandb)."""
+        enable_tensorboard, tb_folder, enable_wandb = section.enable_tensorboard, section.tb_folder, section.enable_wandb
+        self.active = rank == section.log_rank
         self.run_id = run_id  # written into every JSON line: one id per launch
         self._launch_note: dict[str, Any] = {}
         self.jsonl_path = os.path.join(dump_folder, jsonl_name)

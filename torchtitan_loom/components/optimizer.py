@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -11,17 +13,9 @@ VALID_IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
 FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu", "hpu")
 
 
-def build_optimizer(
-    model: nn.Module,
-    *,
-    lr: float,
-    beta1: float = 0.9,
-    beta2: float = 0.95,
-    eps: float = 1e-8,
-    weight_decay: float = 0.1,
-    implementation: str = "foreach",
-) -> torch.optim.AdamW:
-    """AdamW over ONE parameter group holding every trainable parameter (§7.2).
+def build_optimizer(model: nn.Module, section: Any) -> torch.optim.AdamW:
+    """AdamW over ONE parameter group holding every trainable parameter (§7.2), with the values of the
+    ``[optimizer]`` config section (lr, beta1, beta2, eps, weight_decay, implementation).
 
     Embeddings, head, routers and norm weights all get weight decay, as in the recipe. A
     parameter whose ``.grad`` is None at ``step()`` is skipped by AdamW entirely (no moment
@@ -32,6 +26,8 @@ def build_optimizer(
     where torch supports it for the parameters' device and dtype) or "for-loop" (reference
     per-parameter loop). All three compute the same update up to rounding.
     """
+    lr, betas, eps, weight_decay = section.lr, (section.beta1, section.beta2), section.eps, section.weight_decay
+    implementation = section.implementation
     if implementation not in VALID_IMPLEMENTATIONS:
         raise ValueError(
             f"optimizer.implementation must be one of {VALID_IMPLEMENTATIONS}, got {implementation!r}")
@@ -41,7 +37,7 @@ def build_optimizer(
     if implementation == "fused":
         _check_fused_supported(params)
     return torch.optim.AdamW(
-        [{"params": params}], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+        [{"params": params}], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
         foreach=implementation == "foreach", fused=implementation == "fused")
 
 
@@ -56,8 +52,7 @@ def _check_fused_supported(params: list[nn.Parameter]) -> None:
 
 
 def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                                 *, lr: float, beta1: float, beta2: float, eps: float,
-                                 weight_decay: float) -> list[str]:
+                                 section: Any) -> list[str]:
     """After a resume, make the current config win over the checkpoint (LOOM_SPEC §7.7).
 
     A loaded optimizer brings its saved betas, eps and weight decay, and the schedule its saved peak
@@ -65,6 +60,8 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: to
     position is recomputed. The schedule's shape (steps, ratios) is a closure over the config and
     is never restored. Returns one line per value that changed.
     """
+    lr, beta1, beta2, eps, weight_decay = (section.lr, section.beta1, section.beta2, section.eps,
+                                           section.weight_decay)
     changes = []
     wanted = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
     saved = {"lr": scheduler.base_lrs[0], "betas": tuple(optimizer.param_groups[0]["betas"]),

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.distributed.utils import DTYPES
+
 _GIB = float(1 << 30)
 # Warn on CPU when one step needs more than this share of the RAM, or at least this many seconds.
 RAM_SHARE_WARN = 0.8
@@ -41,25 +43,15 @@ class StepEstimate:
         return self.state_gib + self.activation_gib
 
 
-def estimate_step(cfg: Any, model_args: Any, dims: Any, counts: dict[str, int], flops_per_token: float,
+def estimate_step(cfg: Any, meta_model: Any, dims: Any, counts: dict[str, int], flops_per_token: float,
                   num_loops: int, num_segments: int) -> StepEstimate:
-    """Sizes read from the args by name (dim, n_layers, vocab_size, top_k, expert_intermediate_size);
-    a model without some of them (another TrainSpec) gets those terms as 0."""
+    """The activation term from the model's own ``saved_values_per_token`` (ModelProtocol)."""
     t = cfg.training
-    act_bytes = 2 if t.mixed_precision_param == "bfloat16" else 4
+    act_bytes = DTYPES[t.mixed_precision_param].itemsize
     tokens_mb = t.micro_batch_size * t.seq_len
-    size = lambda name, default=0: int(getattr(model_args, name, default))  # noqa: E731
-    D, L = size("dim"), size("n_layers", 1)
-    k = size("top_k") + (0 if getattr(model_args, "top_k_includes_shared", True) else size("num_shared_experts"))
     loops_per_segment = -(-num_loops // num_segments)
-    # Saved per token by one block call: attention ~10 D values (norms, qkv, output, gates); each of
-    # the k experts its input copy and gate / up / activation (D + 3 I).
-    per_block = 10 * D + k * (D + 3 * size("expert_intermediate_size"))
-    if cfg.activation_checkpoint.mode != "none":  # block inputs kept, one block recomputed at a time
-        per_call = D * L * loops_per_segment + per_block
-    else:
-        per_call = per_block * L * loops_per_segment
-    logits = 3 * size("vocab_size") * 4  # fp32 logits, softmax and gradient
+    per_call = meta_model.saved_values_per_token(loops_per_segment, cfg.activation_checkpoint.mode != "none")
+    logits = 3 * meta_model.args.vocab_size * 4  # fp32 logits, softmax and gradient
     activation = tokens_mb * (per_call * act_bytes + logits)
     state = 16 * counts["total"] / max(dims.dp_shard, 1)
     rows_per_rank = t.global_batch_size // dims.dp
@@ -107,11 +99,11 @@ def start_lines(cfg: Any, est: StepEstimate, device: torch.device, rate_tflops: 
     return lines
 
 
-def start_report(cfg: Any, model_args: Any, dims: Any, meta_model: Any, num_segments: int, device: torch.device,
+def start_report(cfg: Any, dims: Any, meta_model: Any, num_segments: int, device: torch.device,
                  dtype: torch.dtype) -> list[str]:
     """The start lines for a model still on the meta device (nothing allocated yet)."""
     fpt = meta_model.flops_per_token(cfg.training.seq_len, head_calls=num_segments)
-    est = estimate_step(cfg, model_args, dims, meta_model.param_counts(), fpt, meta_model.num_loops, num_segments)
+    est = estimate_step(cfg, meta_model, dims, meta_model.param_counts(), fpt, meta_model.num_loops, num_segments)
     return start_lines(cfg, est, device, matmul_tflops(device, dtype))
 
 

@@ -28,14 +28,12 @@ import time
 from typing import Any
 
 from torchtitan_loom.components import safe_files
+from torchtitan_loom.protocols import get_train_spec
 
 LOCK = "RUN.lock"
 RUN_JSON = "run.json"
 # Run files moved aside by job.overwrite (the metrics and checkpoint folders are added per config).
 _RUN_FILES = ("run.json", "config.toml", "metrics.jsonl", "SPIKE_ABORT.txt")
-# Model keys that may change between launches of one run (same math or tunables); mirrors
-# checkpoint.state.RESUMABLE_ARG_CHANGES.
-_MODEL_TUNABLES = ("attn_backend", "moe_impl", "capacity_factor", "load_balance_bias_lr", "router_z_loss_coef")
 
 
 class RunFolderError(RuntimeError):
@@ -50,7 +48,8 @@ def new_run_id() -> str:
 def identity(cfg: Any) -> dict[str, Any]:
     """The config values that define what a run trains; two launches with different ones are
     different runs."""
-    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in _MODEL_TUNABLES}
+    tunable = get_train_spec(cfg.model.name).relaunch_tunable  # may change between launches of one run
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in tunable}
     t = cfg.training
     return {"model": model, "data.path": cfg.data.path, "training.seed": t.seed, "training.seq_len": t.seq_len,
             "training.global_batch_size": t.global_batch_size, "training.bp_segment_len": t.bp_segment_len}

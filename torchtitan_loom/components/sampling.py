@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_loom.models.loom.attention import KVCache
 
 
 @dataclass(frozen=True)
@@ -69,14 +68,11 @@ def generate(model, prompt_BS: torch.Tensor, cfg: SamplingConfig, loops: int | N
     Stops early when every row has produced `eos_id`; later tokens of a finished row repeat eos.
     `loops` = H' runs loops [1, H'] only (early exit); None = all H loops.
     """
-    if model.args.capacity_factor != 0:
-        raise ValueError("incremental decoding needs capacity dropping off: build the model with "
-                         "capacity_factor=0 (with capacity on, a token's experts depend on the call size)")
+    cache = model.new_decode_cache()  # the model's own; it refuses a setup that cannot decode incrementally
     B, S = prompt_BS.shape
     device = prompt_BS.device
     max_new = min(cfg.max_new_tokens, model.args.max_seq_len - S)
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 else None
-    cache = KVCache()
     new_tokens: list[torch.Tensor] = []
     tokens_BS, start = prompt_BS, 0
     done_B = torch.zeros(B, dtype=torch.bool, device=device)

@@ -17,20 +17,17 @@ from typing import Any
 class SpikeGuard:
     """Decides whether a segment's optimizer step is taken; ``Stateful`` for DCP.
 
-    Args:
-        enabled: when False, ``check`` always accepts (no check at all, non-finite included).
-        delta: absolute floor of the adaptive threshold (0.18).
-        rel: relative part of the adaptive threshold, as a fraction of the baseline (0.06).
-        ratio: skip when loss ≥ base·(1 + ratio) (0.09).
-        hard: skip when loss − base ≥ hard (1.5).
-        ema: EMA decay, ema ← ema·decay + (1 − decay)·loss (0.9).
-        warmup_steps: for global steps ≤ warmup_steps only the non-finite checks apply (the
-            baselines are still updated by ``accept``).
+    Built from the ``[spike_guard]`` config section (its values and defaults are documented there):
+    ``enable`` false = ``check`` always accepts (no check at all, non-finite included); ``delta`` the
+    absolute floor and ``rel`` the relative part of the adaptive threshold; skip when loss ≥
+    base·(1 + ``ratio``) or loss − base ≥ ``hard``; ``ema`` the EMA decay (ema ← ema·decay +
+    (1 − decay)·loss); for global steps ≤ ``warmup_steps`` only the non-finite checks apply (the
+    baselines are still updated by ``accept``).
     """
 
-    def __init__(self, *, enabled: bool = True, delta: float = 0.18, rel: float = 0.06,
-                 ratio: float = 0.09, hard: float = 1.5, ema: float = 0.9,
-                 warmup_steps: int = 0) -> None:
+    def __init__(self, section: Any) -> None:
+        enabled, delta, rel, ratio = section.enable, section.delta, section.rel, section.ratio
+        hard, ema, warmup_steps = section.hard, section.ema, section.warmup_steps
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"spike_guard.ema must be in [0, 1), got {ema}")
         if warmup_steps < 0:

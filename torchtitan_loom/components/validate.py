@@ -19,6 +19,7 @@ import torch
 from torchtitan_loom.components.data import build_eval_loader
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.routing_stats import RoutingStats
+from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
 
 
@@ -92,7 +93,7 @@ class Validator:
              loader: Any) -> tuple[torch.Tensor, torch.Tensor, RoutingStats | None] | None:
         ce_H = torch.zeros(num_loops, dtype=torch.float64, device=self.device)
         n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
-        n_layers, n_experts = model.expert_counts_shape()
+        n_layers, n_experts = model.routing or (0, 0)
         routing: RoutingStats | None = None
         for mb in self._micro(loader):
             if self._stop_requested():  # a stop signal: drop this eval
@@ -107,8 +108,8 @@ class Validator:
                     if routing is None:  # top-k from the ids' own shape: the validator reads no model field
                         routing = RoutingStats(n_layers, num_loops, n_experts, out.topk_LTBSK.shape[-1], self.device)
                     if loop == 1:
-                        routing.start_batch(mb["doc_ids"] >= 0)  # padding has doc id -1
-                    routing.add_loop(out.topk_LTBSK[:, 0], carry.z_BSD)
+                        routing.start_batch(real_tokens(mb["doc_ids"]))
+                    routing.add_loop(out.topk_LTBSK[:, 0], model.carry_stream(carry))
                 ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double()
             n_tok += count_valid(mb["labels"])
         return ce_H, n_tok, routing

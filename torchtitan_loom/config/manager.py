@@ -16,7 +16,8 @@ import typing
 from typing import Any
 
 from torchtitan_loom.config.aliases import ALIASES, AliasError, aliases_of, translate
-from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig
+from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig, model_section
+from torchtitan_loom.protocols import get_train_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,9 +33,10 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def section_types() -> dict[str, type]:
-    hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+def section_types(cfg: JobConfig | None = None) -> dict[str, type]:
+    """Section name -> its dataclass; [model]'s is the chosen model's (that of ``cfg``, else the default)."""
+    cfg = JobConfig() if cfg is None else cfg
+    return {f.name: type(getattr(cfg, f.name)) for f in dataclasses.fields(JobConfig)}
 
 
 def section_fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
@@ -114,7 +116,7 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
 
 
 def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
-    sections = section_types()
+    sections = section_types(cfg)
     try:  # a TorchTitan spelling becomes ours here, before any check (aliases.py)
         dotted, value, _ = translate(dotted.replace("-", "_"), value)
     except AliasError as exc:
@@ -126,6 +128,9 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
         raise ConfigError(f"unknown section '{sec}'{_nearest(sec, list(sections))}")
     fields = section_fields(sections[sec])
     key = key.replace("-", "_")
+    if key not in fields and sec == "model":
+        raise ConfigError(f"model.{key}: not a key of model '{cfg.model.name}'"
+                          f"{_nearest(key, list(fields), prefix='model.')}")
     if key not in fields:
         raise ConfigError(f"unknown key '{sec}.{key}'{_nearest(key, list(fields), prefix=sec + '.')}")
     tp, f = fields[key]
@@ -199,6 +204,13 @@ def load_config(argv: list[str]) -> JobConfig:
                 raise ConfigError(f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}")
             sources += [(k, v, False) for k, v in _flatten(sec, table)]
     sources += [(k, v, True) for k, v in pairs]
+    # [model]'s keys are the chosen model's: find the name first (the last one given wins).
+    names = [v for k, v, _ in sources if k == "model.name"]
+    if names:
+        try:
+            cfg.model = model_section(get_train_spec(str(names[-1])))()
+        except ValueError as exc:
+            raise ConfigError(f"model.name: {exc}") from None
     # Step counts for fraction keys wait for the final training.steps; a later canonical write wins.
     pending: dict[str, tuple[str, str, int]] = {}
     for key, value, from_cli in sources:

@@ -2,8 +2,9 @@
 
 The help text of a field lives in its metadata (``doc``); ``--help`` prints it and nothing else
 documents the key. A field may also carry ``choices``: the valid string values, always the tuple
-that the implementing module defines (imported below), never a copy. The ``[model]`` override keys
-are generated from the model-args dataclass, with its own field docs and choices.
+that the implementing module defines (imported below), never a copy. The ``[model]`` keys are the
+chosen model's: generated from the args dataclass of its registered TrainSpec (``model_section``),
+with that dataclass's own field docs and the spec's choices; no model is imported here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torchtitan_loom.components.optimizer import OPTIMIZER_NAMES
 from torchtitan_loom.components.optimizer import VALID_IMPLEMENTATIONS as OPTIMIZER_IMPLEMENTATIONS
 from torchtitan_loom.distributed.activation_checkpoint import AC_MODES
 from torchtitan_loom.distributed.utils import COMPILE_BACKENDS, DEVICES, DTYPES, FSDP_SYNC, RESHARD_AFTER_FORWARD
-from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
+from torchtitan_loom.protocols import TrainSpec, get_train_spec
 
 
 def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None):
@@ -47,21 +48,32 @@ def attribute_docs(cls: type) -> dict[str, str]:
 
 # Model args that are not [model] keys: the init seed is training.seed (one seed per run).
 _NOT_MODEL_KEYS = ("init_seed",)
+DEFAULT_MODEL = "loom"
 
 
-def _model_section(args_cls: type) -> type:
-    """[model]: name, flavor, then one optional override per model-args field (None keeps the flavor's)."""
+def model_section(spec: TrainSpec) -> type:
+    """[model] of ``spec``: name, flavor, then one optional override per field of its args dataclass
+    (None keeps the flavor's value)."""
+    args_cls = type(next(iter(spec.model_args.values())))
     docs, hints = attribute_docs(args_cls), typing.get_type_hints(args_cls)
-    fields = [("name", str, opt("loom", "Registered TrainSpec name.")),
-              ("flavor", str, opt("debug", "Size preset of the spec (loom: debug, loom_329m, loom_1p7b)."))]
+    fields = [("name", str, opt(spec.name, "Registered TrainSpec name; the keys below are its model's.")),
+              ("flavor", str, opt(next(iter(spec.model_args)),
+                                  f"Size preset of the spec ({spec.name}: {', '.join(spec.model_args)})."))]
     for f in dataclasses.fields(args_cls):
         if f.name not in _NOT_MODEL_KEYS:
             fields.append((f.name, hints[f.name] | None,
-                           opt(None, docs.get(f.name, ""), choices=FIELD_CHOICES.get(f.name))))
-    return dataclasses.make_dataclass("Model", fields)
+                           opt(None, docs.get(f.name, ""), choices=spec.arg_choices.get(f.name))))
+    # Equal by values (each call makes a new class, so the dataclass __eq__'s class check would fail).
+    return dataclasses.make_dataclass("Model", fields, eq=False, namespace={"__eq__": _same_section})
 
 
-Model = _model_section(LoomModelArgs)
+def _same_section(a: Any, b: Any) -> bool:
+    return type(b).__name__ == "Model" and dataclasses.is_dataclass(b) and dataclasses.asdict(a) == dataclasses.asdict(b)
+
+
+def default_model() -> Any:
+    """The [model] section of the default model, all keys unset."""
+    return model_section(get_train_spec(DEFAULT_MODEL))()
 
 
 @dataclass
@@ -321,7 +333,8 @@ class Comm:
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
-    model: Model = field(default_factory=Model)
+    model: Any = field(default_factory=default_model)
+    """The chosen model's section (``model_section``); its class depends on ``model.name``."""
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)

@@ -20,6 +20,7 @@ from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack
 from torchtitan_loom.config.manager import ConfigError
 from torchtitan_loom.config.schema import JobConfig
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
+from torchtitan_loom.protocols import get_train_spec
 
 
 class Resolved(NamedTuple):
@@ -28,14 +29,12 @@ class Resolved(NamedTuple):
     model_args: Any
     dims: ParallelDims
 
-# Model-section keys that are not LoomModelArgs overrides.
+# Model-section keys that are not model-args overrides.
 _MODEL_META_KEYS = ("name", "flavor")
 
 
 def resolve_model_args(cfg: JobConfig) -> Any:
     """The flavor's args with every non-None [model] override applied, validated."""
-    from torchtitan_loom.protocols import get_train_spec
-
     try:
         spec = get_train_spec(cfg.model.name)
     except (KeyError, ValueError) as exc:
@@ -166,8 +165,6 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
         # The configured model on the meta device: shapes without memory or a process group.
         import torch
 
-        from torchtitan_loom.protocols import get_train_spec
-
         with torch.device("meta"):
             model = get_train_spec(cfg.model.name).model_cls(args)
         return {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -180,30 +177,30 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
 def _parallel_dims(cfg: JobConfig, world_size: int, args: Any, errors: list[str]) -> ParallelDims | None:
     """The degrees (ParallelDims checks every divisibility rule, once), or None with the problems added."""
     try:
-        return ParallelDims.from_config(cfg.parallelism, world_size,
-                                        num_experts=getattr(args, "num_routed_experts", None))
+        spec = get_train_spec(cfg.model.name)
+        num_experts = spec.num_experts_fn(args) if spec.num_experts_fn is not None and args is not None else None
+        return ParallelDims.from_config(cfg.parallelism, world_size, num_experts=num_experts)
     except ValueError as exc:
         errors.extend(str(exc).splitlines())
         return None
 
 
 def parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) -> list[str]:
-    """[parallelism] rules beyond the degrees: the dry run keys, and FSDP splitting expert rows."""
+    """[parallelism] rules beyond the degrees: the dry run keys, and the model's own layout rules
+    (its TrainSpec's layout_errors_fn, e.g. how FSDP may split LOOM's expert rows)."""
     par, errors = cfg.parallelism, []
     if par.dry_run_world_size < 0:
         errors.append(f"parallelism.dry_run_world_size = {par.dry_run_world_size}: must be ≥ 0 (0 = WORLD_SIZE)")
     if par.dry_run_world_size and not par.dry_run:
         errors.append("parallelism.dry_run_world_size needs parallelism.dry_run = true")
-    if errors or args is None or dims is None or dims.ep == 1:
+    if errors or args is None or dims is None:
         return errors
-    # Fewer routed experts than FSDP ranks: FSDP shards each expert's rows (Shard(1)), which must be even.
-    efsdp = dims.dp_shard_mod_ep
-    E, D, I = args.num_routed_experts, args.dim, args.expert_intermediate_size
-    if E // par.ep < efsdp and (2 * I % efsdp or D % efsdp):
-        errors.append(f"parallelism.ep = {par.ep}: with {E // par.ep} experts per ep rank and dp_shard / ep = "
-                      f"{efsdp} FSDP ranks per expert group, FSDP splits expert rows, which needs "
-                      f"model dim {D} and 2 × expert width {2 * I} divisible by {efsdp}; use a larger ep")
-    return errors
+    return layout_errors(get_train_spec(cfg.model.name), args, dims)
+
+
+def layout_errors(spec: Any, args: Any, dims: ParallelDims) -> list[str]:
+    """The spec's own rules for this layout (none without a layout_errors_fn)."""
+    return [] if spec.layout_errors_fn is None else spec.layout_errors_fn(args, dims)
 
 
 def _estimate_errors(cfg: JobConfig) -> list[str]:
@@ -290,9 +287,9 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                     errors += pack_errors(path, key, cfg, args)
         errors += bundled_errors(cfg)
         errors += folder_errors(cfg)
-    if getattr(args, "attn_backend", None) == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        errors.append("model.attn_backend = 'flash_attn': the flash-attn package is not installed "
-                      "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'")
+    spec = get_train_spec(cfg.model.name)
+    if args is not None and spec.config_errors_fn is not None:  # the model's own rules (its keys, its layout)
+        errors += spec.config_errors_fn(cfg, args, dims)
     if cfg.metrics.enable_wandb:
         if importlib.util.find_spec("wandb") is None:
             errors.append("metrics.enable_wandb = true: the wandb package is not installed; "

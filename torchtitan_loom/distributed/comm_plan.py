@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
-from torchtitan_loom.protocols import FsdpUnit, ModelCost
+from torchtitan_loom.protocols import FsdpUnit, ModelCost, segments
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -47,13 +47,6 @@ class Collective(NamedTuple):
     """Calls per step."""
     nbytes: int
     """Bytes passed per call."""
-
-
-def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
-    """The trainer's backprop segments (imported lazily: the trainer module is heavy)."""
-    from torchtitan_loom.train import segments as train_segments
-
-    return train_segments(num_loops, seg_len)
 
 
 def padded_numel(unit: FsdpUnit, degree: int) -> int:

@@ -17,9 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
-from torchtitan_loom.protocols import get_train_spec
-
-
+from torchtitan_loom.protocols import Sharding, get_train_spec
 
 def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
     """The dry-run report of `cfg` on `dims.world_size` ranks (builds nothing real)."""
@@ -45,7 +43,7 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
             model = spec.model_cls(model_args)
         if spec.parallelize_fn is not None:
             model = spec.parallelize_fn(model, dims, cfg).model
-        lines += _shard_report(model)
+        lines += _shard_report(model, spec.sharding)
     finally:
         if fake:
             dist.destroy_process_group()
@@ -56,18 +54,24 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
     return "\n".join(lines)
 
 
-def _shard_report(model: torch.nn.Module) -> list[str]:
+def _shard_report(model: torch.nn.Module, sharding: Sharding) -> list[str]:
+    """Rank 0's shard of every parameter; the units of the spec's repeated_unit that match the first
+    one are folded into one line."""
     lines, seen = ["rank 0 parameters: name  full shape -> local shard  placements"], {}
+    units: set[int] = set()
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         placements = ", ".join(str(x) for x in p.placements) if isinstance(p, DTensor) else "plain"
         entry = f"{tuple(p.shape)} -> {tuple(local.shape)}  {placements}"
-        key = re.sub(r"^layers\.\d+\.", "layers.{l}.", name)
+        unit = re.match(sharding.repeated_unit, name) if sharding.repeated_unit else None
+        key = name if unit is None else "{unit}." + name[unit.end():]
+        if unit is not None:
+            units.add(int(unit.group(1)))
         if seen.get(key) == entry:
             continue
         seen[key] = entry
         lines.append(f"  {name}  {entry}")
-    n_layers = len(model.layers)
-    if n_layers > 1:
-        lines.append(f"  (layers 1..{n_layers - 1}: same as layer 0)")
+    if len(units) > 1:
+        unit_name = sharding.unit_name
+        lines.append(f"  ({unit_name}s {min(units) + 1}..{max(units)}: same as {unit_name} {min(units)})")
     return lines

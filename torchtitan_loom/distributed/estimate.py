@@ -27,6 +27,7 @@ from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
+from torchtitan_loom.protocols import get_train_spec, segments
 
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)
@@ -57,13 +58,11 @@ def seconds(c: Collective, hw: Any) -> float:
 
 def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) -> Estimate:
     """The estimate of `cfg` on `dims` (cost: the spec's ModelCost, built when not given)."""
-    from torchtitan_loom.protocols import get_train_spec
-
     cost = cost or get_train_spec(cfg.model.name).cost_fn(model_args, dims, cfg)
     t, hw = cfg.training, cfg.estimate
     pb, rb = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
-    segs = [cost.segment(a, b) for a, b in comm_plan.segments(model_args.num_loops, t.bp_segment_len)]
+    segs = [cost.segment(a, b) for a, b in segments(model_args.num_loops, t.bp_segment_len)]
     if dims.fsdp_enabled:
         gathered = [comm_plan.padded_numel(u, comm_plan.shard_degree(u, dims)) for u in cost.units]
         local = sum(g // comm_plan.shard_degree(u, dims) for g, u in zip(gathered, cost.units))
@@ -111,7 +110,7 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
     """The estimate's lines for the dry run, then the layouts ranked."""
     est = estimate(cfg, model_args, dims)
     t, hw = cfg.training, cfg.estimate
-    n_seg = len(comm_plan.segments(model_args.num_loops, t.bp_segment_len))
+    n_seg = len(segments(model_args.num_loops, t.bp_segment_len))
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
     lines = ["estimate per rank (a roofline, not a measurement)", "  " + assumptions(hw),
              "  memory (GiB):"]
@@ -161,8 +160,8 @@ def _folded(collectives: list[Collective]) -> list[Collective]:
 
 def candidate_layouts(cfg: Any, model_args: Any, world: int) -> list[tuple[Any, ParallelDims]]:
     """Every valid (dp_replicate, dp_shard, ep) of `world` ranks for this config, as configs + dims."""
-    from torchtitan_loom.config.validate import _parallel_dims, parallelism_errors
-
+    spec = get_train_spec(cfg.model.name)  # the model's own rules through its TrainSpec, as validate.py asks them
+    num_experts = spec.num_experts_fn(model_args) if spec.num_experts_fn is not None else None
     out = []
     for replicate in (r for r in range(1, world + 1) if world % r == 0):
         shard = world // replicate
@@ -170,9 +169,11 @@ def candidate_layouts(cfg: Any, model_args: Any, world: int) -> list[tuple[Any, 
             candidate = copy.deepcopy(cfg)
             candidate.parallelism.dp_replicate, candidate.parallelism.dp_shard = replicate, shard
             candidate.parallelism.ep = ep
-            problems: list[str] = []
-            dims = _parallel_dims(candidate, world, model_args, problems)  # the config's own rules, once
-            if dims is not None and not problems and not parallelism_errors(candidate, dims, model_args):
+            try:
+                dims = ParallelDims.from_config(candidate.parallelism, world, num_experts=num_experts)
+            except ValueError:  # a degree rule (ParallelDims checks every one, once)
+                continue
+            if spec.layout_errors_fn is None or not spec.layout_errors_fn(model_args, dims):
                 out.append((candidate, dims))
     return out
 

@@ -68,7 +68,7 @@ def parallelism_problems(
                       f"carved from the FSDP ranks); valid: {_divisors(shard)}")
     if num_experts is not None and num_experts % ep:
         errors.append(f"parallelism.ep = {ep}: must divide the {num_experts} routed experts "
-                      f"(model.num_routed_experts); valid: {_divisors(num_experts)}")
+                      f"of the model; valid: {_divisors(num_experts)}")
     return errors
 
 

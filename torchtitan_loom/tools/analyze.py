@@ -27,6 +27,7 @@ import torch
 
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.routing_stats import RoutingStats
+from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.tools.analyze_diag import report_section
 
 DEFAULT_OUT = "analysis"
@@ -68,22 +69,27 @@ def _token_text(pack_tokenizer: str, vocab_ids: list[int]) -> list[str]:
 @torch.no_grad()
 def evaluate(model: Any, loader: Any, device: torch.device, samples: int, sample_tokens: int) -> dict[str, Any]:
     """Loss after every loop, RoutingStats, and the routed ids of the first `samples` documents."""
-    a = model.args
-    H = a.num_loops
-    routing = RoutingStats(a.n_layers, H, a.num_routed_experts, a.routed_top_k, device)
+    H = model.num_loops
+    if model.routing is None:
+        raise AnalyzeError("the model has no routed experts: nothing to analyze")
+    n_layers, n_experts = model.routing
+    routing: RoutingStats | None = None
     ce_H = torch.zeros(H, dtype=torch.float64)
     n_tok = 0
     docs: list[dict[str, Any]] = []
     for batch in loader:
         mb = {k: v.to(device) for k, v in batch.items()}
-        routing.start_batch(mb["doc_ids"] >= 0)
         carry, topk_per_loop = None, []
         for loop in range(1, H + 1):
             out = model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=loop, loop_end=loop,
                         carry=carry, return_topk=True)
             carry = out.carry
             ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double().cpu()
-            routing.add_loop(out.topk_LTBSK[:, 0], carry.z_BSD)
+            if routing is None:  # top-k from the ids' own shape
+                routing = RoutingStats(n_layers, H, n_experts, out.topk_LTBSK.shape[-1], device)
+            if loop == 1:
+                routing.start_batch(real_tokens(mb["doc_ids"]))
+            routing.add_loop(out.topk_LTBSK[:, 0], model.carry_stream(carry))
             if len(docs) < samples:
                 topk_per_loop.append(out.topk_LTBSK[:, 0].cpu())
         n_tok += int(count_valid(mb["labels"]))
@@ -210,10 +216,11 @@ def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int
     data = data or run.get("data", {}).get("path") or str(bundled_corpus_path(None))
     a = model.args
     seq_len = seq_len or run.get("training", {}).get("seq_len") or a.max_seq_len
+    n_layers = model.routing.num_layers if model.routing is not None else 0
     if layer is None:
-        layer = a.n_layers // 2
-    if not 0 <= layer < a.n_layers:
-        raise AnalyzeError(f"--layer {layer}: the model has layers 0..{a.n_layers - 1}")
+        layer = n_layers // 2
+    if not 0 <= layer < n_layers:
+        raise AnalyzeError(f"--layer {layer}: the model has routed layers 0..{n_layers - 1}")
     try:
         pack = open_pack(data, seq_len=seq_len, vocab_size=a.vocab_size)
         loader = build_eval_loader(data, seq_len=seq_len, vocab_size=a.vocab_size, batch_rows=batch_rows,

@@ -5,7 +5,7 @@
     modeling_loom.py      GENERATED at export time: the source of models/loom/{args, looping_residual,
                           attention, moe, block, model}.py and the two output types of protocols.py,
                           with the package-internal imports removed, then the thin wrapper of
-                          tools/hf_wrapper_template.py. One copy of the same math, no second
+                          models/loom/infra/hf_wrapper_template.py. One copy of the same math, no second
                           implementation to keep in sync; it imports nothing from torchtitan_loom.
     model.safetensors     the parameters (fp32 or bf16) and the fp32 expert bias, keys "model.<name>"
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
@@ -29,10 +29,11 @@ from torchtitan_loom.tools.loading import Loaded
 MODELING_FILE = "modeling_loom.py"
 _PKG = Path(torchtitan_loom.__file__).parent
 # Stitch order: every module after the ones it imports from.
-MODEL_SOURCES = ("models/loom/args.py", "models/loom/looping_residual.py", "models/loom/attention.py",
-                 "models/loom/moe.py", "models/loom/block.py")
-PROTOCOL_NAMES = ("LoopCarry", "ModelOutput")
-WRAPPER_SOURCE = "tools/hf_wrapper_template.py"
+MODEL_SOURCES = ("data_contract.py", "models/loom/args.py", "models/loom/target.py", "models/loom/flex_compiled.py",
+                 "models/loom/looping_residual.py", "models/loom/attention.py", "models/loom/moe.py",
+                 "models/loom/block.py")
+PROTOCOL_NAMES = ("ModelOutput", "Routing")
+WRAPPER_SOURCE = "models/loom/infra/hf_wrapper_template.py"
 
 
 def _is_internal(node: ast.stmt) -> bool:
@@ -62,7 +63,10 @@ def _strip(source: str, keep: tuple[str, ...] | None = None) -> tuple[str, set[s
             if isinstance(target, ast.Name):
                 defined.add(target.id)
         start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        text = "\n".join(lines[start - 1:node.end_lineno])
+        # Lazy internal imports inside functions go too: their names are stitched in at top level.
+        nested = {n for sub in ast.walk(node) if sub is not node and isinstance(sub, (ast.Import, ast.ImportFrom))
+                  and _is_internal(sub) for n in range(sub.lineno, sub.end_lineno + 1)}
+        text = "\n".join(line for n, line in enumerate(lines[start - 1:node.end_lineno], start) if n not in nested)
         is_import = isinstance(node, (ast.Import, ast.ImportFrom))
         if pieces and not (is_import and pieces[-1][0]):
             text = "\n\n" + text  # PEP 8 spacing between top-level statements

@@ -22,6 +22,7 @@ import torch
 
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.distributed import utils as dist_utils
+from torchtitan_loom.protocols import get_train_spec, portable_args
 from torchtitan_loom.tools.loading import LoadError, Loaded, run_folder
 
 MODES = ("on", "off", "record")
@@ -88,7 +89,7 @@ def recompute_eval_loss(loaded: Loaded, device: torch.device, rank: int = 0, wor
     cfg = loaded.config
     t = cfg.training
     with torch.device("meta"):
-        trained = type(loaded.model)(loaded.args.replace(attn_backend="sdpa"))
+        trained = type(loaded.model)(portable_args(get_train_spec(loaded.name), loaded.args, decoding=False))
     trained.load_state_dict(loaded.model.state_dict(), assign=True)  # shares the tensors
     rows = cfg.eval.batch_size or t.global_batch_size
     try:

@@ -120,6 +120,8 @@ def write_results(root: str, payload: dict[str, Any]) -> str:
 
 def run(ns: argparse.Namespace) -> str | None:
     """Check, score, write; returns the results folder on rank 0 (None on other ranks)."""
+    if int(os.environ.get("RANK", "0")) == 0:  # importing lm-eval and loading the model are slow and silent
+        print(f"lm_eval: loading lm-eval, then the checkpoint {ns.ckpt} ...", flush=True)
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -127,7 +129,7 @@ def run(ns: argparse.Namespace) -> str | None:
     from lm_eval import simple_evaluate
 
     from torchtitan_loom.distributed import utils as dist_utils
-    from torchtitan_loom.tools.lm_eval_adapter import LoomLM
+    from torchtitan_loom.components.lm_eval_adapter import LoomLM
 
     if ns.batch_size < 1:
         raise LoadError(f"--batch-size {ns.batch_size}: must be >= 1")

@@ -22,7 +22,11 @@ import torch
 
 from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
-from torchtitan_loom.components.tokenizer import Tokenizer, build_tokenizer, same_tokenizer_name
+from torchtitan_loom.components.data import pack_tokenizer as pack_tok
+from torchtitan_loom.components.data.pack_tokenizer import TokenizerError
+from torchtitan_loom.components.tokenizer import Tokenizer
+from torchtitan_loom.protocols import get_train_spec, portable_args
+from torchtitan_loom.tools.export_format import ExportError, find_checkpoint, model_spec, read_export
 
 
 class LoadError(ValueError):
@@ -51,8 +55,6 @@ def is_export_dir(path: str) -> bool:
 
 def resolve_checkpoint(path: str) -> str:
     """The export folder or the complete DCP directory that ``path`` names (LoadError otherwise)."""
-    from torchtitan_loom.tools.export import ExportError, find_checkpoint
-
     if not os.path.exists(path):
         raise LoadError(f"checkpoint {path}: no such file or directory; pass a run folder, a step-N "
                         "checkpoint directory or an export folder")
@@ -68,14 +70,9 @@ def resolve_checkpoint(path: str) -> str:
     return ckpt
 
 
-def inference_args(args: Any) -> Any:
-    """The args the inference model runs with: capacity off, the sdpa kernel."""
-    return args.replace(capacity_factor=0, attn_backend="sdpa")
-
-
 def _build(spec: Any, args: Any, tensors: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
     with torch.device("meta"):
-        model = spec.model_cls(inference_args(args))
+        model = spec.model_cls(portable_args(spec, args, decoding=True))
     model.to_empty(device=device)
     tensors = {k: v.float() if torch.is_floating_point(v) else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False)
@@ -107,64 +104,25 @@ def _pack_path(config: Any | None) -> Path | None:
     return bundled_corpus_path(config.data.cache_dir or None)
 
 
-def pack_tokenizer_info(pack: Path) -> dict[str, Any]:
-    """tokenizer_info of a pack's metadata.json (LoadError when unreadable)."""
-    from torchtitan_loom.components.data.pack_format import PackError, read_metadata
-
+def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
+    """The pack's tokenizer, or ``override`` when it matches the pack (components/tokenizer.py)."""
     try:
-        return read_metadata(Path(pack))["tokenizer_info"]
-    except PackError as exc:
+        return pack_tok.pack_tokenizer(pack, override, model_vocab, export_dir)
+    except TokenizerError as exc:
         raise LoadError(str(exc)) from None
 
 
 def recorded_tokenizer(pack: Path, recorded: str) -> str:
-    """The tokenizer a pack's metadata names: 'byte', an absolute path, or a path relative to the
-    pack folder (never to the current directory) that stays inside it (LoadError otherwise)."""
-    if recorded == "byte" or os.path.isabs(recorded):
-        return recorded
-    path = pack / recorded
-    inside = os.path.realpath(pack)
-    if os.path.commonpath([os.path.realpath(path), inside]) != inside:
-        raise LoadError(f"the pack {pack} records the tokenizer {recorded!r}, which resolves outside the pack; "
-                        f"pass --tokenizer (the tokenizer.json the pack was written with)")
-    return str(path)
-
-
-def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
-    """The pack's tokenizer, or ``override`` when it matches the pack (same name and vocab)."""
-    info = pack_tokenizer_info(pack) if pack is not None and (Path(pack) / "metadata.json").is_file() else None
-    name = override
-    if info is not None:
-        recorded = str(info.get("name_or_path", ""))
-        if override is not None and not same_tokenizer_name(override, recorded):
-            raise LoadError(f"--tokenizer {override!r} does not match the pack {pack}, which was tokenised "
-                            f"with {recorded!r}; pass that tokenizer or leave --tokenizer unset")
-        name = override or recorded_tokenizer(Path(pack), recorded)
-        if name != "byte" and not Path(name).exists() and export_dir and Path(export_dir, "tokenizer.json").is_file():
-            name = export_dir  # the pack's HF tokenizer moved; the export carries a copy
-    elif name is None and export_dir and Path(export_dir, "tokenizer.json").is_file():
-        name = export_dir
-    if name is None:
-        raise LoadError("no tokenizer: the checkpoint's training pack is not readable here; pass --tokenizer "
-                        "('byte' or the tokenizer.json the pack was written with)")
+    """The tokenizer a pack's metadata names, resolved inside the pack (components/data/pack_tokenizer.py)."""
     try:
-        tok = build_tokenizer(name)
-    except (ValueError, ImportError) as exc:
+        return pack_tok.recorded_tokenizer(pack, recorded)
+    except TokenizerError as exc:
         raise LoadError(str(exc)) from None
-    if info is not None and int(info["vocab_size"]) != tok.vocab_size:
-        raise LoadError(f"tokenizer {name!r} has {tok.vocab_size} ids, the pack {pack} recorded "
-                        f"{info['vocab_size']}; pass the tokenizer the pack was written with")
-    if tok.vocab_size > model_vocab:
-        raise LoadError(f"tokenizer {name!r} has {tok.vocab_size} ids, more than the model's vocab_size {model_vocab}")
-    return tok
 
 
 def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_tokenizer: bool = True) -> Loaded:
     """Resolve ``path``, rebuild the model in fp32 with capacity off, find config, pack and tokenizer."""
-    from torchtitan_loom.tools.export import model_spec, read_export
-
     from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
-    from torchtitan_loom.tools.export import ExportError
 
     ckpt = resolve_checkpoint(path)
     if is_export_dir(ckpt):

@@ -84,6 +84,7 @@ class CheckpointManager:
         self._log = log
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._pending: _Pending | None = None
+        self.loaded_total_steps: int | None = None
         self._saved: dict[str, int] = {}  # kind → the step last saved (or in flight) by this process
         self._pg = None
         self._async = self.enabled and cfg.async_mode != "disabled"
@@ -125,6 +126,7 @@ class CheckpointManager:
         ts = self.states.get("train_state")
         layout.write_json(os.path.join(tmp, "meta.json"),
                           {"step": step, "world_size": self.world_size, "torch": torch.__version__,
+                           "total_steps": self.total_steps,
                            "train_state": ts.state_dict() if ts is not None else None})
 
     # ---------------------------------------------------------------------------------- save path
@@ -338,6 +340,7 @@ class CheckpointManager:
             return None
         self._load_full(choice.path, meta)
         saved = layout.read_json(os.path.join(choice.path, "meta.json")) or {}
+        self.loaded_total_steps = saved.get("total_steps")  # training.steps of the run that saved it
         ws = saved.get("world_size")
         moved = f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
         self._log(f"resumed from {choice.path} (step {choice.step}{moved}) "

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from torchtitan_loom.components.checkpoint import integrity, layout
+from torchtitan_loom.protocols import get_train_spec
 
 MODEL_ARGS_FILE = "model_args.json"
 _MAX_LINES = 12
@@ -127,7 +128,8 @@ def compat_errors(path: str, model_name: str, flavor: str, args: Any, expected_s
     """Lines describing why the checkpoint at ``path`` cannot be loaded into this model ([] = fits).
 
     Shapes always have to match. A resume also needs the same model args, apart from the few that
-    may change mid-run (state.RESUMABLE_ARG_CHANGES); a model-only warm start needs only shapes.
+    may change mid-run (state.RESUMABLE_ARG_CHANGES and the spec's relaunch_tunable); a model-only
+    warm start needs only shapes.
     """
     from torchtitan_loom.components.checkpoint import state  # torch-heavy; only when a checkpoint exists
 
@@ -138,8 +140,8 @@ def compat_errors(path: str, model_name: str, flavor: str, args: Any, expected_s
             lines.append(f"model.name: checkpoint {saved.get('name')!r}, config {model_name!r}")
         if saved.get("flavor") != flavor:
             lines.append(f"model.flavor: checkpoint {saved.get('flavor')!r}, config {flavor!r}")
-        lines += ["model." + d for d in state.args_differences(saved.get("args", {}), args,
-                                                               ignore=state.RESUMABLE_ARG_CHANGES)]
+        may_change = state.RESUMABLE_ARG_CHANGES + get_train_spec(model_name).relaunch_tunable
+        lines += ["model." + d for d in state.args_differences(saved.get("args", {}), args, ignore=may_change)]
     shapes = state.shape_mismatches(expected_shapes, state.tensor_shapes(state.read_metadata(path), "model."))
     if shapes:
         lines.append(f"{len(shapes)} model tensors differ:")

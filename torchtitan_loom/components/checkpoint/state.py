@@ -33,10 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtitan_loom.components.checkpoint import safe_read
 
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# Model args that may change between save and resume: implementation choices with the same math,
-# the init seed (irrelevant once weights are loaded) and tunables a user may adjust mid-run.
-RESUMABLE_ARG_CHANGES = ("attn_backend", "moe_impl", "init_seed", "max_seq_len", "capacity_factor",
-                         "load_balance_bias_lr", "router_z_loss_coef")
+# Model args that may change between save and resume whatever the model: the init seed (irrelevant
+# once weights are loaded) and the longest sequence; each TrainSpec adds its own (relaunch_tunable).
+RESUMABLE_ARG_CHANGES = ("init_seed", "max_seq_len")
 
 
 class CheckpointError(ValueError):

@@ -17,7 +17,7 @@ from torchtitan_loom.components.data.loaders import (
 )
 from torchtitan_loom.components.data.pack_format import Pack, PackError, open_pack
 from torchtitan_loom.components.data.pack_writer import PackWriter
-from torchtitan_loom.components.data.rows import IGNORE_INDEX
+from torchtitan_loom.data_contract import IGNORE_INDEX
 
 __all__ = [
     "IGNORE_INDEX",

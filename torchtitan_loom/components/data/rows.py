@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from torchtitan_loom.data_contract import IGNORE_INDEX, PAD_DOC_ID
+
 _BLOCK = 4096  # pieces per block of the block-parallel next-fit pass (see next_fit_row_starts)
 
 
@@ -124,7 +125,7 @@ def assemble_rows(tokens: np.ndarray, layout: RowLayout, row_lo: int, row_hi: in
     B = row_hi - row_lo if num_rows is None else num_rows
     tok_BC = np.zeros((B, C), np.int64)
     pos_BC = np.zeros((B, C), np.int64)
-    doc_BC = np.full((B, C), -1, np.int64)
+    doc_BC = np.full((B, C), PAD_DOC_ID, np.int64)
     p_lo, p_hi = int(layout.row_first[row_lo]), int(layout.row_first[row_hi])
     if p_hi > p_lo:
         first = layout.row_first[row_lo:row_hi + 1] - p_lo
@@ -141,7 +142,7 @@ def assemble_rows(tokens: np.ndarray, layout: RowLayout, row_lo: int, row_hi: in
         tok_BC.reshape(-1)[dst_T] = tokens[src_T]
         pos_BC.reshape(-1)[dst_T] = within_T
         doc_BC.reshape(-1)[dst_T] = np.repeat(idx_p, len_p)
-    same_doc = (doc_BC[:, 1:] == doc_BC[:, :-1]) & (doc_BC[:, 1:] >= 0)
+    same_doc = (doc_BC[:, 1:] == doc_BC[:, :-1]) & (doc_BC[:, 1:] != PAD_DOC_ID)
     labels_BS = np.where(same_doc, tok_BC[:, 1:], IGNORE_INDEX)
     return {
         "input_ids": torch.from_numpy(np.ascontiguousarray(tok_BC[:, :-1])),

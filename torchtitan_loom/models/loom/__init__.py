@@ -2,14 +2,15 @@
 
 import torch
 
-from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.cost import loom_cost
+from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
 from torchtitan_loom.models.loom.attention import resolve_attn_backend
-from torchtitan_loom.models.loom.model import LoomTransformer
-from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
+from torchtitan_loom.models.loom.cost import loom_cost
+from torchtitan_loom.models.loom.infra.checks import config_errors, layout_errors
 from torchtitan_loom.models.loom.infra.parallelize import parallelize_loom
+from torchtitan_loom.models.loom.model import LoomTransformer
+from torchtitan_loom.models.loom.moe import RoutedExperts, moe_gemm_fallbacks
 from torchtitan_loom.models.loom.target import flash_attn_available
-from torchtitan_loom.protocols import TrainSpec, register_train_spec
+from torchtitan_loom.protocols import Sharding, TrainSpec, register_train_spec
 
 _LOOM_SIZES = dict(vocab_size=49152, num_loops=9, max_seq_len=1023)
 
@@ -40,10 +41,25 @@ def kernel_report(model: LoomTransformer, device_type: str, dtype: torch.dtype, 
             *moe_gemm_fallbacks(model.moe_layers(), device_type, dtype, compiling)]
 
 
+def portable_args(args: LoomModelArgs, decoding: bool) -> LoomModelArgs:
+    """sdpa attention everywhere; decoding also turns capacity dropping off (with capacity on, a
+    token's experts depend on the call size)."""
+    return args.replace(attn_backend="sdpa", **({"capacity_factor": 0} if decoding else {}))
+
+
 register_train_spec(
     "loom",
-    TrainSpec(name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom,
-              kernel_report_fn=kernel_report, cost_fn=loom_cost),
+    TrainSpec(
+        name="loom", model_cls=LoomTransformer, model_args=loom_flavors, parallelize_fn=parallelize_loom,
+        kernel_report_fn=kernel_report, arg_choices=FIELD_CHOICES,
+        # Same math, or tunables a user may adjust mid-run.
+        relaunch_tunable=("attn_backend", "moe_impl", "capacity_factor", "load_balance_bias_lr", "router_z_loss_coef"),
+        config_errors_fn=config_errors, layout_errors_fn=layout_errors,
+        num_experts_fn=lambda args: args.num_routed_experts,
+        sharding=Sharding(repeated_unit=r"^layers\.(\d+)\.", unit_name="layer"), cost_fn=loom_cost,
+        # LOOM_SPEC §14: the per-loop routers (Parameters, listed so the rule is explicit), the embedding, the head.
+        float8_never_convert=("routers", "tok_embeddings", "output"), float8_expert_cls=RoutedExperts,
+        portable_args_fn=portable_args),
 )
 
 __all__ = ["LoomModelArgs", "LoomTransformer", "loom_flavors", "parallelize_loom"]

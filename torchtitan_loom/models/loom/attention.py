@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_loom.data_contract import PAD_DOC_ID
+
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.target import KernelTarget
 
@@ -88,9 +90,6 @@ def mask_backend(mask: Any) -> str:
 
 
 # ---------------------------------------------------------------- masks
-
-PAD_DOC_ID = -1  # the data contract's doc id of padding slots
-
 
 class AttentionMask(NamedTuple):
     """What every layer and loop of one forward needs to mask attention."""

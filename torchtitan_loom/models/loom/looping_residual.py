@@ -22,6 +22,18 @@ import torch
 DEN_FLOOR = 1e-6  # readout = num / max(den, 1e-6), spec §4.4 steps 8-9
 
 
+class LoopCarry(NamedTuple):
+    """LOOM's state handed from one loop range to the next: the stream and the H-axis memory (fp32)."""
+
+    z_BSD: torch.Tensor
+    h_num_BSD: torch.Tensor
+    h_den_BS1: torch.Tensor
+
+    def detach(self) -> "LoopCarry":
+        """Values only, no autograd history (segment boundary of truncated backprop)."""
+        return LoopCarry(*(t.detach() for t in self))
+
+
 class Memory(NamedTuple):
     """One EMA memory: numerator [B, S, D] and denominator [B, S, 1], both fp32."""
 

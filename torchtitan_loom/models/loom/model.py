@@ -29,10 +29,10 @@ from torchtitan_loom.models.loom.attention import (
     AttentionMask, KVCache, build_attention_mask, build_cache_mask, resolve_attn_backend, rope_cos_sin)
 from torchtitan_loom.models.loom.block import BRANCHES, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
-from torchtitan_loom.models.loom.looping_residual import Memory, empty_memory
+from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
 from torchtitan_loom.models.loom.target import KernelTarget, target_of
-from torchtitan_loom.protocols import LoopCarry, ModelOutput
+from torchtitan_loom.protocols import ModelOutput, Routing
 
 TRUNC_NORMAL_GAIN = 1.014762601732121  # restores the std after the fmod-3 fold (spec §3)
 
@@ -83,9 +83,21 @@ class LoomTransformer(nn.Module):
         """The L MoE modules in layer order (each with its `expert_bias` buffer [E])."""
         return (layer.moe for layer in self.layers)
 
-    def expert_counts_shape(self) -> tuple[int, int]:
+    @property
+    def routing(self) -> Routing:
         """(L, E) of the counts a forward returns per loop."""
-        return self.args.n_layers, self.args.num_routed_experts
+        return Routing(self.args.n_layers, self.args.num_routed_experts)
+
+    def carry_stream(self, carry: LoopCarry) -> torch.Tensor:
+        """The stream z [B, S, D] after the carry's last loop."""
+        return carry.z_BSD
+
+    def new_decode_cache(self) -> KVCache:
+        """An empty cache for incremental decoding (components/sampling.py)."""
+        if self.args.capacity_factor != 0:
+            raise ValueError("incremental decoding needs capacity dropping off: build the model with "
+                             "capacity_factor=0 (with capacity on, a token's experts depend on the call size)")
+        return KVCache()
 
     def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
         """The sign update of every layer's `expert_bias` at step `load_balance_bias_lr` (spec §5.2)."""
@@ -143,8 +155,8 @@ class LoomTransformer(nn.Module):
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
         logits_BSV = self.output(z_BSD).float()
-        return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), counts_LTE, aux_loss,
-                           topk_LTBSK, observed_LTNK)
+        return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), aux_loss,
+                           counts_LTE=counts_LTE, topk_LTBSK=topk_LTBSK, observed_LTNK=observed_LTNK)
 
     def observation_layout(self) -> tuple[int, tuple[str, ...]]:
         """(L, names of the N branch outputs) of ModelOutput.observed_LTNK, in order."""
@@ -276,6 +288,17 @@ class LoomTransformer(nn.Module):
         head = self.output.weight.numel()
         attention = 12 * args.n_layers * args.num_loops * args.n_heads * args.head_dim * seq_len
         return float(6 * (p_loop * args.num_loops + head * head_calls) + attention)
+
+    def saved_values_per_token(self, loops: int, checkpointed: bool) -> int:
+        """Per token and block call: attention ~10 D values (norms, qkv, output, gates), each of the
+        k experts its input copy and gate / up / activation (D + 3 I). Checkpointed: the block inputs
+        of every call, plus one block recomputed at a time."""
+        args = self.args
+        k = args.top_k + (0 if args.top_k_includes_shared else args.num_shared_experts)
+        per_block = 10 * args.dim + k * (args.dim + 3 * args.expert_intermediate_size)
+        if checkpointed:
+            return args.dim * args.n_layers * loops + per_block
+        return per_block * args.n_layers * loops
 
     def _active_matmul_params(self, layer: LoomBlock) -> int:
         moe = layer.moe

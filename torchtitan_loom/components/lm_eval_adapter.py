@@ -29,6 +29,10 @@ from torchtitan_loom.components.sampling import SamplingConfig, generate
 from torchtitan_loom.components.tokenizer import Tokenizer
 
 
+class ScoringStopped(Exception):
+    """A stop signal arrived while scoring (``should_stop``): the scores of this round are dropped."""
+
+
 class LoomLM(LM):
     """lm-eval's LM interface over a LOOM model running loops [1, loops]."""
 
@@ -78,8 +82,6 @@ class LoomLM(LM):
     # ------------------------------------------------------------------ scoring
     def _check_stop(self) -> None:
         if self.should_stop():
-            from torchtitan_loom.components.downstream import ScoringStopped
-
             raise ScoringStopped
     def _pair_tokens(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         # Trailing spaces of the context belong to the continuation (as the word-initial space of

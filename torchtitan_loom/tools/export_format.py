@@ -1,0 +1,91 @@
+"""The files of a checkpoint and of an export, read by the export tool and the inference loader
+(tools/export.py writes exports; tools/loading.py builds models from either)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import sys
+from typing import Any
+
+import torch
+
+from torchtitan_loom.components.checkpoint import integrity, layout
+from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, checkpoint_problem
+from torchtitan_loom.protocols import get_train_spec
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported, or an export that does not match its source."""
+
+
+def find_checkpoint(path: str) -> str:
+    """The complete DCP checkpoint directory that ``path`` names (see module doc), its files
+    matching their checksums (integrity.py)."""
+    if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
+        if os.path.isfile(os.path.join(path, "meta.json")) and not layout.is_complete(path):
+            raise ExportError(f"{path}: incomplete checkpoint (no {layout.MARKER} marker: its save did not finish)")
+        return _verified(path)
+    for root in (path, os.path.join(path, "checkpoint")):
+        newest = layout.scan(root).newest() if os.path.isdir(root) else None
+        if newest is not None:
+            return _verified(newest.path)
+    raise ExportError(f"{path}: not a checkpoint directory (no .metadata) and no complete step-N checkpoint "
+                      f"under it or under {os.path.join(path, 'checkpoint')}")
+
+
+def model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
+    """(TrainSpec, model args) from a model_args.json payload."""
+    spec = get_train_spec(info["name"])
+    args_cls = type(spec.model_args.get(info.get("flavor")) or next(iter(spec.model_args.values())))
+    known = {f.name for f in dataclasses.fields(args_cls)}
+    return spec, args_cls(**{k: v for k, v in info["args"].items() if k in known})
+
+
+def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(model_args.json payload, tensors) of an export directory."""
+    info = layout.read_json(os.path.join(out, MODEL_ARGS_FILE))
+    if info is None:
+        raise ExportError(f"{out}: no {MODEL_ARGS_FILE}; not an export directory")
+    path = _export_file(out, info.get("file"))
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return info, load_file(path)
+        return info, torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # weights_only refused it: the file asks for code
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "not plain tensors"
+        raise ExportError(f"{path}: refused: not a plain state dict of tensors ({first})") from None
+    except (OSError, RuntimeError, ValueError) as exc:  # missing, truncated or not a model file
+        raise ExportError(f"{path}: unreadable model file ({type(exc).__name__}: {exc})") from None
+
+
+def _export_file(out: str, name: Any) -> str:
+    """The model file an export's model_args.json names: a plain file name inside ``out``."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name
+            or "\\" in name):
+        raise ExportError(f"{os.path.join(out, MODEL_ARGS_FILE)}: \"file\" is {name!r}; it must name a file "
+                          f"inside {out} (model.safetensors or model.pt)")
+    path = os.path.join(out, name)
+    if os.path.islink(path) and os.path.dirname(os.path.realpath(path)) != os.path.realpath(out):
+        raise ExportError(f"{path}: a symbolic link out of {out}; an export's model file must be inside it")
+    return path
+
+
+def _verified(ckpt: str) -> str:
+    """``ckpt`` when its files match their checksums (a checkpoint without a marker has none)
+    and its DCP metadata is plain data; ExportError otherwise."""
+    if os.path.isfile(os.path.join(ckpt, layout.MARKER)):
+        problem = checkpoint_problem(ckpt)
+    else:
+        from torchtitan_loom.components.checkpoint.safe_read import metadata_problem
+
+        problem = metadata_problem(ckpt)
+    if problem:
+        raise ExportError(f"{ckpt}: checkpoint is corrupt: {problem}")
+    note = integrity.unverified_note(ckpt)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+    return ckpt
