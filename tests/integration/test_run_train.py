@@ -82,12 +82,12 @@ def test_two_ranks_match_one_rank(tmp_path, tiny_pack):
 
 def test_spike_abort_exits_2_with_message(tmp_path, tiny_pack):
     dump = tmp_path / "spike"
-    # lr 1e4 from step 1 (no warmup): step 2's loss rises by ~2e5, a hard spike (negative thresholds
-    # are refused by the config check since issue #11).
+    # lr 10 from step 1 (no warmup): step 2's loss rises by ~285, a finite hard spike. (A larger lr
+    # overflows the gradients, and a non-finite gradient stops the run whatever abort_on_spike says.)
     proc = run_train(["--data.path", str(tiny_pack), "--training.seq_len", "32", "--training.steps", "5",
                       "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
                       "--eval.interval", "0", "--job.dump_folder", str(dump),
-                      "--optimizer.lr", "1e4", "--lr_scheduler.warmup_ratio", "0",
+                      "--optimizer.lr", "1e1", "--lr_scheduler.warmup_ratio", "0",
                       "--spike_guard.warmup_steps", "0", "--spike_guard.abort_on_spike", "true"],
                      {"NGPU": "1"})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
