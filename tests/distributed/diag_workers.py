@@ -6,7 +6,6 @@ and the rank-collapse trio from the singular values of the sampled rows of micro
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
@@ -15,10 +14,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_loom.components.diagnostics import sample_rows
-from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import resolve
-from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
+from gloo_rank import build_trainer, gloo_rank  # noqa: E402 (next to this file)
 
 RECORDED_STEP = 2
 
@@ -80,22 +77,12 @@ def direct(calls: list[dict], n_layers: int, micro: int) -> dict:
 
 
 def run(rank: int, world: int, store_path: str, base: list[str], out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        info = DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
-        cfg = load_config(base + ["--training.steps", "4"])
-        trainer = Trainer(cfg, resolve(cfg, world), info)
+    with gloo_rank(rank, world, store_path) as info:
+        trainer = build_trainer(base + ["--training.steps", "4"], world, info)
         calls = recorder(trainer)
         assert trainer.train() == 0
-        micro = cfg.training.global_batch_size // world // cfg.training.micro_batch_size
+        micro = trainer.cfg.training.global_batch_size // world // trainer.cfg.training.micro_batch_size
         with open(os.path.join(out, f"direct_rank{rank}.json"), "w") as fh:
             json.dump(direct(calls, trainer.model.args.n_layers, micro), fh)
         dist.barrier()
-        cfg = load_config(base + ["--training.steps", "6"])  # resumes from step 4
-        assert Trainer(cfg, resolve(cfg, world), info).train() == 0
-    finally:
-        dist.destroy_process_group()
+        assert build_trainer(base + ["--training.steps", "6"], world, info).train() == 0  # resumes from step 4

@@ -8,18 +8,13 @@ kind -> [calls, bytes] (bytes of the tensors passed, as distributed/comm_plan.py
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import resolve
-from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from gloo_rank import case_trainers, gloo_rank, load_spec  # noqa: E402 (next to this file)
 
 # (namespace, op) -> (kind, index of the argument whose bytes count)
 _COLLECTIVES = {
@@ -54,22 +49,11 @@ class CountCollectives(TorchDispatchMode):
 
 
 def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        with open(spec_path) as fh:
-            spec = json.load(fh)
-        info = DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
-        for case in spec["cases"]:
-            argv = spec["base"] + case["argv"] + ["--job.dump_folder", os.path.join(spec["out"], case["name"])]
-            cfg = load_config(argv)
-            trainer = Trainer(cfg, resolve(cfg, world), info)
+    with gloo_rank(rank, world, store_path) as info:
+        spec = load_spec(spec_path)
+        for case, trainer in case_trainers(spec, world, info):
             counter = CountCollectives()
             with counter:
                 trainer.train_step(next(iter(trainer.dataloader)))
             with open(os.path.join(spec["out"], f"{case['name']}.{rank}.json"), "w") as fh:
                 json.dump(counter.totals, fh)
-    finally:
-        dist.destroy_process_group()

@@ -9,7 +9,6 @@ initial weights (max |difference| from the plain single-process init) and AdamW 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import time
@@ -18,10 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import resolve
-from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
+from gloo_rank import case_trainers, gloo_rank, load_spec  # noqa: E402 (next to this file)
 
 
 def record_run(trainer: Trainer, steps: int) -> dict:
@@ -58,19 +55,9 @@ def init_difference(trainer: Trainer) -> float:
 
 def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
     """Entry point of a spawned rank: run every case of the spec file, rank 0 writes results."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        with open(spec_path) as fh:
-            spec = json.load(fh)
-        info = DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
-        for case in spec["cases"]:
-            argv = spec["base"] + case["argv"] + ["--job.dump_folder", os.path.join(spec["out"], case["name"])]
-            cfg = load_config(argv)
-            trainer = Trainer(cfg, resolve(cfg, world), info)
+    with gloo_rank(rank, world, store_path) as info:
+        spec = load_spec(spec_path)
+        for case, trainer in case_trainers(spec, world, info):
             start = time.perf_counter()
             result = {"init_diff": init_difference(trainer), **record_run(trainer, case["steps"])}
             result["seconds"] = time.perf_counter() - start
@@ -79,5 +66,3 @@ def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
                     json.dump(result, fh)
             torch._dynamo.reset()
             dist.barrier()
-    finally:
-        dist.destroy_process_group()

@@ -8,7 +8,6 @@ same number: it checks its own) and the per-segment losses of the counted steps.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -16,28 +15,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.comm_count import CollectiveCounter
-from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from gloo_rank import case_trainers, gloo_rank, load_spec  # noqa: E402 (next to this file)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
 from host_syncs import HostSyncCounter  # noqa: E402
 
 
 def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        with open(spec_path) as fh:
-            spec = json.load(fh)
-        info = DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
-        for case in spec["cases"]:
-            cfg = load_config(spec["base"] + case["argv"] + ["--job.dump_folder", os.path.join(spec["out"], case["name"])])
-            trainer = Trainer(cfg, resolve(cfg, world), info)
+    with gloo_rank(rank, world, store_path) as info:
+        spec = load_spec(spec_path)
+        for case, trainer in case_trainers(spec, world, info):
             data = iter(trainer.dataloader)
             trainer.train_step(next(data))
             losses = []
@@ -54,5 +42,3 @@ def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
                     json.dump({"counts": dict(counter.counts), "seg_losses": losses, "host_syncs": syncs.calls,
                                "segments": len(trainer.segments)}, fh)
             dist.barrier()
-    finally:
-        dist.destroy_process_group()
