@@ -4,9 +4,9 @@ options × parallelism.fsdp_sync on 2 gloo ranks, several micro-batches per rank
 step (counted on the torch.distributed ops FSDP2 dispatches), step time, peak memory.
 
 Every cell runs in a fresh process, so its peak is its own: on CUDA torch's peak allocated bytes,
-on CPU the peak resident set (ru_maxrss) minus the resident set before the first step, with
-glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the resident set
-(optimizer states, allocated at the first step, are in every CPU cell alike). Time: the mean of
+on CPU the peak resident set over the steps (VmHWM, reset just before them) minus the resident set
+before the first step, with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed
+tensors leave the resident set (optimizer states, allocated at the first step, are in every CPU cell alike). Time: the mean of
 the timed steps after one warm-up step.
 
     python benchmarks/memory_time.py --steps 3                 # the K x AC table (with the dry run's estimate)
@@ -44,6 +44,27 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> bool:
+    """Start the peak resident set (VmHWM) afresh at the current one, so what the process did
+    before the steps (imports, building the Trainer) cannot set the peak. False where the kernel
+    does not allow it (then ru_maxrss, the peak over the process's life, is used)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes(reset: bool) -> int:
+    if reset:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict:
     """Build the Trainer for `argv` in this process, time `steps` steps after one warm-up step."""
     import torch
@@ -64,6 +85,7 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
     data = iter(trainer.dataloader)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    reset = device.type != "cuda" and _reset_peak_rss()
     base = _rss_bytes()
     trainer.train_step(next(data))  # warm-up
     counter = CollectiveCounter()
@@ -78,7 +100,7 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        peak = _peak_rss_bytes(reset) - base
     return {"step_s": (time.perf_counter() - start) / steps, "peak_mib": peak / _MIB,
             "collectives_per_step": dict(counter.counts)}
 

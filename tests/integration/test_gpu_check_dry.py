@@ -60,4 +60,4 @@ def test_dry_run_stops_at_the_first_failed_stage_with_its_log_tail(tmp_path):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert stage_rows(summary) == [("deps", "ok"), ("bf16_compiled", "failed")]  # nothing after it ran
     assert "## Failed stage: bf16_compiled" in summary
-    assert "unknown key 'model.num_loopz'" in summary.split("## Failed stage")[1]
+    assert "model.num_loopz: not a key of model" in summary.split("## Failed stage")[1]
