@@ -7,8 +7,8 @@ and the rank-collapse trio from the singular values of the sampled rows of micro
 from __future__ import annotations
 
 import json
-import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,19 +17,10 @@ from torchtitan_loom.components.diagnostics import sample_rows
 from torchtitan_loom.train import Trainer
 from gloo_rank import build_trainer, gloo_rank  # noqa: E402 (next to this file)
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
+from rank_collapse_ref import direct_rank_collapse  # noqa: E402
+
 RECORDED_STEP = 2
-
-
-def trio(x_RD: torch.Tensor) -> list[float]:
-    x = x_RD.double()
-    s = torch.linalg.svdvals(x)
-    p = s / s.sum()
-    p = p[p > 0]
-    unit = x / x.norm(dim=1, keepdim=True)
-    cos = unit @ unit.T
-    r = x.shape[0]
-    return [math.exp(-(p * p.log()).sum().item()), (s.max() / s.sum()).item(),
-            ((cos.sum() - cos.diagonal().sum()) / (r * (r - 1))).item()]
 
 
 def recorder(trainer: Trainer) -> list[dict]:
@@ -71,7 +62,7 @@ def direct(calls: list[dict], n_layers: int, micro: int) -> dict:
                     moments.setdefault(f"diag/{name}/var/{where}", []).append(real.var(correction=0).item())
                     if c % micro == 0:  # micro-batch 0 of its segment
                         rows = sample_rows(call["valid"], RECORDED_STEP)
-                        for stat, v in zip(("erank", "top_sv", "cos"), trio(x_ND[rows])):
+                        for stat, v in zip(("erank", "top_sv", "cos"), direct_rank_collapse(x_ND[rows])):
                             trios[f"diag/{name}/{stat}/{where}"] = v
     return {"moments": moments, "trio": trios}
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from rank_collapse_ref import direct_rank_collapse  # noqa: E402 (next to this file)
 from torchtitan_loom.components.diagnostics import RANK_SAMPLE_ROWS, rank_collapse, sample_rows
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
@@ -27,19 +28,6 @@ def make_trainer(pack_dir, tmp_path, *extra):
             "--metrics.diag_interval", "1", "--metrics.diag_grad", "true", *extra]
     cfg = load_config(argv)
     return Trainer(cfg, resolve(cfg, 1), CPU)
-
-
-def direct_rank_collapse(x_RD: torch.Tensor) -> tuple[float, float, float]:
-    """The trio from the singular values of the rows themselves (float64 SVD, no Gram matrix)."""
-    x = x_RD.double()
-    s = torch.linalg.svdvals(x)
-    p = s / s.sum()
-    p = p[p > 0]
-    unit = x / x.norm(dim=1, keepdim=True)
-    cos = unit @ unit.T
-    r = x.shape[0]
-    return (math.exp(-(p * p.log()).sum().item()), (s.max() / s.sum()).item(),
-            ((cos.sum() - cos.diagonal().sum()) / (r * (r - 1))).item())
 
 
 def capture_branches(model):

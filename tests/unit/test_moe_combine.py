@@ -9,14 +9,12 @@ them by ~1e-1). Gradients of the experts' inputs see the same per-row values (ex
 """
 
 import importlib.util
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from torchtitan_loom.models.loom import loom_flavors
-from torchtitan_loom.models.loom.moe import LoomMoE
+from test_model_moe import small_moe  # noqa: E402 (next to this file)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,22 +26,11 @@ def bench():
     return module
 
 
-def small_moe(capacity_factor: float) -> LoomMoE:
-    args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32,
-                                         capacity_factor=capacity_factor)
-    moe = LoomMoE(args)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    return moe
-
-
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
 @pytest.mark.parametrize("precision", ["float32", "autocast"])
 def test_lean_combine_matches_the_old_one_and_allocates_less(capacity_factor, precision):
     b = bench()
-    moe = small_moe(capacity_factor)
+    moe = small_moe(capacity_factor=capacity_factor)
     router_w = moe.routers[0].detach().clone().requires_grad_(True)
     x = torch.randn(2, 96, 64, generator=torch.Generator().manual_seed(1))
     grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
