@@ -17,8 +17,8 @@ import tempfile
 
 import numpy as np
 
-from torchtitan_loom.components.metrics import MetricsLogger
-from torchtitan_loom.components.routing_stats import RoutingStats
+from torchtitan_loom.components.observability.metrics import MetricsLogger
+from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve_model_args
 from torchtitan_loom.protocols import segments

@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torchtitan_loom.components.metrics import memory_stats, peak_flops, throughput  # noqa: E402
+from torchtitan_loom.components.observability.metrics import memory_stats, peak_flops, throughput  # noqa: E402
 from torchtitan_loom.config import ConfigError, load_config  # noqa: E402
 from torchtitan_loom.config.validate import resolve  # noqa: E402
 from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E402
@@ -97,7 +97,7 @@ def has_override(overrides: list[str], key: str) -> bool:
 def bench_pack(out: Path, seq_len: int, tokens_needed: int) -> Path:
     """A byte-level pack of the bundled generator's documents, records of seq_len+1 tokens."""
     from torchtitan_loom.components.data.pack_writer import PackWriter
-    from torchtitan_loom.components.tokenizer import ByteTokenizer
+    from torchtitan_loom.components.data.tokenizer import ByteTokenizer
     from torchtitan_loom.components.data.synthetic_corpus import generate_documents
 
     target = max(200_000, int(tokens_needed * 1.3))
@@ -162,7 +162,7 @@ def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None
         if trace is not None:
             shares = profile_steps(lambda: trainer.train_step(next(batches)), PROFILE_STEPS, trace, device)
         t = cfg.training
-        # The trainer's own FLOP count and formula (components/metrics.throughput), as in its log line.
+        # The trainer's own FLOP count and formula (components/observability/metrics.throughput), as in its log line.
         flops_per_token = trainer.flops_per_token
         rate = throughput(steps * t.global_batch_size * t.seq_len, elapsed, flops_per_token, peak_flops(device))
         mem = memory_stats(device)

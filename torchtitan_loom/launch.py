@@ -1,5 +1,5 @@
 """A launch of the trainer, around the Trainer: arguments → config → checks → run folder → process
-group → train, and every way it ends mapped to its exit code (components/exit_codes.py).
+group → train, and every way it ends mapped to its exit code (components/runtime/exit_codes.py).
 
 ``run(argv, trainer_cls)`` is what ``python -m torchtitan_loom.train`` calls. Errors of what the run
 was given (config, data, checkpoint, run folder) print one line per problem on stderr, prefixed by
@@ -12,12 +12,12 @@ import os
 import sys
 from typing import Any
 
-from torchtitan_loom.components import exit_codes
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.checkpoint import CheckpointError
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
-from torchtitan_loom.components.progress import final_line
-from torchtitan_loom.components.run_folder import RunFolderError, RunLock, new_run_id, record_launch, replace_old_run
+from torchtitan_loom.components.observability.progress import final_line
+from torchtitan_loom.components.runtime.run_folder import RunFolderError, RunLock, new_run_id, record_launch, replace_old_run
 from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed import utils as dist_utils
@@ -104,7 +104,7 @@ def _train(cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trai
     except BaseException:
         _record_end(trainer, "failed")
         raise
-    trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.validator.last))
+    trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.held_out.last))
     done = code == exit_codes.OK and trainer.state.step >= cfg.training.steps
     # train() returns BAD_INPUT only for a divergence abort (every other refusal is an exception).
     _record_end(trainer, "finished" if done else "diverged" if code == exit_codes.BAD_INPUT else "stopped")

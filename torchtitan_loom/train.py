@@ -2,8 +2,8 @@
 
 Read top to bottom: ``Trainer.__init__`` builds everything in TorchTitan order, ``train_step`` is
 LOOM's segmented step (LOOM_SPEC §6 with the §14 decisions), ``train`` loads the checkpoint and runs
-the loop. Around it: the held-out eval is components/validate.py, the step's metrics
-components/step_metrics.py, stop signals components/preemption.py, and the launch with its exit
+the loop. Around it: the held-out eval is components/evaluation/held_out.py, the step's metrics
+components/observability/step_metrics.py, stop signals components/runtime/preemption.py, and the launch with its exit
 codes launch.py (``main`` here). The model is reached only through ``protocols.ModelProtocol``.
 
 Legend (the package's, see protocols.py): B rows, S sequence length, L layers, H loops, T loops of a
@@ -21,27 +21,27 @@ from typing import Any
 import torch
 
 from torchtitan_loom import launch
-from torchtitan_loom.components import exit_codes
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.checkpoint import CheckpointManager
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
-from torchtitan_loom.components.diagnostics import build_diagnostics
-from torchtitan_loom.components.divergence import DivergenceMonitor, write_abort
-from torchtitan_loom.components.downstream import build_scorer
-from torchtitan_loom.components.float8 import build_float8_converter
-from torchtitan_loom.components.gc_control import GarbageCollection
+from torchtitan_loom.components.observability.diagnostics import build_diagnostics
+from torchtitan_loom.components.optim.divergence import DivergenceMonitor, write_abort
+from torchtitan_loom.components.evaluation.downstream import build_scorer
+from torchtitan_loom.components.quantization.float8 import build_float8_converter
+from torchtitan_loom.components.runtime.gc_control import GarbageCollection
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
-from torchtitan_loom.components.lr_scheduler import build_lr_scheduler, extension_note
-from torchtitan_loom.components.metrics import MetricsLogger, peak_flops
-from torchtitan_loom.components.optimizer import apply_config_hyperparameters, build_optimizer
-from torchtitan_loom.components.preemption import PreemptionWatcher
-from torchtitan_loom.components.profiling import MemorySnapshotter, maybe_profile
-from torchtitan_loom.components.progress import start_report
-from torchtitan_loom.components.run_folder import new_run_id, record_launch
-from torchtitan_loom.components.spike_guard import SpikeGuard
-from torchtitan_loom.components.step_metrics import StepMetrics
-from torchtitan_loom.components.train_state import StepAbandoned, StepResult, TrainState
-from torchtitan_loom.components.validate import Validator
+from torchtitan_loom.components.optim.lr_scheduler import build_lr_scheduler, extension_note
+from torchtitan_loom.components.observability.metrics import MetricsLogger, peak_flops
+from torchtitan_loom.components.optim.optimizer import apply_config_hyperparameters, build_optimizer
+from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
+from torchtitan_loom.components.observability.profiling import MemorySnapshotter, maybe_profile
+from torchtitan_loom.components.observability.progress import start_report
+from torchtitan_loom.components.runtime.run_folder import new_run_id, record_launch
+from torchtitan_loom.components.optim.spike_guard import SpikeGuard
+from torchtitan_loom.components.observability.step_metrics import StepMetrics
+from torchtitan_loom.components.runtime.train_state import StepAbandoned, StepResult, TrainState
+from torchtitan_loom.components.evaluation.held_out import HeldOutEval
 from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.config.validate import Resolved
 from torchtitan_loom.data_contract import real_tokens
@@ -128,7 +128,7 @@ class Trainer:
         ck = cfg.checkpoint
         self.stop_signals = PreemptionWatcher(ck.enable and ck.save_on_signal, self.device,
                                               exit_after_step=ck.exit_after_step if ck.enable else 0)
-        self.validator = Validator(cfg.eval, model=self.model, data_path=data_path, val_path=cfg.data.val_path or None,
+        self.held_out = HeldOutEval(cfg.eval, model=self.model, data_path=data_path, val_path=cfg.data.val_path or None,
                                    seq_len=t.seq_len, vocab_size=self.vocab_size, batch_rows=t.global_batch_size,
                                    dp_rank=info.rank, dp_world=self.parallel_dims.dp,
                                    tokenizer_name=self.tokenizer_name, device=self.device,
@@ -324,9 +324,9 @@ class Trainer:
         scalars = report.train_scalars(step, out, self.state.tokens_seen) if report.is_log_step(
             step, t.steps, out.skip_reason is not None) else {}
         routing = None
-        if self.validator.due(step, t.steps):
+        if self.held_out.due(step, t.steps):
             with report.paused():  # tokens/s counts training time only
-                eval_scalars, routing = self.validator.validate(step)
+                eval_scalars, routing = self.held_out.validate(step)
             scalars.update(eval_scalars or {})
         console = bool(scalars)  # downstream scores have their own lines, diagnostics none
         if self.downstream is not None and self.downstream.due(step, t.steps):

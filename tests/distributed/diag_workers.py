@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from torchtitan_loom.components.diagnostics import sample_rows
+from torchtitan_loom.components.observability.diagnostics import sample_rows
 from torchtitan_loom.train import Trainer
 from gloo_rank import build_trainer, gloo_rank  # noqa: E402 (next to this file)
 

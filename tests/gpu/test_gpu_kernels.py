@@ -143,8 +143,8 @@ def test_real_float8_training_tracks_bf16(recipe, tiny_pack, tmp_path):
 @needs_torchao
 @pytest.mark.skipif(expert_kernel() is None, reason="float8 grouped GEMMs need SM90 (fp8 rowwise) or SM100 (MXFP8)")
 def test_real_float8_grouped_experts_close_to_bf16():
-    from torchtitan_loom.components.float8 import EXPERT_ALIGNMENT
-    from torchtitan_loom.components.float8_experts import Float8GroupedExperts
+    from torchtitan_loom.components.quantization.float8 import EXPERT_ALIGNMENT
+    from torchtitan_loom.components.quantization.float8_experts import Float8GroupedExperts
     from torchtitan_loom.models.loom.moe import RoutedExperts
 
     kernel = expert_kernel()

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from torchtitan_loom.components.sampling import SamplingConfig, generate  # noqa: E402
+from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate  # noqa: E402
 from torchtitan_loom.models.loom import attention, looping_residual, model  # noqa: E402
 from torchtitan_loom.tools import export as export_tool  # noqa: E402
 from torchtitan_loom.tools.hf_export import MODELING_FILE, _tokenizer_files, modeling_source  # noqa: E402
@@ -73,7 +73,7 @@ def test_logits_equal_the_project_model_and_generate_works(trained_run, hf_dir):
 
 def test_hf_tokenizer_of_the_pack_is_exported(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
-    from torchtitan_loom.components.tokenizer import HFTokenizer
+    from torchtitan_loom.components.data.tokenizer import HFTokenizer
 
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)

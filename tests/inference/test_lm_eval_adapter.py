@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval")
 
-from torchtitan_loom.components.sampling import SamplingConfig, generate  # noqa: E402
-from torchtitan_loom.components.lm_eval_adapter import LoomLM  # noqa: E402
+from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate  # noqa: E402
+from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM  # noqa: E402
 from torchtitan_loom.tools.loading import load  # noqa: E402
 
 

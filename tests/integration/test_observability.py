@@ -12,9 +12,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from torchtitan_loom.components import routing_plots
-from torchtitan_loom.components.metrics import MetricsLogger
-from torchtitan_loom.components.validate import Validator
+from torchtitan_loom.components.observability import routing_plots
+from torchtitan_loom.components.observability.metrics import MetricsLogger
+from torchtitan_loom.components.evaluation.held_out import HeldOutEval
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
@@ -67,7 +67,7 @@ def test_diversity_scalars_and_expert_load_only_at_eval(run):
         assert last[f"stream_rms_loop_{t}"] == pytest.approx(1.0, abs=1e-3)  # RMS-normed after every loop
     assert 0 <= last["routing_dead_experts"] <= E
     # The eval's diversity equals a direct recomputation on the same checkpointed model.
-    direct, _ = trainer.validator.validate(trainer.state.step)
+    direct, _ = trainer.held_out.validate(trainer.state.step)
     assert direct["routing_distinct_experts"] == pytest.approx(last["routing_distinct_experts"])
 
 
@@ -179,7 +179,7 @@ def test_the_eval_line_announces_the_holdout_tokens_it_reads(run, tiny_pack):
     # eval.tokens above what the holdout holds: the line gives the count read, and says so.
     t = trainer.cfg.training
     lines_big = []
-    big = Validator(dataclasses.replace(trainer.cfg.eval, tokens=10**7), model=trainer.model, data_path=str(tiny_pack),
+    big = HeldOutEval(dataclasses.replace(trainer.cfg.eval, tokens=10**7), model=trainer.model, data_path=str(tiny_pack),
                     val_path=None, seq_len=t.seq_len, vocab_size=trainer.vocab_size, batch_rows=t.global_batch_size,
                     dp_rank=0, dp_world=1, tokenizer_name=None, device=trainer.device,
                     micro_batches=trainer.micro_batches, autocast=trainer.autocast, stop_requested=lambda: 0,

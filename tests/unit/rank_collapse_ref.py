@@ -1,6 +1,6 @@
 """The rank-collapse trio computed directly, for the diagnostics tests (unit and 2-rank): effective
 rank, top singular value share and mean pairwise cosine from the float64 singular values of the
-rows themselves (no Gram matrix, unlike components/diagnostics.py)."""
+rows themselves (no Gram matrix, unlike components/observability/diagnostics.py)."""
 
 import math
 

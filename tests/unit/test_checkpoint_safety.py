@@ -182,7 +182,7 @@ def test_pack_tokenizer_path_is_resolved_against_the_pack(tmp_path, monkeypatch)
 
     from tests.unit.test_tokenizer import train_hf
     from torchtitan_loom.components.data.pack_writer import PackWriter
-    from torchtitan_loom.components.tokenizer import build_tokenizer
+    from torchtitan_loom.components.data.tokenizer import build_tokenizer
 
     tok_dir = train_hf(tmp_path)
     tok = build_tokenizer(tok_dir)

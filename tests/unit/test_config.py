@@ -162,7 +162,7 @@ def test_cli_exit_code_2_and_one_line_per_error():
 
 
 def test_model_keys_are_generated_from_the_model_args_and_choices_come_from_their_modules():
-    from torchtitan_loom.components import lr_scheduler, optimizer
+    from torchtitan_loom.components.optim import lr_scheduler, optimizer
     from torchtitan_loom.config.manager import section_fields
     from torchtitan_loom.config.schema import ActivationCheckpoint, LRScheduler, model_section
     from torchtitan_loom.config.schema import Optimizer as OptimizerSection

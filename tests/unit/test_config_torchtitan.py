@@ -7,8 +7,8 @@ from torchtitan_loom.config.manager import tomllib  # tomli on 3.10
 
 import pytest
 
-from torchtitan_loom.components.gc_control import GarbageCollection
-from torchtitan_loom.components.lr_scheduler import lr_scale
+from torchtitan_loom.components.runtime.gc_control import GarbageCollection
+from torchtitan_loom.components.optim.lr_scheduler import lr_scale
 from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
 from torchtitan_loom.config.aliases import ALIASES, NO_MEANING
 from torchtitan_loom.config.validate import resolve

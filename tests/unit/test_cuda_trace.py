@@ -95,7 +95,7 @@ def test_float8_segment_converts_what_it_claims():
     triton, which this CPU wheel lacks, so they stay bf16 here (tests/gpu runs them)."""
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    from torchtitan_loom.components.float8 import Float8Converter, plan_float8
+    from torchtitan_loom.components.quantization.float8 import Float8Converter, plan_float8
     from torchtitan_loom.config import load_config
     from torchtitan_loom.protocols import get_train_spec
 

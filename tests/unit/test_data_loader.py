@@ -18,7 +18,7 @@ from torchtitan_loom.components.data import (
     open_pack,
 )
 from torchtitan_loom.components.data.rows import assemble_rows, layout_rows
-from torchtitan_loom.components.tokenizer import ByteTokenizer
+from torchtitan_loom.components.data.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 S = 15  # model sequence length; records of up to 16 tokens

@@ -16,7 +16,7 @@ from torchtitan_loom.components.data import (
     open_pack,
 )
 from torchtitan_loom.components.data.rows import layout_rows
-from torchtitan_loom.components.tokenizer import ByteTokenizer
+from torchtitan_loom.components.data.tokenizer import ByteTokenizer
 
 BYTE_INFO = {"vocab_size": 258, "name_or_path": "byte", "eos_token_id": 256}
 

@@ -1,4 +1,4 @@
-"""Branch diagnostics of the training step (components/diagnostics.py): every statistic equals a
+"""Branch diagnostics of the training step (components/observability/diagnostics.py): every statistic equals a
 direct computation on the same activations (captured by forward hooks on the branch modules,
 rank collapse from singular values of the sample rows), the per-submodule gradient norms equal
 the gradients left after the step, the key set comes from the shapes alone, and a skipped segment
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rank_collapse_ref import direct_rank_collapse  # noqa: E402 (next to this file)
-from torchtitan_loom.components.diagnostics import RANK_SAMPLE_ROWS, rank_collapse, sample_rows
+from torchtitan_loom.components.observability.diagnostics import RANK_SAMPLE_ROWS, rank_collapse, sample_rows
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo

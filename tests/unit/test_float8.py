@@ -1,4 +1,4 @@
-"""Float8 converter (components/float8.py): which modules convert, padding at the expert seam,
+"""Float8 converter (components/quantization/float8.py): which modules convert, padding at the expert seam,
 parameter names, and the up-front checks (CPU without emulation, recipes, device capability)."""
 
 import dataclasses
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan_loom.components.float8 import Float8Converter, plan_float8, select_dense, select_experts
-from torchtitan_loom.components.float8_experts import Float8GroupedExperts, padded_layout, swiglu_grouped
+from torchtitan_loom.components.quantization.float8 import Float8Converter, plan_float8, select_dense, select_experts
+from torchtitan_loom.components.quantization.float8_experts import Float8GroupedExperts, padded_layout, swiglu_grouped
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors

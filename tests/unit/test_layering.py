@@ -112,7 +112,7 @@ def test_the_checker_sees_lazy_imports_and_cycles(tmp_path):
 
 # Names a LOOM file defines that mean something else elsewhere: torch's reduction keyword `dim=`,
 # and the sampler's own top-k option (SamplingConfig.top_k, tools/generate.py --top-k).
-OTHER_MEANINGS = {"dim": "keyword", "top_k": {"components/sampling.py", "tools/generate.py"}}
+OTHER_MEANINGS = {"dim": "keyword", "top_k": {"components/evaluation/sampling.py", "tools/generate.py"}}
 
 
 def loom_fields() -> set[str]:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from torchtitan_loom.components.lr_scheduler import build_lr_scheduler, lr_scale
+from torchtitan_loom.components.optim.lr_scheduler import build_lr_scheduler, lr_scale
 
 # Presets from LOOM_SPEC §1.2: (peak lr, T, warmup ratio, decay ratio, min ratio).
 P329M = dict(total_steps=10_000, warmup_ratio=0.1, decay_ratio=0.1, min_ratio=0.1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from torchtitan_loom.components.metrics import (
+from torchtitan_loom.components.observability.metrics import (
     MetricsLogger,
     format_console_line,
     memory_stats,

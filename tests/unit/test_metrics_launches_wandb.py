@@ -10,7 +10,7 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from torchtitan_loom.components.metrics import MetricsLogger
+from torchtitan_loom.components.observability.metrics import MetricsLogger
 from torchtitan_loom.config.schema import Metrics
 
 

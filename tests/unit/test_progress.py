@@ -1,10 +1,10 @@
-"""The start line's per-rank estimate (components/progress.py): its parameter-state part is exact,
+"""The start line's per-rank estimate (components/observability/progress.py): its parameter-state part is exact,
 the step FLOPs follow the model's count, and on CPU the 329m preset in bf16 gets a warning up front
 (never a refusal) while the debug run does not."""
 
 import torch
 
-from torchtitan_loom.components.progress import estimate_step, start_lines
+from torchtitan_loom.components.observability.progress import estimate_step, start_lines
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from torchtitan_loom.components.routing_stats import RoutingStats, load_entropy
+from torchtitan_loom.components.observability.routing_stats import RoutingStats, load_entropy
 
 # Top-k sets (k = 2 of E = 4) per token and loop; token 3 is padding and must not count.
 SETS = [

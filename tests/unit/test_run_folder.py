@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from torchtitan_loom import train
-from torchtitan_loom.components import run_folder
+from torchtitan_loom.components.runtime import run_folder
 from torchtitan_loom.components.checkpoint import layout
 
 

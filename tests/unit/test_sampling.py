@@ -4,7 +4,7 @@ same tokens and logits as recomputing the whole prefix every step; sampling filt
 import pytest
 import torch
 
-from torchtitan_loom.components.sampling import SamplingConfig, generate, next_token
+from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate, next_token
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.attention import KVCache
 

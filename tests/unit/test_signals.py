@@ -109,7 +109,7 @@ def test_signal_is_acknowledged_within_a_second_from_the_command_line(tiny_pack,
 
 
 def test_an_unreachable_launcher_store_counts_as_the_launcher_gone():
-    from torchtitan_loom.components.preemption import LauncherWatch
+    from torchtitan_loom.components.runtime.preemption import LauncherWatch
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

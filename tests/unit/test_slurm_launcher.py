@@ -54,7 +54,7 @@ def test_sbatch_asks_slurm_to_signal_the_ranks_before_the_time_limit():
     directives = [line.split(None, 1)[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
     # Without "B:" Slurm signals every task of the job steps (here: the ranks), not the batch shell.
     assert "--signal=USR1@120" in directives
-    # The trainer saves and exits 0 on SIGUSR1 (components/preemption.py).
-    from torchtitan_loom.components.preemption import SIGNALS
+    # The trainer saves and exits 0 on SIGUSR1 (components/runtime/preemption.py).
+    from torchtitan_loom.components.runtime.preemption import SIGNALS
 
     assert signal.SIGUSR1 in SIGNALS

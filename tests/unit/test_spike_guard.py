@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_loom.components.spike_guard import SpikeGuard
+from torchtitan_loom.components.optim.spike_guard import SpikeGuard
 from torchtitan_loom.config.schema import SpikeGuard as SpikeGuardSection
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from torchtitan_loom.components.data import PackWriter, build_train_loader, open_pack
-from torchtitan_loom.components.tokenizer import (
+from torchtitan_loom.components.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     build_tokenizer,

@@ -44,7 +44,7 @@ def folder_errors(cfg: Any) -> list[str]:
 def link_errors(cfg: Any) -> str | None:
     """One line naming the symbolic links planted where the run writes (run files, checkpoint
     names), else None: a run never writes, renames or removes through a link."""
-    from torchtitan_loom.components import run_folder
+    from torchtitan_loom.components.runtime import run_folder
     from torchtitan_loom.components.checkpoint import layout
 
     links = run_folder.planted_links(cfg.job.dump_folder)

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_loom.components.checkpoint.manager import ASYNC_MODES
-from torchtitan_loom.components.float8 import DENSE_RECIPES, EXPERT_RECIPES
-from torchtitan_loom.components.lr_scheduler import VALID_KINDS as LR_KINDS
-from torchtitan_loom.components.optimizer import OPTIMIZER_NAMES
-from torchtitan_loom.components.optimizer import VALID_IMPLEMENTATIONS as OPTIMIZER_IMPLEMENTATIONS
+from torchtitan_loom.components.quantization.float8 import DENSE_RECIPES, EXPERT_RECIPES
+from torchtitan_loom.components.optim.lr_scheduler import VALID_KINDS as LR_KINDS
+from torchtitan_loom.components.optim.optimizer import OPTIMIZER_NAMES
+from torchtitan_loom.components.optim.optimizer import VALID_IMPLEMENTATIONS as OPTIMIZER_IMPLEMENTATIONS
 from torchtitan_loom.distributed.activation_checkpoint import AC_MODES
 from torchtitan_loom.distributed.utils import COMPILE_BACKENDS, DEVICES, DTYPES, FSDP_SYNC, RESHARD_AFTER_FORWARD
 from torchtitan_loom.protocols import TrainSpec, get_train_spec
@@ -299,7 +299,7 @@ class Compile:
 
 @dataclass
 class Float8:
-    enable: bool = opt(False, "Float8 training through torchao (components/float8.py): attention wqkv/wo and "
+    enable: bool = opt(False, "Float8 training through torchao (components/quantization/float8.py): attention wqkv/wo and "
                               "the shared experts become Float8Linear; routers, embedding and output head never "
                               "convert. Needs torchao and a CUDA GPU of compute capability 8.9+, or emulate.")
     recipe: str = opt("tensorwise", "Scaling of the dense linears: tensorwise (one dynamic scale per tensor; "

@@ -15,7 +15,7 @@ import math
 import os
 from typing import Any, NamedTuple
 
-from torchtitan_loom.components.run_folder import relaunch_errors
+from torchtitan_loom.components.runtime.run_folder import relaunch_errors
 from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
 from torchtitan_loom.config.manager import ConfigError
 from torchtitan_loom.config.schema import JobConfig
@@ -127,7 +127,7 @@ def _float8_errors(cfg: JobConfig) -> list[str]:
     """[float8]: torchao present, recipes known, the device able to run them (or emulate)."""
     if not cfg.float8.enable:
         return []
-    from torchtitan_loom.components.float8 import float8_problems
+    from torchtitan_loom.components.quantization.float8 import float8_problems
 
     plan, errors = float8_problems(cfg.float8, cfg.training.device)
     if cfg.float8.experts and cfg.parallelism.ep > 1:
@@ -220,7 +220,7 @@ def _estimate_errors(cfg: JobConfig) -> list[str]:
 
 
 def _profiling_errors(cfg: JobConfig) -> list[str]:
-    from torchtitan_loom.components.profiling import profile_schedule_problems
+    from torchtitan_loom.components.observability.profiling import profile_schedule_problems
 
     p = cfg.profiling
     errors = profile_schedule_problems(p.profile_freq, p.profiler_warmup, p.profiler_active)
@@ -332,7 +332,7 @@ def _diagnostics_errors(cfg: JobConfig) -> list[str]:
     if importlib.util.find_spec("lm_eval") is None:
         return ["eval.downstream_interval > 0: the lm-eval package is not installed; pip install "
                 "'torchtitan_loom[eval]' or set eval.downstream_interval = 0"]
-    from torchtitan_loom.components.downstream import unknown_tasks
+    from torchtitan_loom.components.evaluation.downstream import unknown_tasks
 
     return [f"eval.downstream_tasks: {msg}" for msg in unknown_tasks(
         e.downstream_tasks, e.downstream_tasks_dir or None, e.downstream_only_tasks_dir)]

@@ -6,7 +6,7 @@ CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder 
 folder (its newest complete checkpoint). The held-out data is the holdout epoch of ``--data`` (a
 pack), else of the run's ``data.path`` (from the checkpoint's config.toml), else the bundled
 corpus. The report covers the held-out loss after every loop, the routing-diversity table per
-layer and per loop (definitions in components/routing_stats.py and the README), a loop × expert
+layer and per loop (definitions in components/observability/routing_stats.py and the README), a loop × expert
 load heatmap per layer, for a few documents which experts each token visits in each loop, and
 when the run logged branch diagnostics (metrics.diag_interval) their layer × loop heatmaps over
 training (tools/analyze_diag.py).
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
-from torchtitan_loom.components.routing_stats import RoutingStats
+from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.tools.analyze_diag import report_section
 
@@ -52,7 +52,7 @@ def _run_config(ckpt: str) -> dict[str, Any]:
 def _token_text(pack_tokenizer: str, vocab_ids: list[int]) -> list[str]:
     """A short printable label per token id (bytes for the byte tokenizer, else the tokenizer's
     piece, else the id)."""
-    from torchtitan_loom.components.tokenizer import build_tokenizer
+    from torchtitan_loom.components.data.tokenizer import build_tokenizer
 
     try:
         tok = build_tokenizer(pack_tokenizer) if pack_tokenizer else None
@@ -118,7 +118,7 @@ def _sample_docs(batch: dict[str, torch.Tensor], topk_LHBSK: torch.Tensor, count
 
 def write_report(result: dict[str, Any], info: dict[str, Any], ckpt: str, data: str, out: str,
                  tokenizer: str, layer_for_docs: int) -> str:
-    from torchtitan_loom.components import routing_plots as plots
+    from torchtitan_loom.components.observability import routing_plots as plots
 
     os.makedirs(out, exist_ok=True)
     routing: RoutingStats = result["routing"]
@@ -202,7 +202,7 @@ def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int
     from torchtitan_loom.components.checkpoint.layout import read_json
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError, open_pack
-    from torchtitan_loom.components.routing_plots import have_matplotlib
+    from torchtitan_loom.components.observability.routing_plots import have_matplotlib
     from torchtitan_loom.tools.export import ExportError, load_checkpoint_model
 
     if not have_matplotlib():

@@ -1,7 +1,7 @@
 """The branch diagnostics of a run over training, for tools.analyze's report: for each statistic a
 row of layer × loop heatmaps at up to four diagnostic steps (first to last, one colour scale),
 and the per-submodule gradient norms per diagnostic step. Read from the run's metrics.jsonl
-(keys of components/diagnostics.py); a step logged twice (a resumed run that went back) counts
+(keys of components/observability/diagnostics.py); a step logged twice (a resumed run that went back) counts
 with its last row.
 
 Legend: L layers, H loops, P panels (steps shown), G parameter groups × segments, T diagnostic steps.

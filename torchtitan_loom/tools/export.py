@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_loom.components import safe_files
+from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
 from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full

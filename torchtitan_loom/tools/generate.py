@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from torchtitan_loom.components.sampling import SamplingConfig, generate
+from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
 

@@ -94,7 +94,7 @@ def modeling_source() -> str:
 
 def _tokenizer_files(loaded: Loaded, out: str) -> list[str]:
     """Copy the pack's HF tokenizer (tokenizer.json + a tokenizer_config.json naming EOS)."""
-    from torchtitan_loom.components.tokenizer import HFTokenizer
+    from torchtitan_loom.components.data.tokenizer import HFTokenizer
 
     tok = loaded.tokenizer
     if not isinstance(tok, HFTokenizer):

@@ -63,7 +63,7 @@ def _commit() -> str | None:
 
 
 def _task_manager(ns: argparse.Namespace, tasks: list[str]):
-    from torchtitan_loom.components.downstream import task_manager, unknown_tasks
+    from torchtitan_loom.components.evaluation.downstream import task_manager, unknown_tasks
 
     if ns.tasks_dir is not None and not os.path.isdir(ns.tasks_dir):
         raise LoadError(f"--tasks-dir {ns.tasks_dir}: not a directory")
@@ -129,7 +129,7 @@ def run(ns: argparse.Namespace) -> str | None:
     from lm_eval import simple_evaluate
 
     from torchtitan_loom.distributed import utils as dist_utils
-    from torchtitan_loom.components.lm_eval_adapter import LoomLM
+    from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM
 
     if ns.batch_size < 1:
         raise LoadError(f"--batch-size {ns.batch_size}: must be >= 1")

@@ -24,7 +24,7 @@ from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
 from torchtitan_loom.components.data import pack_tokenizer as pack_tok
 from torchtitan_loom.components.data.pack_tokenizer import TokenizerError
-from torchtitan_loom.components.tokenizer import Tokenizer
+from torchtitan_loom.components.data.tokenizer import Tokenizer
 from torchtitan_loom.protocols import get_train_spec, portable_args
 from torchtitan_loom.tools.export_format import ExportError, find_checkpoint, model_spec, read_export
 
@@ -105,7 +105,7 @@ def _pack_path(config: Any | None) -> Path | None:
 
 
 def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
-    """The pack's tokenizer, or ``override`` when it matches the pack (components/tokenizer.py)."""
+    """The pack's tokenizer, or ``override`` when it matches the pack (components/data/tokenizer.py)."""
     try:
         return pack_tok.pack_tokenizer(pack, override, model_vocab, export_dir)
     except TokenizerError as exc:

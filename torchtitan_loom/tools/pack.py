@@ -30,7 +30,7 @@ import numpy as np
 
 from torchtitan_loom.components.data.pack_format import PackError, open_pack, read_metadata
 from torchtitan_loom.components.data.pack_writer import PackWriter
-from torchtitan_loom.components.tokenizer import build_tokenizer
+from torchtitan_loom.components.data.tokenizer import build_tokenizer
 
 DOCS_PER_TASK = 256     # documents sent to a worker at a time
 PROGRESS_EVERY_S = 2.0  # seconds between progress lines on stderr

@@ -7,7 +7,7 @@
     resolve.py     which checkpoint a run loads; the up-front config check used by validate.py
     manager.py     CheckpointManager: the save policy, sync/async save, load
 
-Stop signals (what makes a run save and exit early) are components/preemption.py's.
+Stop signals (what makes a run save and exit early) are components/runtime/preemption.py's.
 """
 
 from torchtitan_loom.components.checkpoint.manager import CheckpointManager

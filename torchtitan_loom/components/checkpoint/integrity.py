@@ -57,7 +57,7 @@ def write_checksums(root: str) -> dict[str, Any]:
     files = {rel: {"size": os.path.getsize(os.path.join(root, rel)),
                    "crc32": f"{crc32_file(os.path.join(root, rel)):08x}"} for rel in _files(root)}
     payload = {"algorithm": "crc32", "files": files}
-    from torchtitan_loom.components.safe_files import atomic_write
+    from torchtitan_loom.components.runtime.safe_files import atomic_write
 
     atomic_write(os.path.join(root, CHECKSUMS), json.dumps(payload, indent=1, sort_keys=True))
     return payload

@@ -28,7 +28,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from torchtitan_loom.components import safe_files
+from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import integrity
 
 MARKER = "COMPLETE"

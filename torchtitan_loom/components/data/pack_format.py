@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_loom.components.tokenizer import same_tokenizer_name
+from torchtitan_loom.components.data.tokenizer import same_tokenizer_name
 
 REFERENCE_HOLDOUT_EPOCH = 9
 _EPOCH_DIR = re.compile(r"^epoch_(\d+)$")

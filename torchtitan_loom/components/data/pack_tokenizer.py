@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_loom.components.data.pack_format import PackError, read_metadata
-from torchtitan_loom.components.tokenizer import Tokenizer, build_tokenizer, same_tokenizer_name
+from torchtitan_loom.components.data.tokenizer import Tokenizer, build_tokenizer, same_tokenizer_name
 
 
 class TokenizerError(ValueError):

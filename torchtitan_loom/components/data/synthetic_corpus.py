@@ -154,7 +154,7 @@ def write_bundled_pack(out: Path, seed: int = SEED, target_bytes: int = TARGET_B
     """Generate the corpus and write it as a byte-tokenised pack at `out` (atomic; raises
     FileExistsError if `out` already exists)."""
     from torchtitan_loom.components.data.pack_writer import PackWriter
-    from torchtitan_loom.components.tokenizer import ByteTokenizer
+    from torchtitan_loom.components.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     info = {"vocab_size": tok.vocab_size, "name_or_path": tok.name_or_path, "eos_token_id": tok.eos_id}

@@ -93,7 +93,7 @@ class LoomTransformer(nn.Module):
         return carry.z_BSD
 
     def new_decode_cache(self) -> KVCache:
-        """An empty cache for incremental decoding (components/sampling.py)."""
+        """An empty cache for incremental decoding (components/evaluation/sampling.py)."""
         if self.args.capacity_factor != 0:
             raise ValueError("incremental decoding needs capacity dropping off: build the model with "
                              "capacity_factor=0 (with capacity on, a token's experts depend on the call size)")

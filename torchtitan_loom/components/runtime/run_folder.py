@@ -27,7 +27,7 @@ import socket
 import time
 from typing import Any
 
-from torchtitan_loom.components import safe_files
+from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.protocols import get_train_spec
 
 LOCK = "RUN.lock"

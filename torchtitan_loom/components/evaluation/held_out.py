@@ -1,4 +1,4 @@
-"""Validator: the held-out loss after every loop, and the routing statistics of the same forwards.
+"""HeldOutEval: the held-out loss after every loop, and the routing statistics of the same forwards.
 
 Every loop is run one at a time with the carry, which equals the full forward (tested by the
 model), so one pass gives the loss after each loop. A model with routed experts also returns the
@@ -18,12 +18,12 @@ import torch
 
 from torchtitan_loom.components.data import build_eval_loader
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
-from torchtitan_loom.components.routing_stats import RoutingStats
+from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
 
 
-class Validator:
+class HeldOutEval:
     """Built once by the trainer; ``validate(step)`` after the steps the ``[eval]`` section asks for.
 
     Args:

@@ -5,7 +5,7 @@ What converts (LOOM_SPEC §14: float8 changes precision, never the math or the p
     `Float8Linear` (recipe tensorwise or rowwise). The routers, `tok_embeddings` and the `output`
     head never convert; a linear whose weight dims are not multiples of 16 is skipped and named.
   - routed experts (`float8.experts`): `moe.experts` becomes `Float8GroupedExperts`
-    (components/float8_experts.py), the same w13 / w2 parameters with a low-precision grouped GEMM:
+    (components/quantization/float8_experts.py), the same w13 / w2 parameters with a low-precision grouped GEMM:
     fp8 rowwise (SM90), MXFP8 (SM100) or MXFP8 emulated (any device, CPU tests).
 
 Which kernels a device can run is decided up front by `float8_problems` (called from
@@ -217,7 +217,7 @@ class Float8Converter:
         """Convert `model` in place; returns what was converted and what was skipped (and why)."""
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        from torchtitan_loom.components.float8_experts import Float8GroupedExperts
+        from torchtitan_loom.components.quantization.float8_experts import Float8GroupedExperts
 
         plan = self.plan
         report = Float8Report(never_convert=self.never_convert)

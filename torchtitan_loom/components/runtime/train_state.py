@@ -50,4 +50,4 @@ class StepResult:
     non_finite: str | None = None
     """Which statistic of which segment was non-finite (the run stops), None when all were finite."""
     diag: dict[str, float | None] | None = None
-    """The branch diagnostics of a diagnostic step (components/diagnostics.py), else None."""
+    """The branch diagnostics of a diagnostic step (components/observability/diagnostics.py), else None."""

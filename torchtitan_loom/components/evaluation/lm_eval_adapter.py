@@ -3,7 +3,7 @@
     loglikelihood          sum of log p(continuation | context) and whether greedy decoding
                            would produce the continuation, batched (right padding);
     loglikelihood_rolling  the whole-string log-likelihood over disjoint windows of max_seq_len;
-    generate_until         incremental decoding (components/sampling.py) cut at the first stop string.
+    generate_until         incremental decoding (components/evaluation/sampling.py) cut at the first stop string.
 
 Capacity dropping is off (the loader builds the model so), hence every request's score depends
 only on its own tokens, not on which other requests share its batch. With several ranks
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from torchtitan_loom.components.sampling import SamplingConfig, generate
-from torchtitan_loom.components.tokenizer import Tokenizer
+from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
+from torchtitan_loom.components.data.tokenizer import Tokenizer
 
 
 class ScoringStopped(Exception):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.components.metrics import MetricsLogger, format_console_line, memory_stats, throughput
+from torchtitan_loom.components.observability.metrics import MetricsLogger, format_console_line, memory_stats, throughput
 
 
 class StepMetrics:
@@ -79,7 +79,7 @@ class StepMetrics:
         """TensorBoard images of an eval: one loop × expert load heatmap per layer, the loss per loop."""
         if not (self.cfg.routing_images and self.logger.writes_images):
             return
-        from torchtitan_loom.components.routing_plots import heatmap_image, loss_curve_image
+        from torchtitan_loom.components.observability.routing_plots import heatmap_image, loss_curve_image
 
         share_LHE = routing.load_share_LHE().cpu().numpy()
         for layer, share_HE in enumerate(share_LHE):

@@ -3,9 +3,9 @@
 Scalar names used by the trainer (all optional except ``step``): ``loss``, ``loss_segment_j``,
 ``lr``, ``grad_norm``, ``tokens_per_s``, ``tflops``, ``mfu`` (percent), ``skipped``, memory keys
 from ``memory_stats``, ``eval_loss``, ``eval_loss_loop_t``, and at eval the routing-diversity and
-stream scalars ``routing_*`` / ``stream_*`` of ``components/routing_stats.py``; at diagnostic
-steps ``diag/…`` (``components/diagnostics.py``) and at downstream steps ``downstream/<task>/<metric>``
-(``components/downstream.py``).
+stream scalars ``routing_*`` / ``stream_*`` of ``components/observability/routing_stats.py``; at diagnostic
+steps ``diag/…`` (``components/observability/diagnostics.py``) and at downstream steps ``downstream/<task>/<metric>``
+(``components/evaluation/downstream.py``).
 """
 
 from __future__ import annotations

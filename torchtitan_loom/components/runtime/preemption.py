@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtitan_loom.components import exit_codes
+from torchtitan_loom.components.runtime import exit_codes
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

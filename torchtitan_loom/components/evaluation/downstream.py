@@ -1,5 +1,5 @@
 """Downstream scores during training: lm-eval tasks on the live model, through the adapter of
-tools.lm_eval (components/lm_eval_adapter.py), logged as ``downstream/<task>/<metric>``.
+tools.lm_eval (components/evaluation/lm_eval_adapter.py), logged as ``downstream/<task>/<metric>``.
 
 Every rank scores every request: with a sharded model every rank takes part in every forward,
 so the ranks cannot split the requests as the offline tool does. The random state of the run is
@@ -82,7 +82,7 @@ class DownstreamScorer:
         stop signal interrupted them (dropped, as an interrupted eval is)."""
         from lm_eval import simple_evaluate
 
-        from torchtitan_loom.components.lm_eval_adapter import LoomLM, ScoringStopped
+        from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM, ScoringStopped
 
         cfg = self.cfg
         limit = f" (at most {cfg.downstream_limit} documents each)" if cfg.downstream_limit else ""
