@@ -59,7 +59,10 @@ def ratio(a: dict | None, b: dict | None) -> float | None:
 
 def summary(work: Path, dry: bool) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-    lines = [f"# GPU check {stamp}" + (" (DRY RUN: CPU stand-ins, not measurements)" if dry else ""), ""]
+    lines = [
+        f"# GPU check {stamp}" + (" (DRY RUN: CPU stand-ins, not measurements)" if dry else ""),
+        "",
+    ]
     env = work / "env.txt"
     if env.exists():
         lines += ["```", *env.read_text().strip().splitlines(), "```", ""]
@@ -70,28 +73,51 @@ def summary(work: Path, dry: bool) -> str:
     cells = {k: v for k, v in cells.items() if v is not None}
     if cells:
         meta = next(iter(cells.values()))["meta"]
-        lines += ["", f"Throughput: preset `{meta.get('preset')}`, H = {meta.get('num_loops', '?')}, global batch "
-                  f"{meta.get('global_batch_size')} x seq {meta.get('seq_len')} (micro-batch "
-                  f"{meta.get('micro_batch_size')}), {meta.get('steps')} timed steps after {meta.get('warmup')} "
-                  f"warm-up, on {meta.get('device_name')}; AC none.", "",
-                  "| cell | status | tokens/s | TFLOP/s | MFU % | peak mem GiB | step s | final loss |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Throughput: preset `{meta.get('preset')}`, H = {meta.get('num_loops', '?')}, global batch "
+            f"{meta.get('global_batch_size')} x seq {meta.get('seq_len')} (micro-batch "
+            f"{meta.get('micro_batch_size')}), {meta.get('steps')} timed steps after {meta.get('warmup')} "
+            f"warm-up, on {meta.get('device_name')}; AC none.",
+            "",
+            "| cell | status | tokens/s | TFLOP/s | MFU % | peak mem GiB | step s | final loss |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for name, c in cells.items():
-            status = c.get("status", "?") if c.get("status") == "ok" else f"{c.get('status')}: {c.get('reason', '')}"
-            lines.append(f"| {name} | {status} | {_fmt(c.get('tokens_per_s'), ',.0f')} | {_fmt(c.get('tflops'), '.1f')} "
-                         f"| {_fmt(c.get('mfu'), '.1f')} | {_fmt(c.get('peak_memory_gib'), '.2f')} "
-                         f"| {_fmt(c.get('step_time_s'), '.3f')} | {_fmt(c.get('final_loss'), '.4f')} |")
-        bf16, f8, eager = cells.get("bf16_compiled"), cells.get("float8_compiled"), cells.get("bf16_eager")
+            status = (
+                c.get("status", "?")
+                if c.get("status") == "ok"
+                else f"{c.get('status')}: {c.get('reason', '')}"
+            )
+            lines.append(
+                f"| {name} | {status} | {_fmt(c.get('tokens_per_s'), ',.0f')} | {_fmt(c.get('tflops'), '.1f')} "
+                f"| {_fmt(c.get('mfu'), '.1f')} | {_fmt(c.get('peak_memory_gib'), '.2f')} "
+                f"| {_fmt(c.get('step_time_s'), '.3f')} | {_fmt(c.get('final_loss'), '.4f')} |"
+            )
+        bf16, f8, eager = (
+            cells.get("bf16_compiled"),
+            cells.get("float8_compiled"),
+            cells.get("bf16_eager"),
+        )
         mfu = bf16.get("mfu") if bf16 else None
-        lines += ["", "Against the goals:",
-                  f"- bf16 compiled MFU: {_fmt(mfu, '.1f')} % (goal ≥ {GOAL_MFU_BF16:.0f} %)",
-                  f"- float8 / bf16 tokens/s (compiled): {_fmt(ratio(f8, bf16), '.2f')} (goal ≥ {GOAL_FLOAT8})",
-                  f"- compiled / eager tokens/s (bf16): {_fmt(ratio(bf16, eager), '.2f')} (goal ≥ {GOAL_COMPILE})"]
+        lines += [
+            "",
+            "Against the goals:",
+            f"- bf16 compiled MFU: {_fmt(mfu, '.1f')} % (goal ≥ {GOAL_MFU_BF16:.0f} %)",
+            f"- float8 / bf16 tokens/s (compiled): {_fmt(ratio(f8, bf16), '.2f')} (goal ≥ {GOAL_FLOAT8})",
+            f"- compiled / eager tokens/s (bf16): {_fmt(ratio(bf16, eager), '.2f')} (goal ≥ {GOAL_COMPILE})",
+        ]
     failed = [s for s in stages if s["status"] not in ("ok", "not run")]
     if failed:
         s = failed[0]
-        lines += ["", f"## Failed stage: {s['name']} ({s['status']}); last {TAIL_LINES} lines of its log", "",
-                  "```", *tail(s["log"]), "```"]
+        lines += [
+            "",
+            f"## Failed stage: {s['name']} ({s['status']}); last {TAIL_LINES} lines of its log",
+            "",
+            "```",
+            *tail(s["log"]),
+            "```",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -31,10 +31,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BASE = ["--model.flavor", "debug", "--model.num_loops", "9", "--training.seq_len", "256",
-        "--training.global_batch_size", "8", "--training.micro_batch_size", "8",
-        "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
-        "--eval.interval", "0", "--spike_guard.enable", "false"]
+BASE = [
+    "--model.flavor",
+    "debug",
+    "--model.num_loops",
+    "9",
+    "--training.seq_len",
+    "256",
+    "--training.global_batch_size",
+    "8",
+    "--training.micro_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--eval.interval",
+    "0",
+    "--spike_guard.enable",
+    "false",
+]
 AC_MODES = ("none", "block", "loop", "segment")
 _MIB = float(1 << 20)
 
@@ -101,8 +117,11 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = _peak_rss_bytes(reset) - base
-    return {"step_s": (time.perf_counter() - start) / steps, "peak_mib": peak / _MIB,
-            "collectives_per_step": dict(counter.counts)}
+    return {
+        "step_s": (time.perf_counter() - start) / steps,
+        "peak_mib": peak / _MIB,
+        "collectives_per_step": dict(counter.counts),
+    }
 
 
 def estimated_mib(argv: list[str]) -> float:
@@ -118,28 +137,47 @@ def estimated_mib(argv: list[str]) -> float:
 
 
 def _child_env() -> dict:
-    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def kxac_table(steps: int, overrides: list[str]) -> str:
-    rows = ["| K | activation_checkpoint | step time (s) | peak memory (MiB) | vs K=0, none | "
-            "dry-run estimate (MiB) |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| K | activation_checkpoint | step time (s) | peak memory (MiB) | vs K=0, none | "
+        "dry-run estimate (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
     base_peak = None
     for k in (0, 3):
         for mode in AC_MODES:
-            argv = BASE + ["--training.bp_segment_len", str(k), "--activation_checkpoint.mode", mode] + overrides
-            out = subprocess.run([sys.executable, __file__, "--cell", json.dumps(argv), "--steps", str(steps)],
-                                 capture_output=True, text=True, env=_child_env(), timeout=1800)
+            argv = (
+                BASE
+                + ["--training.bp_segment_len", str(k), "--activation_checkpoint.mode", mode]
+                + overrides
+            )
+            out = subprocess.run(
+                [sys.executable, __file__, "--cell", json.dumps(argv), "--steps", str(steps)],
+                capture_output=True,
+                text=True,
+                env=_child_env(),
+                timeout=1800,
+            )
             if out.returncode != 0:
-                rows.append(f"| {k} | {mode} | error | {out.stderr.strip().splitlines()[-1][:80]} | |")
+                rows.append(
+                    f"| {k} | {mode} | error | {out.stderr.strip().splitlines()[-1][:80]} | |"
+                )
                 continue
             cell = json.loads(out.stdout.strip().splitlines()[-1])
             base_peak = base_peak or cell["peak_mib"]
             estimate = estimated_mib(argv)
-            rows.append(f"| {k} | {mode} | {cell['step_s']:.2f} | {cell['peak_mib']:.0f} | "
-                        f"{cell['peak_mib'] / base_peak:.2f}× | {estimate:.0f} ({estimate / cell['peak_mib'] - 1:+.0%}) |")
+            rows.append(
+                f"| {k} | {mode} | {cell['step_s']:.2f} | {cell['peak_mib']:.0f} | "
+                f"{cell['peak_mib'] / base_peak:.2f}× | {estimate:.0f} ({estimate / cell['peak_mib'] - 1:+.0%}) |"
+            )
             print(rows[-1], flush=True)
     return "\n".join(rows)
 
@@ -149,8 +187,13 @@ def _reshard_rank(rank: int, world: int, store: str, argv: list[str], steps: int
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
     try:
         result = run_cell(argv, steps, rank, world)
         with open(f"{out}.{rank}", "w") as fh:
@@ -159,7 +202,12 @@ def _reshard_rank(rank: int, world: int, store: str, argv: list[str], steps: int
         dist.destroy_process_group()
 
 
-RESHARD_CELLS = (("never", "segment"), ("never", "micro_batch"), ("always", "segment"), ("always", "micro_batch"))
+RESHARD_CELLS = (
+    ("never", "segment"),
+    ("never", "micro_batch"),
+    ("always", "segment"),
+    ("always", "micro_batch"),
+)
 
 
 def reshard_table(steps: int, overrides: list[str], micro_batch_size: int = 1) -> str:
@@ -169,36 +217,72 @@ def reshard_table(steps: int, overrides: list[str], micro_batch_size: int = 1) -
 
     import torch.multiprocessing as mp
 
-    rows = ["| reshard_after_forward | fsdp_sync | all-gathers / step | reduce-scatters / step | step time (s) | "
-            "peak memory per rank (MiB) |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| reshard_after_forward | fsdp_sync | all-gathers / step | reduce-scatters / step | step time (s) | "
+        "peak memory per rank (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for policy, sync in RESHARD_CELLS:
-        argv = BASE + ["--training.bp_segment_len", "3", "--parallelism.fsdp_reshard_after_forward", policy,
-                       "--parallelism.fsdp_sync", sync, "--training.micro_batch_size", str(micro_batch_size)] + overrides
+        argv = (
+            BASE
+            + [
+                "--training.bp_segment_len",
+                "3",
+                "--parallelism.fsdp_reshard_after_forward",
+                policy,
+                "--parallelism.fsdp_sync",
+                sync,
+                "--training.micro_batch_size",
+                str(micro_batch_size),
+            ]
+            + overrides
+        )
         with tempfile.TemporaryDirectory() as tmp:
             os.environ.update(MALLOC_MMAP_THRESHOLD_="65536")
-            mp.start_processes(_reshard_rank, args=(2, f"{tmp}/store", argv, steps, f"{tmp}/out"), nprocs=2,
-                               start_method="spawn")
+            mp.start_processes(
+                _reshard_rank,
+                args=(2, f"{tmp}/store", argv, steps, f"{tmp}/out"),
+                nprocs=2,
+                start_method="spawn",
+            )
             cells = [json.loads(Path(f"{tmp}/out.{r}").read_text()) for r in range(2)]
         c = cells[0]["collectives_per_step"]
-        rows.append(f"| {policy} | {sync} | {c.get('_allgather_base_', 0)} | {c.get('_reduce_scatter_base_', 0)} | "
-                    f"{max(x['step_s'] for x in cells):.2f} | {max(x['peak_mib'] for x in cells):.0f} |")
+        rows.append(
+            f"| {policy} | {sync} | {c.get('_allgather_base_', 0)} | {c.get('_reduce_scatter_base_', 0)} | "
+            f"{max(x['step_s'] for x in cells):.2f} | {max(x['peak_mib'] for x in cells):.0f} |"
+        )
         print(rows[-1], flush=True)
     return "\n".join(rows)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per cell (after one warm-up step)")
-    parser.add_argument("--reshard", action="store_true",
-                        help="FSDP2 reshard_after_forward x fsdp_sync on 2 gloo ranks, collectives per step")
-    parser.add_argument("--micro-batch-size", type=int, default=1,
-                        help="--reshard: rows per micro-batch (4 rows per rank: 1 gives 4 micro-batches)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps per cell (after one warm-up step)"
+    )
+    parser.add_argument(
+        "--reshard",
+        action="store_true",
+        help="FSDP2 reshard_after_forward x fsdp_sync on 2 gloo ranks, collectives per step",
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="--reshard: rows per micro-batch (4 rows per rank: 1 gives 4 micro-batches)",
+    )
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # internal: one cell, JSON argv
     args, overrides = parser.parse_known_args(argv)
     if args.cell:
         print(json.dumps(run_cell(json.loads(args.cell), args.steps)))
         return 0
-    print(reshard_table(args.steps, overrides, args.micro_batch_size) if args.reshard else kxac_table(args.steps, overrides))
+    print(
+        reshard_table(args.steps, overrides, args.micro_batch_size)
+        if args.reshard
+        else kxac_table(args.steps, overrides)
+    )
     return 0
 
 

@@ -32,28 +32,55 @@ def row_sizes(config_file: str) -> dict[str, float]:
     rng = np.random.default_rng(0)
     tokens = t.global_batch_size * t.seq_len
     load = rng.multinomial(tokens * k, [1 / E] * E, size=(L, H)).tolist()
-    train = {"loss": rng.random() * 3, "lr": 6e-5, "grad_norm": rng.random(), "tokens_per_s": rng.random() * 1e6,
-             "tflops": rng.random() * 400, "mfu": rng.random() * 50, "skipped": 0, "tokens_seen": 10**11,
-             "memory_max_allocated_gib": rng.random() * 80, "memory_max_reserved_gib": rng.random() * 80}
-    train.update({f"loss_segment_{j + 1}": rng.random() * 3 for j in range(len(segments(H, t.bp_segment_len)))})
+    train = {
+        "loss": rng.random() * 3,
+        "lr": 6e-5,
+        "grad_norm": rng.random(),
+        "tokens_per_s": rng.random() * 1e6,
+        "tflops": rng.random() * 400,
+        "mfu": rng.random() * 50,
+        "skipped": 0,
+        "tokens_seen": 10**11,
+        "memory_max_allocated_gib": rng.random() * 80,
+        "memory_max_reserved_gib": rng.random() * 80,
+    }
+    train.update(
+        {
+            f"loss_segment_{j + 1}": rng.random() * 3
+            for j in range(len(segments(H, t.bp_segment_len)))
+        }
+    )
     stats = RoutingStats(1, H, E, k)  # only for the names of the eval scalars
     names = _summary_names(stats)
-    evals = {"eval_loss": rng.random(), "eval_tokens": cfg.eval.tokens,
-             **{f"eval_loss_loop_{i + 1}": rng.random() * 3 for i in range(H)},
-             **{n: float(rng.random()) for n in names}}
+    evals = {
+        "eval_loss": rng.random(),
+        "eval_tokens": cfg.eval.tokens,
+        **{f"eval_loss_loop_{i + 1}": rng.random() * 3 for i in range(H)},
+        **{n: float(rng.random()) for n in names},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         sizes = {}
-        for kind, scalars, extra in (("train", train, None), ("train+load", train, {"expert_load": load}),
-                                     ("eval+load", {**train, **evals}, {"expert_load": load})):
+        for kind, scalars, extra in (
+            ("train", train, None),
+            ("train+load", train, {"expert_load": load}),
+            ("eval+load", {**train, **evals}, {"expert_load": load}),
+        ):
             path = os.path.join(tmp, kind + ".jsonl")
-            with MetricsLogger(tmp, Metrics(enable_tensorboard=False), jsonl_name=kind + ".jsonl") as logger:
+            with MetricsLogger(
+                tmp, Metrics(enable_tensorboard=False), jsonl_name=kind + ".jsonl"
+            ) as logger:
                 logger.log(1000, scalars, extra)
             sizes[kind] = os.path.getsize(path)
     per_k = 1000 / cfg.metrics.log_freq
     evals_per_k = 1000 / cfg.eval.interval if cfg.eval.interval else 0
-    return {"L*H*E": L * H * E, **sizes,
-            "per_1000_steps_eval_only": (per_k - evals_per_k) * sizes["train"] + evals_per_k * sizes["eval+load"],
-            "per_1000_steps_every_row": (per_k - evals_per_k) * sizes["train+load"] + evals_per_k * sizes["eval+load"]}
+    return {
+        "L*H*E": L * H * E,
+        **sizes,
+        "per_1000_steps_eval_only": (per_k - evals_per_k) * sizes["train"]
+        + evals_per_k * sizes["eval+load"],
+        "per_1000_steps_every_row": (per_k - evals_per_k) * sizes["train+load"]
+        + evals_per_k * sizes["eval+load"],
+    }
 
 
 def _summary_names(stats: RoutingStats) -> list[str]:

@@ -67,12 +67,16 @@ def build(tokens: int, precision: str, seed: int = 0) -> tuple[LoomMoE, torch.Te
             p.normal_(0.0, 0.02)
     dtype = torch.bfloat16 if precision == "fsdp_bf16" else torch.float32
     moe.to(dtype)
-    router_w = moe.routers[0].detach().float().requires_grad_(True)  # routers stay fp32 (replicated)
+    router_w = (
+        moe.routers[0].detach().float().requires_grad_(True)
+    )  # routers stay fp32 (replicated)
     x = torch.randn(1, tokens, args.dim, dtype=dtype)
     return moe, x, router_w
 
 
-def fwd_bwd(fn, moe, x, router_w, grad_y, precision: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def fwd_bwd(
+    fn, moe, x, router_w, grad_y, precision: str
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     moe.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)
     router_w.grad = None
@@ -88,8 +92,11 @@ def allocation_profile(fn, moe, x, router_w, grad_y, precision: str) -> tuple[in
     router_w.grad = None
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fwd_bwd(fn, moe, x, router_w, grad_y, precision)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
     allocated = sum(n for _, n in events if n > 0)
     live = peak = 0
     for _, n in events:
@@ -101,33 +108,55 @@ def allocation_profile(fn, moe, x, router_w, grad_y, precision: str) -> tuple[in
 def measure(tokens: int, precision: str, rounds: int) -> dict:
     moe, x, router_w = build(tokens, precision)
     grad_y = torch.randn_like(x)
-    results = {name: fwd_bwd(fn, moe, x, router_w, grad_y, precision) for name, fn in VARIANTS.items()}  # warm-up
+    results = {
+        name: fwd_bwd(fn, moe, x, router_w, grad_y, precision) for name, fn in VARIANTS.items()
+    }  # warm-up
     (y0, g0), (y1, g1) = results["before"], results["after"]
-    rel = [((b.float() - a.float()).abs().max() / a.float().abs().max()).item() for a, b in zip([y0, *g0], [y1, *g1])
-           if a is not None]  # the module's own routers get no gradient (router_w stands in)
-    memory = {name: allocation_profile(fn, moe, x, router_w, grad_y, precision) for name, fn in VARIANTS.items()}
+    rel = [
+        ((b.float() - a.float()).abs().max() / a.float().abs().max()).item()
+        for a, b in zip([y0, *g0], [y1, *g1])
+        if a is not None
+    ]  # the module's own routers get no gradient (router_w stands in)
+    memory = {
+        name: allocation_profile(fn, moe, x, router_w, grad_y, precision)
+        for name, fn in VARIANTS.items()
+    }
     times = {name: [] for name in VARIANTS}
     for _ in range(rounds):
         for name, fn in VARIANTS.items():
             start = time.perf_counter()
             fwd_bwd(fn, moe, x, router_w, grad_y, precision)
             times[name].append(time.perf_counter() - start)
-    return {"memory": memory, "time": {k: statistics.median(v) for k, v in times.items()},
-            "rel_out": rel[0], "rel_grad": max(rel[1:])}
+    return {
+        "memory": memory,
+        "time": {k: statistics.median(v) for k, v in times.items()},
+        "rel_out": rel[0],
+        "rel_grad": max(rel[1:]),
+    }
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens N of the micro-batch (loom_1p7b: 8 × 1023)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=2048, help="tokens N of the micro-batch (loom_1p7b: 8 × 1023)"
+    )
     parser.add_argument("--precision", default="all", choices=("all", *PRECISIONS))
-    parser.add_argument("--rounds", type=int, default=3, help="timed forward + backward per variant, alternating")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="timed forward + backward per variant, alternating"
+    )
     args = parser.parse_args(argv)
     a = loom_flavors["loom_1p7b"]
-    print(f"loom_1p7b MoE layer: N = {args.tokens} tokens, A = N*K = {args.tokens * a.routed_top_k} assignments, "
-          f"D = {a.dim}, E = {a.num_routed_experts}, K = {a.routed_top_k}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s)")
-    print("| precision | variant | bytes allocated (MiB) | peak live (MiB) | time fwd+bwd (s, median) | "
-          "after/before bytes | max rel. diff output / grads |")
+    print(
+        f"loom_1p7b MoE layer: N = {args.tokens} tokens, A = N*K = {args.tokens * a.routed_top_k} assignments, "
+        f"D = {a.dim}, E = {a.num_routed_experts}, K = {a.routed_top_k}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
+    print(
+        "| precision | variant | bytes allocated (MiB) | peak live (MiB) | time fwd+bwd (s, median) | "
+        "after/before bytes | max rel. diff output / grads |"
+    )
     print("|---|---|---:|---:|---:|---:|---|")
     for precision in PRECISIONS if args.precision == "all" else (args.precision,):
         r = measure(args.tokens, precision, args.rounds)
@@ -137,8 +166,11 @@ def main(argv: list[str]) -> int:
             if name == "after":
                 ratio = f"{allocated / r['memory']['before'][0]:.3f}"
                 diff = f"{r['rel_out']:.1e} / {r['rel_grad']:.1e}"
-            print(f"| {precision} | {name} | {allocated / 2**20:,.1f} | {peak / 2**20:,.1f} | {r['time'][name]:.3f} | "
-                  f"{ratio} | {diff} |", flush=True)
+            print(
+                f"| {precision} | {name} | {allocated / 2**20:,.1f} | {peak / 2**20:,.1f} | {r['time'][name]:.3f} | "
+                f"{ratio} | {diff} |",
+                flush=True,
+            )
     return 0
 
 

@@ -18,9 +18,27 @@ from torch.profiler import ProfilerActivity, profile
 # Lower-cased substrings of op / kernel names, per category (first match wins).
 CATEGORIES = {
     "all_to_all": ("all_to_all", "alltoall", "sendrecv"),
-    "attention": ("scaled_dot_product", "flash", "flex_attention", "fmha", "efficient_attention", "attention"),
-    "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "grouped_mm", "scaled_mm", "gemm",
-             "cutlass", "xmma", "cublas", "wgmma"),
+    "attention": (
+        "scaled_dot_product",
+        "flash",
+        "flex_attention",
+        "fmha",
+        "efficient_attention",
+        "attention",
+    ),
+    "gemm": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "grouped_mm",
+        "scaled_mm",
+        "gemm",
+        "cutlass",
+        "xmma",
+        "cublas",
+        "wgmma",
+    ),
 }
 
 
@@ -33,7 +51,9 @@ def categorize(name: str) -> str:
     return "other"
 
 
-def profile_steps(step: Callable[[], object], steps: int, trace_path: Path, device: torch.device) -> dict[str, float]:
+def profile_steps(
+    step: Callable[[], object], steps: int, trace_path: Path, device: torch.device
+) -> dict[str, float]:
     """Run `step()` `steps` times under the profiler; write the Chrome trace; return the shares
     {gemm, attention, all_to_all, other} (fractions of the wall time, summing to 1) and step_time_s."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -49,35 +49,57 @@ from torchtitan_loom.train import Trainer  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from step_profile import profile_steps  # noqa: E402
 
-PRESET_FILES = {"debug": "debug_model.toml", "loom_329m": "loom_329m.toml", "loom_1p7b": "loom_1p7b.toml"}
+PRESET_FILES = {
+    "debug": "debug_model.toml",
+    "loom_329m": "loom_329m.toml",
+    "loom_1p7b": "loom_1p7b.toml",
+}
 PRECISIONS = {
     "bf16": [],
     "float8_tensorwise": ["--float8.enable", "--float8.recipe", "tensorwise"],
     "float8_rowwise": ["--float8.enable", "--float8.recipe", "rowwise"],
 }
-COMPILE = {"off": ["--compile.enable", "false"], "on": ["--compile.enable", "true"]}  # GPU presets compile
+COMPILE = {
+    "off": ["--compile.enable", "false"],
+    "on": ["--compile.enable", "true"],
+}  # GPU presets compile
 AC = {"none": [], "loop": ["--activation_checkpoint.mode", "loop"]}
 _GIB = float(1 << 30)
 PROFILE_STEPS = 2
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Unknown --section.key value pairs are config overrides.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Unknown --section.key value pairs are config overrides.",
+    )
     p.add_argument("--preset", default="debug", choices=sorted(PRESET_FILES))
     p.add_argument("--steps", type=int, default=20, help="timed steps per cell")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument("--precisions", default=",".join(PRECISIONS), help=f"subset of {','.join(PRECISIONS)}")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first (compilation happens here)"
+    )
+    p.add_argument(
+        "--precisions", default=",".join(PRECISIONS), help=f"subset of {','.join(PRECISIONS)}"
+    )
     p.add_argument("--compile", default="off,on", help="subset of off,on")
     p.add_argument("--ac", default="none,loop", help="subset of none,loop")
-    p.add_argument("--float8-experts", default="on", choices=("on", "off"),
-                   help="float8 cells also convert the routed experts (default on)")
+    p.add_argument(
+        "--float8-experts",
+        default="on",
+        choices=("on", "off"),
+        help="float8 cells also convert the routed experts (default on)",
+    )
     p.add_argument("--cpu", action="store_true", help="run on CPU, float8 emulated")
-    p.add_argument("--time-budget-s", type=float, default=0.0, help="skip cells starting after this (0: none)")
+    p.add_argument(
+        "--time-budget-s", type=float, default=0.0, help="skip cells starting after this (0: none)"
+    )
     p.add_argument("--out", default="outputs/bench", help="output folder")
-    p.add_argument("--profile", action="store_true",
-                   help="after the timed steps, profile 2 more steps per cell: Chrome trace "
-                        "<out>/traces/<cell>.json and the share of step time in GEMMs, attention, all-to-all, other")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile 2 more steps per cell: Chrome trace "
+        "<out>/traces/<cell>.json and the share of step time in GEMMs, attention, all-to-all, other",
+    )
     args, overrides = p.parse_known_args(argv)
     for name, table in (("precisions", PRECISIONS), ("compile", COMPILE), ("ac", AC)):
         values = [v for v in getattr(args, name).split(",") if v]
@@ -86,7 +108,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             p.error(f"--{name}: unknown {bad}; valid: {','.join(table)}")
         setattr(args, name, values)
     if any(not o.startswith("--") for o in overrides[:1]):
-        p.error(f"unexpected argument {overrides[0]!r}; config overrides look like --section.key value")
+        p.error(
+            f"unexpected argument {overrides[0]!r}; config overrides look like --section.key value"
+        )
     return args, overrides
 
 
@@ -105,7 +129,11 @@ def bench_pack(out: Path, seq_len: int, tokens_needed: int) -> Path:
     if (path / "metadata.json").exists():
         return path
     tok = ByteTokenizer()
-    info = {"vocab_size": tok.vocab_size, "name_or_path": tok.name_or_path, "eos_token_id": tok.eos_id}
+    info = {
+        "vocab_size": tok.vocab_size,
+        "name_or_path": tok.name_or_path,
+        "eos_token_id": tok.eos_id,
+    }
     with PackWriter(path, info, seq_len + 1) as w:
         for doc in generate_documents(seed=0, target_bytes=target):
             w.add_document(tok.encode_array(doc))
@@ -113,14 +141,33 @@ def bench_pack(out: Path, seq_len: int, tokens_needed: int) -> Path:
     return path
 
 
-def cell_argv(args: argparse.Namespace, overrides: list[str], precision: str, compile_: str, ac: str,
-              dump: Path) -> list[str]:
+def cell_argv(
+    args: argparse.Namespace,
+    overrides: list[str],
+    precision: str,
+    compile_: str,
+    ac: str,
+    dump: Path,
+) -> list[str]:
     """The trainer argv of one cell: preset file, benchmark defaults, user overrides, cell flags."""
-    argv = ["--job.config_file", str(ROOT / "train_configs" / PRESET_FILES[args.preset]),
-            "--job.dump_folder", str(dump), "--metrics.enable_tensorboard", "false", "--eval.interval", "0",
-            "--checkpoint.enable", "false", "--spike_guard.enable", "false",
-            "--training.mixed_precision_param", "bfloat16", "--training.steps",
-            str(args.warmup + args.steps + PROFILE_STEPS * args.profile)]
+    argv = [
+        "--job.config_file",
+        str(ROOT / "train_configs" / PRESET_FILES[args.preset]),
+        "--job.dump_folder",
+        str(dump),
+        "--metrics.enable_tensorboard",
+        "false",
+        "--eval.interval",
+        "0",
+        "--checkpoint.enable",
+        "false",
+        "--spike_guard.enable",
+        "false",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--training.steps",
+        str(args.warmup + args.steps + PROFILE_STEPS * args.profile),
+    ]
     if args.cpu:
         argv += ["--training.device", "cpu"]
     argv += overrides + PRECISIONS[precision] + COMPILE[compile_] + AC[ac]
@@ -160,21 +207,33 @@ def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None
         elapsed = time.perf_counter() - start
         shares = None
         if trace is not None:
-            shares = profile_steps(lambda: trainer.train_step(next(batches)), PROFILE_STEPS, trace, device)
+            shares = profile_steps(
+                lambda: trainer.train_step(next(batches)), PROFILE_STEPS, trace, device
+            )
         t = cfg.training
         # The trainer's own FLOP count and formula (components/observability/metrics.throughput), as in its log line.
         flops_per_token = trainer.flops_per_token
-        rate = throughput(steps * t.global_batch_size * t.seq_len, elapsed, flops_per_token, peak_flops(device))
+        rate = throughput(
+            steps * t.global_batch_size * t.seq_len, elapsed, flops_per_token, peak_flops(device)
+        )
         mem = memory_stats(device)
-        return {"status": "ok", **rate,
-                "peak_memory_gib": mem.get("memory_max_allocated_gib", mem.get("memory_max_rss_gib")),
-                "memory_kind": "cuda max allocated" if device.type == "cuda" else "process max RSS",
-                "step_time_s": elapsed / steps, "flops_per_token": flops_per_token,
-                "final_loss": losses[-1], "losses": losses,
-                **({"profile": shares, "trace": str(trace)} if shares else {})}
+        return {
+            "status": "ok",
+            **rate,
+            "peak_memory_gib": mem.get("memory_max_allocated_gib", mem.get("memory_max_rss_gib")),
+            "memory_kind": "cuda max allocated" if device.type == "cuda" else "process max RSS",
+            "step_time_s": elapsed / steps,
+            "flops_per_token": flops_per_token,
+            "final_loss": losses[-1],
+            "losses": losses,
+            **({"profile": shares, "trace": str(trace)} if shares else {}),
+        }
     except Exception as exc:  # noqa: BLE001 - a failing cell is a result, the matrix goes on
-        return {"status": "error", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                "traceback": traceback.format_exc(limit=8)}
+        return {
+            "status": "error",
+            "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            "traceback": traceback.format_exc(limit=8),
+        }
     finally:
         del trainer
         gc.collect()
@@ -189,34 +248,47 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def markdown(meta: dict[str, Any], cells: list[dict[str, Any]]) -> str:
-    lines = [f"Preset `{meta['preset']}` on {meta['device_name']}: global batch {meta['global_batch_size']} x "
-             f"seq {meta['seq_len']}, {meta['steps']} timed steps after {meta['warmup']} warm-up; torch "
-             f"{meta['torch']}, torchao {meta['torchao']}.", "",
-             "| precision | compile | AC | status | tokens/s | TFLOP/s | MFU % | peak mem GiB | final loss |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Preset `{meta['preset']}` on {meta['device_name']}: global batch {meta['global_batch_size']} x "
+        f"seq {meta['seq_len']}, {meta['steps']} timed steps after {meta['warmup']} warm-up; torch "
+        f"{meta['torch']}, torchao {meta['torchao']}.",
+        "",
+        "| precision | compile | AC | status | tokens/s | TFLOP/s | MFU % | peak mem GiB | final loss |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for c in cells:
         status = c["status"] if c["status"] == "ok" else f"{c['status']}: {c.get('reason', '')}"
-        lines.append(f"| {c['precision']} | {c['compile']} | {c['ac']} | {status} "
-                     f"| {_fmt(c.get('tokens_per_s'), ',.0f')} "
-                     f"| {_fmt(c.get('tflops'), '.3f')} | {_fmt(c.get('mfu'), '.1f')} "
-                     f"| {_fmt(c.get('peak_memory_gib'), '.2f')} | {_fmt(c.get('final_loss'), '.4f')} |")
+        lines.append(
+            f"| {c['precision']} | {c['compile']} | {c['ac']} | {status} "
+            f"| {_fmt(c.get('tokens_per_s'), ',.0f')} "
+            f"| {_fmt(c.get('tflops'), '.3f')} | {_fmt(c.get('mfu'), '.1f')} "
+            f"| {_fmt(c.get('peak_memory_gib'), '.2f')} | {_fmt(c.get('final_loss'), '.4f')} |"
+        )
     profiled = [c for c in cells if "profile" in c]
     if profiled:
-        lines += ["", f"Profile of {PROFILE_STEPS} steps per cell (share of step time; traces under "
-                  "`<out>/traces/`):", "",
-                  "| precision | compile | AC | step s | GEMM % | attention % | all-to-all % | other % |",
-                  "|---|---|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Profile of {PROFILE_STEPS} steps per cell (share of step time; traces under "
+            "`<out>/traces/`):",
+            "",
+            "| precision | compile | AC | step s | GEMM % | attention % | all-to-all % | other % |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
         for c in profiled:
             p = c["profile"]
-            lines.append(f"| {c['precision']} | {c['compile']} | {c['ac']} | {p['step_time_s']:.3f} "
-                         f"| {100 * p['gemm']:.1f} | {100 * p['attention']:.1f} | {100 * p['all_to_all']:.1f} "
-                         f"| {100 * p['other']:.1f} |")
+            lines.append(
+                f"| {c['precision']} | {c['compile']} | {c['ac']} | {p['step_time_s']:.3f} "
+                f"| {100 * p['gemm']:.1f} | {100 * p['attention']:.1f} | {100 * p['all_to_all']:.1f} "
+                f"| {100 * p['other']:.1f} |"
+            )
     lines += ["", f"Command: `{meta['command']}`", ""]
     return "\n".join(lines)
 
 
 def format_shares(shares: dict[str, float]) -> str:
-    parts = ", ".join(f"{k} {100 * shares[k]:.1f}%" for k in ("gemm", "attention", "all_to_all", "other"))
+    parts = ", ".join(
+        f"{k} {100 * shares[k]:.1f}%" for k in ("gemm", "attention", "all_to_all", "other")
+    )
     return f"step {shares['step_time_s']:.3f} s: {parts}"
 
 
@@ -224,8 +296,10 @@ def device_meta(cpu: bool) -> dict[str, Any]:
     if not cpu and torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         return {"device_name": torch.cuda.get_device_name(), "capability": f"SM{cap[0]}{cap[1]}"}
-    return {"device_name": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)",
-            "capability": None}
+    return {
+        "device_name": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)",
+        "capability": None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,25 +307,52 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        probe = load_config(["--job.config_file", str(ROOT / "train_configs" / PRESET_FILES[args.preset]), *overrides])
+        probe = load_config(
+            [
+                "--job.config_file",
+                str(ROOT / "train_configs" / PRESET_FILES[args.preset]),
+                *overrides,
+            ]
+        )
     except ConfigError as exc:  # an override every cell shares: no cell can run
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     t = probe.training
     if not has_override(overrides, "data.path"):
-        need = (args.warmup + args.steps + PROFILE_STEPS * args.profile) * t.global_batch_size * (t.seq_len + 1)
+        need = (
+            (args.warmup + args.steps + PROFILE_STEPS * args.profile)
+            * t.global_batch_size
+            * (t.seq_len + 1)
+        )
         overrides = [*overrides, "--data.path", str(bench_pack(out, t.seq_len, need))]
     try:
         import torchao
+
         torchao_version = torchao.__version__
     except ImportError:
         torchao_version = None
-    meta = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup, "global_batch_size": t.global_batch_size,
-            "micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len, "num_loops": probe.model.num_loops, "overrides": overrides,
-            "torch": torch.__version__, "torchao": torchao_version, "cpu_mode": args.cpu,
-            "command": " ".join(["python", "benchmarks/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
-            "mfu_note": "MFU against the dense bf16 peak for every precision", **device_meta(args.cpu)}
-    json_path, md_path = out / f"throughput_{args.preset}.json", out / f"throughput_{args.preset}.md"
+    meta = {
+        "preset": args.preset,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "seq_len": t.seq_len,
+        "num_loops": probe.model.num_loops,
+        "overrides": overrides,
+        "torch": torch.__version__,
+        "torchao": torchao_version,
+        "cpu_mode": args.cpu,
+        "command": " ".join(
+            ["python", "benchmarks/throughput.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "mfu_note": "MFU against the dense bf16 peak for every precision",
+        **device_meta(args.cpu),
+    }
+    json_path, md_path = (
+        out / f"throughput_{args.preset}.json",
+        out / f"throughput_{args.preset}.md",
+    )
     cells: list[dict[str, Any]] = []
     started = time.perf_counter()
     # Order: AC none before loop, compile off before on, so a time budget cuts the least telling cells.
@@ -261,17 +362,33 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"{precision}-compile_{compile_}-ac_{ac}"
                 cell = {"precision": precision, "compile": compile_, "ac": ac}
                 if args.time_budget_s and time.perf_counter() - started > args.time_budget_s:
-                    cell.update(status="skipped", reason=f"time budget {args.time_budget_s:.0f} s used")
+                    cell.update(
+                        status="skipped", reason=f"time budget {args.time_budget_s:.0f} s used"
+                    )
                 else:
                     print(f"[throughput] {args.preset} {name} ...", flush=True)
                     trace = out / "traces" / f"{args.preset}-{name}.json" if args.profile else None
-                    cell.update(run_cell(cell_argv(args, overrides, precision, compile_, ac, out / "cells" / name),
-                                         args.steps, args.warmup, trace))
-                result = f"{cell['tokens_per_s']:,.0f} tok/s" if cell["status"] == "ok" else cell.get("reason", "")
+                    cell.update(
+                        run_cell(
+                            cell_argv(
+                                args, overrides, precision, compile_, ac, out / "cells" / name
+                            ),
+                            args.steps,
+                            args.warmup,
+                            trace,
+                        )
+                    )
+                result = (
+                    f"{cell['tokens_per_s']:,.0f} tok/s"
+                    if cell["status"] == "ok"
+                    else cell.get("reason", "")
+                )
                 print(f"[throughput] {name}: {cell['status']} {result}", flush=True)
                 if "profile" in cell:
-                    print(f"[throughput] {name} profile: {format_shares(cell['profile'])}; trace {cell['trace']}",
-                          flush=True)
+                    print(
+                        f"[throughput] {name} profile: {format_shares(cell['profile'])}; trace {cell['trace']}",
+                        flush=True,
+                    )
                 cells.append(cell)
                 json_path.write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
                 md_path.write_text(markdown(meta, cells))

@@ -50,29 +50,35 @@ def parse(text: str, path: str = "<text>") -> list[Region]:
         m_open, m_close = OPEN_RE.match(line), CLOSE_RE.match(line)
         if not (m_open or m_close):
             if ANY_MARKER_RE.search(line):
-                raise RegionError(f"{path}:{i + 1}: not a well-formed refresh marker (a marker is alone on its "
-                                  f"line: '<!-- refresh:NAME -->' or '<!-- /refresh -->'): {line.strip()}")
+                raise RegionError(
+                    f"{path}:{i + 1}: not a well-formed refresh marker (a marker is alone on its "
+                    f"line: '<!-- refresh:NAME -->' or '<!-- /refresh -->'): {line.strip()}"
+                )
             continue
         if m_open:
             if open_at is not None:
-                raise RegionError(f"{path}:{i + 1}: region '{m_open['name']}' opens inside region "
-                                  f"'{OPEN_RE.match(lines[open_at])['name']}' (line {open_at + 1}); regions do not nest")
+                raise RegionError(
+                    f"{path}:{i + 1}: region '{m_open['name']}' opens inside region "
+                    f"'{OPEN_RE.match(lines[open_at])['name']}' (line {open_at + 1}); regions do not nest"
+                )
             open_at = i
             continue
         if open_at is None:
             raise RegionError(f"{path}:{i + 1}: '<!-- /refresh -->' without an opening marker")
         m = OPEN_RE.match(lines[open_at])
         indent = m["indent"]
-        body = "\n".join(_dedent(ln, indent) for ln in lines[open_at + 1:i])
+        body = "\n".join(_dedent(ln, indent) for ln in lines[open_at + 1 : i])
         regions.append(Region(path, m["name"], indent, open_at, i, body))
         open_at = None
     if open_at is not None:
-        raise RegionError(f"{path}:{open_at + 1}: region '{OPEN_RE.match(lines[open_at])['name']}' is never closed")
+        raise RegionError(
+            f"{path}:{open_at + 1}: region '{OPEN_RE.match(lines[open_at])['name']}' is never closed"
+        )
     return regions
 
 
 def _dedent(line: str, indent: str) -> str:
-    return line[len(indent):] if line.startswith(indent) else line.lstrip(" \t")
+    return line[len(indent) :] if line.startswith(indent) else line.lstrip(" \t")
 
 
 def rewrite(text: str, new_bodies: dict[str, str], path: str = "<text>") -> str:
@@ -82,7 +88,7 @@ def rewrite(text: str, new_bodies: dict[str, str], path: str = "<text>") -> str:
         if region.name not in new_bodies:
             continue
         body = new_bodies[region.name].strip("\n").split("\n")
-        lines[region.start + 1:region.end] = [(region.indent + ln) if ln else "" for ln in body]
+        lines[region.start + 1 : region.end] = [(region.indent + ln) if ln else "" for ln in body]
     return "\n".join(lines)
 
 
@@ -92,8 +98,10 @@ def all_regions(root: Path = ROOT) -> list[Region]:
     for f in doc_files(root):
         for region in parse(f.read_text(encoding="utf-8"), str(f.relative_to(root))):
             if region.name in seen:
-                raise RegionError(f"{region.path}:{region.start + 1}: region '{region.name}' is also in "
-                                  f"{seen[region.name]}; a region name appears once")
+                raise RegionError(
+                    f"{region.path}:{region.start + 1}: region '{region.name}' is also in "
+                    f"{seen[region.name]}; a region name appears once"
+                )
             seen[region.name] = region.path
             regions.append(region)
     return regions

@@ -52,16 +52,26 @@ class Runner:
         return real.replace(str(self.cache), SHOWN_CACHE).replace(f"{self.work}/", SHOWN_TMP)
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": str(ROOT), "TORCHTITAN_LOOM_CACHE": str(self.cache),
-                "PYTHONUNBUFFERED": "1"}
+        return {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "TORCHTITAN_LOOM_CACHE": str(self.cache),
+            "PYTHONUNBUFFERED": "1",
+        }
 
     def run(self, command: str, timeout_s: float = 1800) -> Result:
         """Run a documented shell command from the repo root; raise CommandFailed on a non-zero exit."""
         self.log(f"$ {command}")
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
-        proc = subprocess.run(["bash", "-c", self.real(command)], cwd=ROOT, env=self.env(), capture_output=True,
-                              text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            ["bash", "-c", self.real(command)],
+            cwd=ROOT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         wall = time.monotonic() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -69,15 +79,25 @@ class Runner:
         self.log(f"  exit {proc.returncode} after {duration(wall)} wall, {duration(cpu)} CPU")
         if proc.returncode != 0:
             tail = "\n".join(result.console.strip().splitlines()[-15:])
-            raise CommandFailed(f"documented command failed (exit {proc.returncode}): {command}\n{tail}")
+            raise CommandFailed(
+                f"documented command failed (exit {proc.returncode}): {command}\n{tail}"
+            )
         return result
 
     def python(self, code: str, timeout_s: float = 1800) -> str:
         """Run a measurement snippet (not a documented command) with this tree's package; return stdout."""
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=self.env(), capture_output=True,
-                              text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if proc.returncode != 0:
-            raise CommandFailed(f"measurement failed (exit {proc.returncode}):\n{proc.stderr.strip()[-2000:]}")
+            raise CommandFailed(
+                f"measurement failed (exit {proc.returncode}):\n{proc.stderr.strip()[-2000:]}"
+            )
         return self.shown(proc.stdout)
 
 

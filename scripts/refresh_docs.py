@@ -41,32 +41,54 @@ def check(root: Path = ROOT) -> list[str]:
     except RegionError as exc:
         return [str(exc)]
     names = {r.name for r in regions}
-    problems = [f"{r.path}:{r.start + 1}: region '{r.name}' has no producer in scripts/docs_producers.py "
-                f"(known: {', '.join(sorted(PRODUCERS))})" for r in regions if r.name not in PRODUCERS]
-    problems += [f"producer '{n}' has no region in the docs" for n in sorted(set(PRODUCERS) - names)]
+    problems = [
+        f"{r.path}:{r.start + 1}: region '{r.name}' has no producer in scripts/docs_producers.py "
+        f"(known: {', '.join(sorted(PRODUCERS))})"
+        for r in regions
+        if r.name not in PRODUCERS
+    ]
+    problems += [
+        f"producer '{n}' has no region in the docs" for n in sorted(set(PRODUCERS) - names)
+    ]
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=None, help="comma-separated region names (default: all)")
-    parser.add_argument("--install", action="store_true", help="also time a fresh install into a new venv")
-    parser.add_argument("--suite-log", type=Path, default=None, help="output of `python -m pytest tests -q`")
-    parser.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
-    parser.add_argument("--keep", action="store_true", help="keep the work folder (run outputs, checkpoints)")
+    parser.add_argument(
+        "--install", action="store_true", help="also time a fresh install into a new venv"
+    )
+    parser.add_argument(
+        "--suite-log", type=Path, default=None, help="output of `python -m pytest tests -q`"
+    )
+    parser.add_argument(
+        "--work", type=Path, default=None, help="work folder (default: a new temporary one)"
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work folder (run outputs, checkpoints)"
+    )
     parser.add_argument("--check", action="store_true", help="only check the markers; run nothing")
-    parser.add_argument("--list", action="store_true", help="list the regions and their commands; run nothing")
+    parser.add_argument(
+        "--list", action="store_true", help="list the regions and their commands; run nothing"
+    )
     ns = parser.parse_args(argv)
 
     problems = check()
     if problems:
-        print("refresh_docs: " + "\n  ".join(["markers are not in order:", *problems]), file=sys.stderr)
+        print(
+            "refresh_docs: " + "\n  ".join(["markers are not in order:", *problems]),
+            file=sys.stderr,
+        )
         return 2
     regions = all_regions()
     if ns.list:
         for r in regions:
             p = PRODUCERS[r.name]
-            print(f"{r.name:<20} {r.path}" + (f"  (needs --{p.needs.replace('_', '-')})" if p.needs else ""))
+            print(
+                f"{r.name:<20} {r.path}"
+                + (f"  (needs --{p.needs.replace('_', '-')})" if p.needs else "")
+            )
             for c in p.commands:
                 print("    $ " + c.replace("\n", "\n      "))
         return 0
@@ -78,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [n.strip() for n in ns.only.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in PRODUCERS]
         if unknown:
-            print(f"refresh_docs: --only {','.join(unknown)}: unknown region (known: {', '.join(chosen)})",
-                  file=sys.stderr)
+            print(
+                f"refresh_docs: --only {','.join(unknown)}: unknown region (known: {', '.join(chosen)})",
+                file=sys.stderr,
+            )
             return 2
         chosen = [n for n in chosen if n in wanted]
     if ns.suite_log is not None and not ns.suite_log.is_file():
@@ -87,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     work = ns.work or Path(tempfile.mkdtemp(prefix="refresh_docs-"))
-    ctx = Context(Runner(work, log=lambda msg: print(msg, flush=True)), install=ns.install, suite_log=ns.suite_log)
+    ctx = Context(
+        Runner(work, log=lambda msg: print(msg, flush=True)),
+        install=ns.install,
+        suite_log=ns.suite_log,
+    )
     given = {"install": ns.install, "suite_log": ns.suite_log is not None}
     bodies, kept, failed, t0 = {}, [], [], time.monotonic()
     for i, name in enumerate(chosen, 1):
@@ -111,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.work is None:
         shutil.rmtree(work, ignore_errors=True)
     size = (ROOT / "README.md").stat().st_size
-    print(f"refreshed {len(bodies)} regions in {duration(time.monotonic() - t0)}; README.md is {size:,} bytes"
-          + (f" (over the {README_LIMIT:,}-byte front-door limit)" if size > README_LIMIT else ""))
+    print(
+        f"refreshed {len(bodies)} regions in {duration(time.monotonic() - t0)}; README.md is {size:,} bytes"
+        + (f" (over the {README_LIMIT:,}-byte front-door limit)" if size > README_LIMIT else "")
+    )
     for k in kept:
         print(f"kept: {k}")
     for f in failed:

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 # Tests must not depend on (or fill) the user's home cache.
-os.environ.setdefault("TORCHTITAN_LOOM_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache", "torchtitan_loom"))
+os.environ.setdefault(
+    "TORCHTITAN_LOOM_CACHE",
+    os.path.join(os.path.dirname(__file__), "..", ".cache", "torchtitan_loom"),
+)
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +23,11 @@ def tiny_pack(tmp_path_factory):
     with PackWriter(out, info, max_seq_len=33) as w:
         for i in range(1500):
             a, b = int(rng.integers(0, 50)), int(rng.integers(0, 50))
-            text = f"{a}+{b}={a + b}." if i % 2 else "the cat sat on the mat " * int(rng.integers(1, 3))
+            text = (
+                f"{a}+{b}={a + b}."
+                if i % 2
+                else "the cat sat on the mat " * int(rng.integers(1, 3))
+            )
             w.add_document(np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64))
         w.finish(epochs=2, holdout_tokens=2000, seed=0)
     return out

@@ -13,15 +13,24 @@ import time
 
 import torch.multiprocessing as mp
 
-MEASURE_LIMIT_S = 600.0  # a machine where even a bare launch takes longer is not one to run these tests on
-FLOOR_S = 5.0  # the cost assumed at least, so a lucky fast measurement does not make every limit tight
+MEASURE_LIMIT_S = (
+    600.0  # a machine where even a bare launch takes longer is not one to run these tests on
+)
+FLOOR_S = (
+    5.0  # the cost assumed at least, so a lucky fast measurement does not make every limit tight
+)
 
 
 def _bare_rank(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=MEASURE_LIMIT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=MEASURE_LIMIT_S),
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -36,11 +45,15 @@ def measure(world: int = 2) -> float:
     """Seconds one bare launch of ``world`` spawned ranks takes right now (at least FLOOR_S)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.monotonic()
-    ctx = mp.start_processes(_bare_rank, args=(world, _free_port()), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _bare_rank, args=(world, _free_port()), nprocs=world, join=False, start_method="spawn"
+    )
     try:
         while not ctx.join(timeout=max(0.1, started + MEASURE_LIMIT_S - time.monotonic())):
             if time.monotonic() - started > MEASURE_LIMIT_S:
-                raise RuntimeError(f"a bare launch of {world} ranks took over {MEASURE_LIMIT_S:.0f} s")
+                raise RuntimeError(
+                    f"a bare launch of {world} ranks took over {MEASURE_LIMIT_S:.0f} s"
+                )
     finally:
         for process in ctx.processes:
             if process.is_alive():

@@ -17,7 +17,13 @@ from torchtitan_loom.components.checkpoint import CheckpointError
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
 from torchtitan_loom.components.observability.progress import final_line
-from torchtitan_loom.components.runtime.run_folder import RunFolderError, RunLock, new_run_id, record_launch, replace_old_run
+from torchtitan_loom.components.runtime.run_folder import (
+    RunFolderError,
+    RunLock,
+    new_run_id,
+    record_launch,
+    replace_old_run,
+)
 from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed import utils as dist_utils
@@ -55,7 +61,11 @@ def run(argv: list[str], trainer_cls: Any) -> int:
     if rank0:  # before any process group: one live run per folder
         try:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
-            lock = RunLock(cfg.job.dump_folder, run_id, log=lambda m: print(f"[torchtitan_loom] {m}", flush=True))
+            lock = RunLock(
+                cfg.job.dump_folder,
+                run_id,
+                log=lambda m: print(f"[torchtitan_loom] {m}", flush=True),
+            )
             replace_old_run(cfg)
         except (RunFolderError, OSError) as exc:
             if lock is not None:
@@ -76,7 +86,9 @@ def run(argv: list[str], trainer_cls: Any) -> int:
             lock.release()
 
 
-def _train(cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trainer_cls: Any) -> int:
+def _train(
+    cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trainer_cls: Any
+) -> int:
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
         print(to_toml(cfg))
@@ -85,13 +97,20 @@ def _train(cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trai
         trainer = trainer_cls(cfg, resolved, info, run_id=run_id)
         code = trainer.train()
     except CheckpointError as exc:  # a checkpoint that does not fit this run
-        _record_end(trainer, "failed")  # a refused resume recorded nothing: run.json stays as it was
+        _record_end(
+            trainer, "failed"
+        )  # a refused resume recorded nothing: run.json stays as it was
         return _errors("checkpoint", exc)
     except PackError as exc:  # a pack that does not fit this run
         _record_end(trainer, "failed")
         return _errors("data", exc)
-    except (CheckpointSaveError, KeyboardInterrupt) as exc:  # disk full; or SIGINT twice / checkpoints off
-        if trainer is not None:  # no waiting on an in-flight save: put the handlers back, close the files
+    except (
+        CheckpointSaveError,
+        KeyboardInterrupt,
+    ) as exc:  # disk full; or SIGINT twice / checkpoints off
+        if (
+            trainer is not None
+        ):  # no waiting on an in-flight save: put the handlers back, close the files
             trainer.stop_signals.close()
             trainer.metrics.close()
         if isinstance(exc, KeyboardInterrupt):
@@ -107,7 +126,9 @@ def _train(cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trai
     trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.held_out.last))
     done = code == exit_codes.OK and trainer.state.step >= cfg.training.steps
     # train() returns BAD_INPUT only for a divergence abort (every other refusal is an exception).
-    _record_end(trainer, "finished" if done else "diverged" if code == exit_codes.BAD_INPUT else "stopped")
+    _record_end(
+        trainer, "finished" if done else "diverged" if code == exit_codes.BAD_INPUT else "stopped"
+    )
     return code
 
 
@@ -118,5 +139,7 @@ def _record_end(trainer: Any, status: str) -> None:
         return
     try:
         record_launch(trainer.cfg, trainer.run_id, status, trainer.state.step)
-    except OSError as exc:  # e.g. the disk that ended the run is still full: say so, keep the exit code
+    except (
+        OSError
+    ) as exc:  # e.g. the disk that ended the run is still full: say so, keep the exit code
         print(f"warning: run.json not updated to {status!r}: {exc}", file=sys.stderr)

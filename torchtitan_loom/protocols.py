@@ -86,10 +86,17 @@ class ModelProtocol(Protocol):
         """(Re)initialise every parameter and buffer in place, layout-independently."""
         ...
 
-    def __call__(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, doc_ids_BS: torch.Tensor,
-                 loop_start: int = 1, loop_end: int | None = None, carry: Any = None,
-                 return_topk: bool = False, observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 ) -> ModelOutput:
+    def __call__(
+        self,
+        tokens_BS: torch.Tensor,
+        positions_BS: torch.Tensor,
+        doc_ids_BS: torch.Tensor,
+        loop_start: int = 1,
+        loop_end: int | None = None,
+        carry: Any = None,
+        return_topk: bool = False,
+        observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1.
         return_topk=True also fills ModelOutput.topk_LTBSK; `observe` (a pure function of one branch
         output [B, S, D] returning a 1-D tensor, the same length every call) fills observed_LTNK."""
@@ -264,5 +271,7 @@ def get_train_spec(name: str) -> TrainSpec:
     if name not in _REGISTRY:
         importlib.import_module(_MODELS_PACKAGE)
     if name not in _REGISTRY:
-        raise ValueError(f"unknown train spec {name!r}; registered: {', '.join(sorted(_REGISTRY)) or 'none'}")
+        raise ValueError(
+            f"unknown train spec {name!r}; registered: {', '.join(sorted(_REGISTRY)) or 'none'}"
+        )
     return _REGISTRY[name]

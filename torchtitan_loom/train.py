@@ -50,7 +50,13 @@ from torchtitan_loom.protocols import ModelProtocol, get_train_spec, segments
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, resolved: Resolved, info: dist_utils.DistInfo, run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        resolved: Resolved,
+        info: dist_utils.DistInfo,
+        run_id: str | None = None,
+    ) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
         self.run_id = run_id or new_run_id()
         self.model_args, self.parallel_dims = resolved
@@ -63,24 +69,39 @@ class Trainer:
         # Meshes first: resolve() checked every degree (ParallelDims) before any process group existed.
         self.parallel_dims.build_meshes(self.device.type)
         # FSDP's MixedPrecisionPolicy casts the parameters; autocast would only add casts on top.
-        self.use_autocast = self.compute_dtype != torch.float32 and not self.parallel_dims.fsdp_enabled
+        self.use_autocast = (
+            self.compute_dtype != torch.float32 and not self.parallel_dims.fsdp_enabled
+        )
 
         # Model: meta → (converters) → parallelize → materialise → layout-independent init.
         self.spec = get_train_spec(cfg.model.name)
         with torch.device("meta"):
             model = self.spec.model_cls(model_args)
-        if info.rank == cfg.metrics.log_rank:  # within seconds of start, before anything is allocated
-            for line in start_report(cfg, self.parallel_dims, model,
-                                     len(segments(model.num_loops, t.bp_segment_len)), self.device, self.compute_dtype):
+        if (
+            info.rank == cfg.metrics.log_rank
+        ):  # within seconds of start, before anything is allocated
+            for line in start_report(
+                cfg,
+                self.parallel_dims,
+                model,
+                len(segments(model.num_loops, t.bp_segment_len)),
+                self.device,
+                self.compute_dtype,
+            ):
                 self.log(line)
-        self.float8 = build_float8_converter(cfg.float8, t.device, self.spec)  # None unless float8.enable
+        self.float8 = build_float8_converter(
+            cfg.float8, t.device, self.spec
+        )  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
         if self.spec.parallelize_fn is not None:
             model, self.finish_gradients, self.before_micro_batch = self.spec.parallelize_fn(
-                model, self.parallel_dims, cfg)
+                model, self.parallel_dims, cfg
+            )
         else:  # a plain replicated model: every gradient is summed over the ranks
-            self.finish_gradients = lambda: dist_utils.reduce_gradients(self.params, self.reduce_dtype)
+            self.finish_gradients = lambda: dist_utils.reduce_gradients(
+                self.params, self.reduce_dtype
+            )
             self.before_micro_batch = lambda last: None
         model.to_empty(device=self.device)
         with torch.no_grad():
@@ -89,9 +110,15 @@ class Trainer:
         # Tensorwise float8 scale precompute: only when FSDP sharded the float8 weights.
         self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(model)
         if self.float8_precompute:
-            self.log("float8: FSDP shards the float8 weights; their scales are precomputed after each optimizer step")
-        if self.spec.kernel_report_fn is not None:  # which kernels the model picked here, said once at start
-            for line in self.spec.kernel_report_fn(model, self.device.type, self.compute_dtype, cfg.compile.enable):
+            self.log(
+                "float8: FSDP shards the float8 weights; their scales are precomputed after each optimizer step"
+            )
+        if (
+            self.spec.kernel_report_fn is not None
+        ):  # which kernels the model picked here, said once at start
+            for line in self.spec.kernel_report_fn(
+                model, self.device.type, self.compute_dtype, cfg.compile.enable
+            ):
                 self.log(line)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_loops = model.num_loops
@@ -101,8 +128,14 @@ class Trainer:
 
         s = cfg.lr_scheduler
         self.optimizer = build_optimizer(model, cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps=t.steps, warmup_ratio=s.warmup_ratio,
-                                               decay_ratio=s.decay_ratio, min_ratio=s.min_ratio, kind=s.kind)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer,
+            total_steps=t.steps,
+            warmup_ratio=s.warmup_ratio,
+            decay_ratio=s.decay_ratio,
+            min_ratio=s.min_ratio,
+            kind=s.kind,
+        )
         self.spike_guard = SpikeGuard(cfg.spike_guard)
         self.state = TrainState()
 
@@ -110,42 +143,94 @@ class Trainer:
         self.data_path = data_path
         self.vocab_size = model.args.vocab_size
         self.tokenizer_name = cfg.data.tokenizer or None  # checked against the pack's own record
-        self.dataloader = build_train_loader(data_path, seq_len=t.seq_len, vocab_size=self.vocab_size,
-                                             global_batch_rows=t.global_batch_size, dp_rank=info.rank,
-                                             dp_world=self.parallel_dims.dp, tokenizer_name=self.tokenizer_name)
-        self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, rank=info.rank, run_id=self.run_id,
-                                     wandb_config=cfg.to_dict())
+        self.dataloader = build_train_loader(
+            data_path,
+            seq_len=t.seq_len,
+            vocab_size=self.vocab_size,
+            global_batch_rows=t.global_batch_size,
+            dp_rank=info.rank,
+            dp_world=self.parallel_dims.dp,
+            tokenizer_name=self.tokenizer_name,
+        )
+        self.metrics = MetricsLogger(
+            cfg.job.dump_folder,
+            cfg.metrics,
+            rank=info.rank,
+            run_id=self.run_id,
+            wandb_config=cfg.to_dict(),
+        )
         # The head runs once per segment, so it counts once per segment (see the model docstring).
         self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
-        self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {counts['total']:,} parameters "
-                 f"({counts['active']:,} active per token), H={self.num_loops}, segments={self.segments}, "
-                 f"world={info.world_size}, device={self.device}, compute dtype={t.mixed_precision_param}, "
-                 f"init seed={model.args.init_seed} (training.seed), data={data_path}")
+        self.log(
+            f"model {cfg.model.name}/{cfg.model.flavor}: {counts['total']:,} parameters "
+            f"({counts['active']:,} active per token), H={self.num_loops}, segments={self.segments}, "
+            f"world={info.world_size}, device={self.device}, compute dtype={t.mixed_precision_param}, "
+            f"init seed={model.args.init_seed} (training.seed), data={data_path}"
+        )
         if info.world_size > 1:
-            self.log("parallelism: " + "; ".join(line.strip() for line in self.parallel_dims.describe().splitlines())
-                     + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}")
+            self.log(
+                "parallelism: "
+                + "; ".join(line.strip() for line in self.parallel_dims.describe().splitlines())
+                + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}"
+            )
         # Built last, once everything they watch or save exists; train() loads (TorchTitan's order).
         ck = cfg.checkpoint
-        self.stop_signals = PreemptionWatcher(ck.enable and ck.save_on_signal, self.device,
-                                              exit_after_step=ck.exit_after_step if ck.enable else 0)
-        self.held_out = HeldOutEval(cfg.eval, model=self.model, data_path=data_path, val_path=cfg.data.val_path or None,
-                                   seq_len=t.seq_len, vocab_size=self.vocab_size, batch_rows=t.global_batch_size,
-                                   dp_rank=info.rank, dp_world=self.parallel_dims.dp,
-                                   tokenizer_name=self.tokenizer_name, device=self.device,
-                                   micro_batches=self.micro_batches, autocast=self.autocast,
-                                   stop_requested=self.stop_signals.requested, log=self.log)
-        self.downstream = build_scorer(cfg.eval, model=self.model, data_path=data_path,
-                                       tokenizer_name=self.tokenizer_name, vocab_size=self.vocab_size,
-                                       device=self.device, autocast=self.autocast,
-                                       stop_requested=self.stop_signals.requested, log=self.log)
+        self.stop_signals = PreemptionWatcher(
+            ck.enable and ck.save_on_signal,
+            self.device,
+            exit_after_step=ck.exit_after_step if ck.enable else 0,
+        )
+        self.held_out = HeldOutEval(
+            cfg.eval,
+            model=self.model,
+            data_path=data_path,
+            val_path=cfg.data.val_path or None,
+            seq_len=t.seq_len,
+            vocab_size=self.vocab_size,
+            batch_rows=t.global_batch_size,
+            dp_rank=info.rank,
+            dp_world=self.parallel_dims.dp,
+            tokenizer_name=self.tokenizer_name,
+            device=self.device,
+            micro_batches=self.micro_batches,
+            autocast=self.autocast,
+            stop_requested=self.stop_signals.requested,
+            log=self.log,
+        )
+        self.downstream = build_scorer(
+            cfg.eval,
+            model=self.model,
+            data_path=data_path,
+            tokenizer_name=self.tokenizer_name,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            autocast=self.autocast,
+            stop_requested=self.stop_signals.requested,
+            log=self.log,
+        )
         self.resumed, self.resumed_from = False, None
         self.launch_recorded = False  # run.json says "running" for this launch (rank 0)
         self.checkpointer = CheckpointManager(
-            ck, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
-            states={"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader,
-                    "spike_guard": self.spike_guard, "train_state": self.state},
-            model_args=model_args, model_name=cfg.model.name, flavor=cfg.model.flavor, config_toml=to_toml(cfg),
-            total_steps=t.steps, device=self.device, rank=info.rank, world_size=info.world_size, log=self.log)
+            ck,
+            dump_folder=cfg.job.dump_folder,
+            model=self.model,
+            optimizer=self.optimizer,
+            states={
+                "lr_scheduler": self.lr_scheduler,
+                "dataloader": self.dataloader,
+                "spike_guard": self.spike_guard,
+                "train_state": self.state,
+            },
+            model_args=model_args,
+            model_name=cfg.model.name,
+            flavor=cfg.model.flavor,
+            config_toml=to_toml(cfg),
+            total_steps=t.steps,
+            device=self.device,
+            rank=info.rank,
+            world_size=info.world_size,
+            log=self.log,
+        )
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str) -> None:
@@ -162,8 +247,10 @@ class Trainer:
     def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         mb = self.cfg.training.micro_batch_size
         rows = batch["input_ids"].shape[0]
-        return [{k: v[i:i + mb].to(self.device, non_blocking=True) for k, v in batch.items()}
-                for i in range(0, rows, mb)]
+        return [
+            {k: v[i : i + mb].to(self.device, non_blocking=True) for k, v in batch.items()}
+            for i in range(0, rows, mb)
+        ]
 
     # ---------------------------------------------------------------- the step
     def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
@@ -173,13 +260,16 @@ class Trainer:
         # summed gradient is the token mean whatever the world size and micro-batching (§14).
         # Kept on the device (read with segment 1's statistics, no sync of its own); an integer
         # < 2^24 is exact in fp32, so ce_sum / denom_t equals the division by the Python count.
-        n_valid_t = dist_utils.all_reduce(sum(count_valid(m["labels"]) for m in micro).to(torch.float64)
-                                          .reshape(1))
+        n_valid_t = dist_utils.all_reduce(
+            sum(count_valid(m["labels"]) for m in micro).to(torch.float64).reshape(1)
+        )
         denom_t = n_valid_t.clamp_min(1.0)
         num_dp = self.parallel_dims.dp
         carries: list[Any] = [None] * len(micro)
         n_layers, n_experts = self.model.routing or (0, 0)
-        counts_LHE = torch.zeros(n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device)
+        counts_LHE = torch.zeros(
+            n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device
+        )
         seg_losses: list[float] = []
         grad_norm, skip_reason, n_valid, non_finite_in = None, None, 0.0, None
         diag = self.diagnostics.begin(self.state.step + 1)  # None on most steps: nothing extra
@@ -194,15 +284,26 @@ class Trainer:
                 self.before_micro_batch(m == len(micro) - 1)  # FSDP reduces after the last one
                 with self.autocast():
                     observe = None if diag is None else diag.observer(m, real_tokens(mb["doc_ids"]))
-                    out = self.model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=a, loop_end=b,
-                                     carry=carries[m], observe=observe)
+                    out = self.model(
+                        mb["input_ids"],
+                        mb["positions"],
+                        mb["doc_ids"],
+                        loop_start=a,
+                        loop_end=b,
+                        carry=carries[m],
+                        observe=observe,
+                    )
                 ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
-                loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (len(micro) * num_dp)
+                loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / (
+                    len(micro) * num_dp
+                )
                 loss.backward()
-                carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
+                carries[m] = (
+                    out.carry.detach()
+                )  # truncated BPTT: the next segment starts from values
                 ce_total += ce_sum.detach().double()
                 if out.counts_LTE is not None:
-                    counts_LHE[:, a - 1:b] += out.counts_LTE
+                    counts_LHE[:, a - 1 : b] += out.counts_LTE
                 if diag is not None:
                     diag.add_forward(a, out.observed_LTNK)
             # Sums what the parallel wrappers did not reduce (the parallelize seam knows which).
@@ -211,7 +312,9 @@ class Trainer:
                 diag.add_gradients(j, self.params)
             # The segment's one host sync (read with n_valid); the guard and the clip both use it.
             # The stop flag rides along, so the ranks agree on a stop without a sync of its own.
-            signal_flag = torch.tensor([float(self.stop_signals.received > 0)], dtype=torch.float64, device=self.device)
+            signal_flag = torch.tensor(
+                [float(self.stop_signals.received > 0)], dtype=torch.float64, device=self.device
+            )
             stats = dist_utils.step_statistics(self.params, ce_total, signal_flag, n_valid_t)
             n_valid = stats.n_valid
             if j == 0 and stats.stop_flag:  # before the step's first update: nothing changed yet
@@ -221,7 +324,9 @@ class Trainer:
             seg_losses.append(seg_loss)
             # A non-finite loss or gradient is never stepped on, whatever the guard says; the loop then
             # stops the run (only finite spikes are skipped and trained past).
-            bad = "loss" if not math.isfinite(seg_loss) else "gradient" if stats.non_finite else None
+            bad = (
+                "loss" if not math.isfinite(seg_loss) else "gradient" if stats.non_finite else None
+            )
             if bad:
                 non_finite_in = f"non-finite {bad} in segment {j + 1} (loops {a}-{b})"
                 skip_reason = f"non-finite {bad}"
@@ -232,9 +337,13 @@ class Trainer:
                 self.state.skipped_segments += 1
                 skip_reason = f"segment {j + 1} (loops {a}-{b}): {skip_reason}"
                 break
-            dist_utils.clip_grads_with_total_norm(self.params, stats.grad_norm_sq_t, self.cfg.training.max_norm)
+            dist_utils.clip_grads_with_total_norm(
+                self.params, stats.grad_norm_sq_t, self.cfg.training.max_norm
+            )
             norm_sq = stats.grad_norm_sq
-            grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("nan")  # pre-clip norm
+            grad_norm = (
+                math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("nan")
+            )  # pre-clip norm
             self.optimizer.step()
             if self.float8_precompute:
                 self.float8.post_optimizer_hook(self.model)
@@ -248,9 +357,16 @@ class Trainer:
         self.lr_scheduler.step()
         self.state.step += 1
         self.state.tokens_seen += int(n_valid)
-        return StepResult(seg_losses=seg_losses, grad_norm=grad_norm, lr=lr, skip_reason=skip_reason,
-                          counts_LHE=counts_LHE, n_valid=n_valid, non_finite=non_finite_in,
-                          diag=None if diag is None else diag.finish())
+        return StepResult(
+            seg_losses=seg_losses,
+            grad_norm=grad_norm,
+            lr=lr,
+            skip_reason=skip_reason,
+            counts_LHE=counts_LHE,
+            n_valid=n_valid,
+            non_finite=non_finite_in,
+            diag=None if diag is None else diag.finish(),
+        )
 
     # -------------------------------------------------------------------- loop
     def resume(self) -> None:
@@ -269,9 +385,13 @@ class Trainer:
         if resumed is not None and saved_total is not None and saved_total != cfg.training.steps:
             self.log(extension_note(cfg.lr_scheduler, saved_total, cfg.training.steps, resumed + 1))
         if resumed is not None:
-            for line in apply_config_hyperparameters(self.optimizer, self.lr_scheduler, cfg.optimizer):
+            for line in apply_config_hyperparameters(
+                self.optimizer, self.lr_scheduler, cfg.optimizer
+            ):
                 self.log(f"resume: the config wins: {line}")
-        if self.info.rank == 0:  # after the resume succeeded, so a refused one leaves the run as it was
+        if (
+            self.info.rank == 0
+        ):  # after the resume succeeded, so a refused one leaves the run as it was
             with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
             record_launch(cfg, self.run_id, "running", self.state.step, resumed)
@@ -283,14 +403,34 @@ class Trainer:
         if not self.resumed:
             self.resume()
         data_iter = iter(self.dataloader)
-        report = StepMetrics(cfg.metrics, self.metrics, tokens_per_step=t.global_batch_size * t.seq_len,
-                             flops_per_token=self.flops_per_token, peak_flops=peak_flops(self.device),
-                             device=self.device, first_step=self.state.step, log=self.log)
-        divergence = DivergenceMonitor(cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips)
-        tools = contextlib.ExitStack()  # profiler, memory snapshots and GC control, closed when the loop ends
-        profiler = tools.enter_context(maybe_profile(cfg.profiling, cfg.job.dump_folder, self.info.rank, self.log,
-                                                     step_offset=self.state.step))
-        snapshots = MemorySnapshotter(cfg.profiling, cfg.job.dump_folder, self.info.rank, self.device, self.log)
+        report = StepMetrics(
+            cfg.metrics,
+            self.metrics,
+            tokens_per_step=t.global_batch_size * t.seq_len,
+            flops_per_token=self.flops_per_token,
+            peak_flops=peak_flops(self.device),
+            device=self.device,
+            first_step=self.state.step,
+            log=self.log,
+        )
+        divergence = DivergenceMonitor(
+            cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips
+        )
+        tools = (
+            contextlib.ExitStack()
+        )  # profiler, memory snapshots and GC control, closed when the loop ends
+        profiler = tools.enter_context(
+            maybe_profile(
+                cfg.profiling,
+                cfg.job.dump_folder,
+                self.info.rank,
+                self.log,
+                step_offset=self.state.step,
+            )
+        )
+        snapshots = MemorySnapshotter(
+            cfg.profiling, cfg.job.dump_folder, self.info.rank, self.device, self.log
+        )
         tools.callback(snapshots.close)
         gc_control = GarbageCollection(t.gc_freq)
         tools.callback(gc_control.close)  # automatic GC back on, also when the loop raises
@@ -300,10 +440,16 @@ class Trainer:
                 position = self.dataloader.state_dict()
                 try:
                     out = self.train_step(next(data_iter))
-                except StepAbandoned:  # a stop signal before the step's first update: nothing changed
+                except (
+                    StepAbandoned
+                ):  # a stop signal before the step's first update: nothing changed
                     self.optimizer.zero_grad(set_to_none=True)
-                    self.dataloader.load_state_dict(position)  # the batch is trained after the resume
-                    stop = self._save_or_stop(self.state.step, last=True) if self.state.step else None
+                    self.dataloader.load_state_dict(
+                        position
+                    )  # the batch is trained after the resume
+                    stop = (
+                        self._save_or_stop(self.state.step, last=True) if self.state.step else None
+                    )
                     self.log(stop or f"stopped before step {self.state.step + 1}")
                     exit_code = self.stop_signals.exit_code()
                     break
@@ -318,11 +464,16 @@ class Trainer:
         self.close()
         return exit_codes.OK if exit_code is None else exit_code
 
-    def _after_step(self, step: int, out: StepResult, report: StepMetrics, divergence: DivergenceMonitor) -> int | None:
+    def _after_step(
+        self, step: int, out: StepResult, report: StepMetrics, divergence: DivergenceMonitor
+    ) -> int | None:
         """Metrics, eval, divergence and checkpoint after global step ``step``; an exit code to stop."""
         t = self.cfg.training
-        scalars = report.train_scalars(step, out, self.state.tokens_seen) if report.is_log_step(
-            step, t.steps, out.skip_reason is not None) else {}
+        scalars = (
+            report.train_scalars(step, out, self.state.tokens_seen)
+            if report.is_log_step(step, t.steps, out.skip_reason is not None)
+            else {}
+        )
         routing = None
         if self.held_out.due(step, t.steps):
             with report.paused():  # tokens/s counts training time only
@@ -337,8 +488,12 @@ class Trainer:
             report.write(step, scalars, out, routing, console=console)
         if out.skip_reason:
             self.log(f"step {step}: skipped {out.skip_reason}")
-        abort = divergence.after_step(step, out.skip_reason, model_finite(self.model), out.non_finite)
-        if out.skip_reason and divergence.streak_started:  # the last good checkpoint survives pruning
+        abort = divergence.after_step(
+            step, out.skip_reason, model_finite(self.model), out.non_finite
+        )
+        if (
+            out.skip_reason and divergence.streak_started
+        ):  # the last good checkpoint survives pruning
             kept = self.checkpointer.protect_newest()
             if kept:
                 self.log(f"first skipped step of a streak: {kept} is kept (never pruned)")
@@ -364,9 +519,13 @@ class Trainer:
 
     def _shorten_timeouts(self) -> None:
         cfg = self.cfg
-        now_s = dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds, dist_utils.mesh_groups(self.parallel_dims))
-        self.log(f"comm: collective timeout {cfg.comm.init_timeout_seconds} s during init, "
-                 f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)")
+        now_s = dist_utils.set_pg_timeouts(
+            cfg.comm.train_timeout_seconds, dist_utils.mesh_groups(self.parallel_dims)
+        )
+        self.log(
+            f"comm: collective timeout {cfg.comm.init_timeout_seconds} s during init, "
+            f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)"
+        )
 
     def close(self) -> None:
         """Finish in-flight saves, put the signal handlers back, close the metrics files."""

@@ -46,11 +46,25 @@ def _manager(dump: str, rank: int, world: int, async_mode: str):
     model = _model()
     opt = build_optimizer(model, Optimizer(lr=1e-2))
     counter = _Counter()
-    cfg = Checkpoint(enable=True, interval=1, keep_latest_k=0, async_mode=async_mode, save_on_signal=False)
-    mgr = CheckpointManager(cfg, dump_folder=dump, model=model, optimizer=opt, states={"train_state": counter},
-                            model_args=loom_flavors["debug"], model_name="loom", flavor="debug",
-                            config_toml="", total_steps=10, device=torch.device("cpu"), rank=rank,
-                            world_size=world, log=lambda m: print(f"[rank {rank}] {m}", flush=True))
+    cfg = Checkpoint(
+        enable=True, interval=1, keep_latest_k=0, async_mode=async_mode, save_on_signal=False
+    )
+    mgr = CheckpointManager(
+        cfg,
+        dump_folder=dump,
+        model=model,
+        optimizer=opt,
+        states={"train_state": counter},
+        model_args=loom_flavors["debug"],
+        model_name="loom",
+        flavor="debug",
+        config_toml="",
+        total_steps=10,
+        device=torch.device("cpu"),
+        rank=rank,
+        world_size=world,
+        log=lambda m: print(f"[rank {rank}] {m}", flush=True),
+    )
     return mgr, model, opt, counter
 
 
@@ -62,7 +76,9 @@ def _step(model, opt) -> None:
 
 def check_async_save(rank: int, world: int, dump: str) -> None:
     mgr, model, opt, counter = _manager(dump, rank, world, "async")
-    assert mgr._pg is not None and mgr._pg != dist.group.WORLD, "async save needs its own process group"
+    assert mgr._pg is not None and mgr._pg != dist.group.WORLD, (
+        "async save needs its own process group"
+    )
     _step(model, opt)
     counter.value = 7
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -86,7 +102,9 @@ def check_async_save(rank: int, world: int, dump: str) -> None:
     assert mgr2.load() == 1 and counter2.value == 7
     for k, v in expected.items():
         assert torch.equal(model2.state_dict()[k], v), k
-    assert all(int(s["step"]) == 1 for s in opt2.state.values()) and len(opt2.state) == len(opt.state)
+    assert all(int(s["step"]) == 1 for s in opt2.state.values()) and len(opt2.state) == len(
+        opt.state
+    )
     mgr.close()
     mgr2.close()
 
@@ -104,8 +122,9 @@ def run(rank: int, world: int, store_path: str, dump: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         check_async_save(rank, world, dump)
         check_preemption_agreement(rank)

@@ -19,8 +19,13 @@ INIT_S, TRAIN_S = 37, 3
 
 
 def run(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     dist_utils.init_distributed("cpu", timeout_s=INIT_S)
     init_s = dist_utils.group_timeout_s()
     dims = ParallelDims.create(dp_shard=world, world_size=world)

@@ -24,8 +24,10 @@ def launch_ranks(launch_cost_s):
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    pytest.fail(f"{what}: {world} ranks did not finish within {timeout_s:.0f} s "
-                                f"({launches:g} × the {launch_cost_s:.1f} s a bare launch took)")
+                    pytest.fail(
+                        f"{what}: {world} ranks did not finish within {timeout_s:.0f} s "
+                        f"({launches:g} × the {launch_cost_s:.1f} s a bare launch took)"
+                    )
         finally:
             for process in ctx.processes:
                 if process.is_alive():

@@ -30,12 +30,17 @@ def recorder(trainer: Trainer) -> list[dict]:
 
     def pre(mod, args, kwargs):
         if trainer.state.step == RECORDED_STEP - 1:
-            calls.append({"loop_start": kwargs["loop_start"], "valid": args[2].reshape(-1) >= 0, "seen": []})
+            calls.append(
+                {"loop_start": kwargs["loop_start"], "valid": args[2].reshape(-1) >= 0, "seen": []}
+            )
 
     def branch(name):
         def hook(mod, args, out):
             if trainer.state.step == RECORDED_STEP - 1:
-                calls[-1]["seen"].append((name, (out[0] if isinstance(out, tuple) else out).detach().clone()))
+                calls[-1]["seen"].append(
+                    (name, (out[0] if isinstance(out, tuple) else out).detach().clone())
+                )
+
         return hook
 
     model.register_forward_pre_hook(pre, with_kwargs=True)
@@ -51,18 +56,26 @@ def direct(calls: list[dict], n_layers: int, micro: int) -> dict:
     trios: dict[str, float] = {}
     for c, call in enumerate(calls):
         it = iter(call["seen"])
-        for t in range(call["loop_start"], call["loop_start"] + len(call["seen"]) // (2 * n_layers)):
+        for t in range(
+            call["loop_start"], call["loop_start"] + len(call["seen"]) // (2 * n_layers)
+        ):
             for layer in range(n_layers):
                 for _ in range(2):  # attention, then MoE
                     name, x = next(it)
                     x_ND = x.reshape(-1, x.shape[-1])
                     where = f"layer_{layer}/loop_{t}"
                     real = x_ND[call["valid"]]
-                    moments.setdefault(f"diag/{name}/norm/{where}", []).append(real.norm(dim=-1).mean().item())
-                    moments.setdefault(f"diag/{name}/var/{where}", []).append(real.var(correction=0).item())
+                    moments.setdefault(f"diag/{name}/norm/{where}", []).append(
+                        real.norm(dim=-1).mean().item()
+                    )
+                    moments.setdefault(f"diag/{name}/var/{where}", []).append(
+                        real.var(correction=0).item()
+                    )
                     if c % micro == 0:  # micro-batch 0 of its segment
                         rows = sample_rows(call["valid"], RECORDED_STEP)
-                        for stat, v in zip(("erank", "top_sv", "cos"), direct_rank_collapse(x_ND[rows])):
+                        for stat, v in zip(
+                            ("erank", "top_sv", "cos"), direct_rank_collapse(x_ND[rows])
+                        ):
                             trios[f"diag/{name}/{stat}/{where}"] = v
     return {"moments": moments, "trio": trios}
 
@@ -72,8 +85,12 @@ def run(rank: int, world: int, store_path: str, base: list[str], out: str) -> No
         trainer = build_trainer(base + ["--training.steps", "4"], world, info)
         calls = recorder(trainer)
         assert trainer.train() == 0
-        micro = trainer.cfg.training.global_batch_size // world // trainer.cfg.training.micro_batch_size
+        micro = (
+            trainer.cfg.training.global_batch_size // world // trainer.cfg.training.micro_batch_size
+        )
         with open(os.path.join(out, f"direct_rank{rank}.json"), "w") as fh:
             json.dump(direct(calls, trainer.model.args.n_layers, micro), fh)
         dist.barrier()
-        assert build_trainer(base + ["--training.steps", "6"], world, info).train() == 0  # resumes from step 4
+        assert (
+            build_trainer(base + ["--training.steps", "6"], world, info).train() == 0
+        )  # resumes from step 4

@@ -21,7 +21,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
-from torchtitan_loom.models.loom.infra.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from torchtitan_loom.models.loom.infra.expert_parallel import (
+    ExpertParallelExperts,
+    apply_expert_parallel,
+)
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.moe import LoomMoE
 
@@ -46,7 +49,9 @@ class _OneLayer(nn.Module):
         return iter([self.moe])
 
 
-def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = TOL, relative: bool = False) -> None:
+def _close(
+    name: str, got: torch.Tensor, want: torch.Tensor, tol: float = TOL, relative: bool = False
+) -> None:
     assert got.shape == want.shape, f"{name}: shapes {tuple(got.shape)} != {tuple(want.shape)}"
     if got.numel() == 0:
         return
@@ -64,7 +69,12 @@ def check_layer(ep_mesh, impl: str, capacity_factor: float = 1.0) -> None:
     """One EP MoE layer == the single-process LoomMoE: outputs, kept counts, input and weight grads.
     Capacity on: the kept assignments travel in fixed slots; off: every assignment, split sizes."""
     args = loom_flavors["debug"].replace(
-        dim=64, n_heads=1, expert_intermediate_size=32, moe_impl=impl, capacity_factor=capacity_factor)
+        dim=64,
+        n_heads=1,
+        expert_intermediate_size=32,
+        moe_impl=impl,
+        capacity_factor=capacity_factor,
+    )
     ref = LoomMoE(args)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -99,7 +109,9 @@ def check_layer(ep_mesh, impl: str, capacity_factor: float = 1.0) -> None:
     (out * cot).sum().backward()
     tag = f"{impl} ep={W} capacity_factor={capacity_factor}"
     _close(f"{tag} output", out.detach(), ref_out[me])
-    assert torch.equal(kept, ref_kept[me]), f"{tag} kept counts {kept.tolist()} != {ref_kept[me].tolist()}"
+    assert torch.equal(kept, ref_kept[me]), (
+        f"{tag} kept counts {kept.tolist()} != {ref_kept[me].tolist()}"
+    )
     _close(f"{tag} input grad", x.grad, ref_xgrad[me])
     L = args.num_routed_experts // W
     block = slice(me * L, (me + 1) * L)
@@ -113,9 +125,18 @@ def check_layer(ep_mesh, impl: str, capacity_factor: float = 1.0) -> None:
 def check_host_syncs(ep_mesh) -> None:
     """Host copies of one EP MoE call: none with capacity on (fixed slots, grouped GEMM and loop
     alike); exactly one with capacity off (the split sizes; the loop reuses them)."""
-    for capacity_factor, impl, want in ((1.5, "grouped", []), (1.5, "loop", []), (0.0, "loop", ["tolist"])):
-        args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32, moe_impl=impl,
-                                             capacity_factor=capacity_factor)
+    for capacity_factor, impl, want in (
+        (1.5, "grouped", []),
+        (1.5, "loop", []),
+        (0.0, "loop", ["tolist"]),
+    ):
+        args = loom_flavors["debug"].replace(
+            dim=64,
+            n_heads=1,
+            expert_intermediate_size=32,
+            moe_impl=impl,
+            capacity_factor=capacity_factor,
+        )
         moe = LoomMoE(args)
         with torch.no_grad():
             for p in moe.parameters():
@@ -130,12 +151,17 @@ def check_host_syncs(ep_mesh) -> None:
             def wrapper(self, *a, **k):
                 calls.append(name)
                 return original(self, *a, **k)
+
             return wrapper
 
-        with mock.patch.object(torch.Tensor, "tolist", counted("tolist")), \
-                mock.patch.object(torch.Tensor, "item", counted("item")):
+        with (
+            mock.patch.object(torch.Tensor, "tolist", counted("tolist")),
+            mock.patch.object(torch.Tensor, "item", counted("item")),
+        ):
             moe(x, moe.routers[0])[0].sum().backward()
-        assert calls == want, f"host copies in one EP MoE call (capacity_factor={capacity_factor}, {impl}): {calls}"
+        assert calls == want, (
+            f"host copies in one EP MoE call (capacity_factor={capacity_factor}, {impl}): {calls}"
+        )
 
 
 class _GroupedMMDtypes(TorchFunctionMode):
@@ -152,8 +178,9 @@ class _GroupedMMDtypes(TorchFunctionMode):
 
 
 def _bf16_layer(ep_mesh, capacity_factor: float = 1.5) -> LoomMoE:
-    args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32,
-                                         capacity_factor=capacity_factor)
+    args = loom_flavors["debug"].replace(
+        dim=64, n_heads=1, expert_intermediate_size=32, capacity_factor=capacity_factor
+    )
     moe = LoomMoE(args)
     with torch.no_grad():
         for p in moe.parameters():
@@ -169,14 +196,20 @@ def check_bf16_experts(ep_mesh, dp_mesh) -> None:
     moe = _bf16_layer(ep_mesh)
     with _GroupedMMDtypes() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
         y, _, _ = moe(x, moe.routers[0])
-    assert len(mode.calls) == 2 and set(mode.calls) == {(torch.bfloat16, torch.bfloat16)}, mode.calls
+    assert len(mode.calls) == 2 and set(mode.calls) == {(torch.bfloat16, torch.bfloat16)}, (
+        mode.calls
+    )
 
     moe = _bf16_layer(ep_mesh)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     fully_shard(moe.experts, mesh=dp_mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
     with _GroupedMMDtypes() as mode:
         moe(x, moe.routers[0])[0].sum().backward()
-    assert len(mode.calls) == 2 and set(mode.calls) == {(torch.bfloat16, torch.bfloat16)}, mode.calls
+    assert len(mode.calls) == 2 and set(mode.calls) == {(torch.bfloat16, torch.bfloat16)}, (
+        mode.calls
+    )
 
 
 def check_compile_breaks_at_dispatch(ep_mesh) -> None:
@@ -194,7 +227,10 @@ def check_compile_breaks_at_dispatch(ep_mesh) -> None:
             explained = torch._dynamo.explain(moe)(x, moe.routers[0])
         torch._dynamo.reset()
         sites = [reason.user_stack[-1].name for reason in explained.break_reasons]
-        assert sites == want, (capacity_factor, [(r.reason[:60], r.user_stack[-3:]) for r in explained.break_reasons])
+        assert sites == want, (
+            capacity_factor,
+            [(r.reason[:60], r.user_stack[-3:]) for r in explained.break_reasons],
+        )
 
 
 def _model_batch(rank: int, B: int = 2, S: int = 16):
@@ -241,13 +277,19 @@ def check_model(ep_mesh) -> None:
     assert torch.equal(out.counts_LTE, mine.counts_LTE), "model kept counts differ"
     for name, p in model.named_parameters():
         if ".experts." in name:
-            _close(f"model grad {name}", p.grad.to_local(), ref_params[name].grad[block], relative=True)
+            _close(
+                f"model grad {name}", p.grad.to_local(), ref_params[name].grad[block], relative=True
+            )
 
 
 def check_errors(ep_mesh_2d, ep_mesh) -> None:
-    args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32, num_routed_experts=6)
-    for mesh, fragment in ((ep_mesh, "parallelism.ep=4 must divide num_routed_experts=6"),
-                           (ep_mesh_2d, "1-D ep mesh")):
+    args = loom_flavors["debug"].replace(
+        dim=64, n_heads=1, expert_intermediate_size=32, num_routed_experts=6
+    )
+    for mesh, fragment in (
+        (ep_mesh, "parallelism.ep=4 must divide num_routed_experts=6"),
+        (ep_mesh_2d, "1-D ep mesh"),
+    ):
         try:
             apply_expert_parallel(_OneLayer(LoomMoE(args)), mesh)
         except ValueError as err:
@@ -260,7 +302,10 @@ def run(rank: int, world: int, store_path: str) -> None:
     """Entry point of one rank (torch.multiprocessing start_processes)."""
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     try:

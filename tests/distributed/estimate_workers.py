@@ -41,7 +41,9 @@ class CountCollectives(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
             op = func.__name__.split(".")[0]
             if op not in _NOT_COLLECTIVES:
-                kind, index = _COLLECTIVES.get((func.namespace, op), (f"other:{func.namespace}.{op}", 0))
+                kind, index = _COLLECTIVES.get(
+                    (func.namespace, op), (f"other:{func.namespace}.{op}", 0)
+                )
                 entry = self.totals.setdefault(kind, [0, 0])
                 entry[0] += 1
                 entry[1] += _nbytes(args[index])

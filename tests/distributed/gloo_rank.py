@@ -24,8 +24,13 @@ def gloo_rank(rank: int, world: int, store_path: str) -> Iterator[DistInfo]:
     """The rank's process group for the body of the `with`, destroyed whatever happens."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         yield DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
     finally:
@@ -45,5 +50,9 @@ def load_spec(spec_path: str) -> dict:
 def case_trainers(spec: dict, world: int, info: DistInfo) -> Iterator[tuple[dict, Trainer]]:
     """(case, its Trainer) for each case, each dumping into its own folder under spec["out"]."""
     for case in spec["cases"]:
-        argv = spec["base"] + case["argv"] + ["--job.dump_folder", os.path.join(spec["out"], case["name"])]
+        argv = (
+            spec["base"]
+            + case["argv"]
+            + ["--job.dump_folder", os.path.join(spec["out"], case["name"])]
+        )
         yield case, build_trainer(argv, world, info)

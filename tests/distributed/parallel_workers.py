@@ -35,10 +35,14 @@ def record_run(trainer: Trainer, steps: int) -> dict:
         state = trainer.optimizer.state.get(p, {})
         kind = "router" if ".moe.routers." in name else "other"
         opt_steps.setdefault(kind, set()).add(int(state["step"]) if "step" in state else 0)
-    return {"seg_losses": losses, "grad_norms": norms,
-            "expert_bias": [m.expert_bias.tolist() for m in trainer.model.moe_layers()],
-            "counts": counts[-1], "counts_by_step": counts,
-            "adam_steps": {k: sorted(v) for k, v in opt_steps.items()}}
+    return {
+        "seg_losses": losses,
+        "grad_norms": norms,
+        "expert_bias": [m.expert_bias.tolist() for m in trainer.model.moe_layers()],
+        "counts": counts[-1],
+        "counts_by_step": counts,
+        "adam_steps": {k: sorted(v) for k, v in opt_steps.items()},
+    }
 
 
 def init_difference(trainer: Trainer) -> float:

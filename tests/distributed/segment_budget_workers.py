@@ -30,15 +30,27 @@ def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
             trainer.train_step(next(data))
             losses = []
             # AdamW's step counters live on the host by design: reading them is no device sync.
-            steps = tuple(s["step"] for s in trainer.optimizer.state.values() if torch.is_tensor(s.get("step")))
+            steps = tuple(
+                s["step"]
+                for s in trainer.optimizer.state.values()
+                if torch.is_tensor(s.get("step"))
+            )
             with CollectiveCounter() as counter, HostSyncCounter(ignore=steps) as syncs:
                 for _ in range(spec["steps"]):
                     losses.append(trainer.train_step(next(data)).seg_losses)
             per_step = len(syncs.calls) / spec["steps"]
-            assert per_step == len(trainer.segments) or not case.get("sync_budget"), \
+            assert per_step == len(trainer.segments) or not case.get("sync_budget"), (
                 f"rank {rank}, {case['name']}: {per_step} host syncs per step, {len(trainer.segments)} segments: {syncs.calls}"
+            )
             if rank == 0:
                 with open(os.path.join(spec["out"], case["name"] + ".json"), "w") as fh:
-                    json.dump({"counts": dict(counter.counts), "seg_losses": losses, "host_syncs": syncs.calls,
-                               "segments": len(trainer.segments)}, fh)
+                    json.dump(
+                        {
+                            "counts": dict(counter.counts),
+                            "seg_losses": losses,
+                            "host_syncs": syncs.calls,
+                            "segments": len(trainer.segments),
+                        },
+                        fh,
+                    )
             dist.barrier()

@@ -9,5 +9,10 @@ LAUNCHES = 24  # the limit, in bare-launch costs (tests/launch_cost.py)
 
 def test_async_save_and_preemption_on_2_gloo_ranks(tmp_path, launch_ranks):
     world = 2
-    launch_ranks(checkpoint_workers.run, world, (world, str(tmp_path / "store"), str(tmp_path / "run")),
-                 LAUNCHES, "checkpoint")
+    launch_ranks(
+        checkpoint_workers.run,
+        world,
+        (world, str(tmp_path / "store"), str(tmp_path / "run")),
+        LAUNCHES,
+        "checkpoint",
+    )

@@ -33,6 +33,9 @@ def test_the_launch_limit_is_a_multiple_of_the_measured_launch_cost(launch_cost_
 
     assert launch_cost.FLOOR_S <= launch_cost_s < launch_cost.MEASURE_LIMIT_S
     # Two ranks of a world of three never get past init: stopped at 0.05 launch costs.
-    with pytest.raises(pytest.fail.Exception, match=rf"within {0.05 * launch_cost_s:.0f} s \(0.05 × the "
-                                                     rf"{launch_cost_s:.1f} s a bare launch took\)"):
+    with pytest.raises(
+        pytest.fail.Exception,
+        match=rf"within {0.05 * launch_cost_s:.0f} s \(0.05 × the "
+        rf"{launch_cost_s:.1f} s a bare launch took\)",
+    ):
         launch_ranks(launch_cost._bare_rank, 2, (3, _free_port()), 0.05, "never completes")

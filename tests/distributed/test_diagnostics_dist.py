@@ -14,18 +14,53 @@ import diag_workers  # next to this file (conftest puts it on sys.path for the s
 LAUNCH_TIMEOUT_S = 180.0
 
 
-def test_diagnostics_on_2_gloo_ranks_jsonl_tensorboard_and_direct_values(tiny_pack, tmp_path, launch_ranks):
+def test_diagnostics_on_2_gloo_ranks_jsonl_tensorboard_and_direct_values(
+    tiny_pack, tmp_path, launch_ranks
+):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     world, dump = 2, tmp_path / "run"
-    base = ["--data.path", str(tiny_pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.global_batch_size", "8", "--training.micro_batch_size", "2", "--model.num_loops", "3",
-            "--training.bp_segment_len", "2", "--training.mixed_precision_param", "float32",
-            "--activation_checkpoint.mode", "none", "--eval.interval", "0", "--metrics.log_freq", "3",
-            "--metrics.diag_interval", "2", "--metrics.diag_grad", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-            "--spike_guard.enable", "false"]
-    launch_ranks(diag_workers.run, world, (world, str(tmp_path / "store"), base, str(tmp_path)),
-                 LAUNCH_TIMEOUT_S, "diagnostics")
+    base = [
+        "--data.path",
+        str(tiny_pack),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "8",
+        "--training.micro_batch_size",
+        "2",
+        "--model.num_loops",
+        "3",
+        "--training.bp_segment_len",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        "--activation_checkpoint.mode",
+        "none",
+        "--eval.interval",
+        "0",
+        "--metrics.log_freq",
+        "3",
+        "--metrics.diag_interval",
+        "2",
+        "--metrics.diag_grad",
+        "true",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--spike_guard.enable",
+        "false",
+    ]
+    launch_ranks(
+        diag_workers.run,
+        world,
+        (world, str(tmp_path / "store"), base, str(tmp_path)),
+        LAUNCH_TIMEOUT_S,
+        "diagnostics",
+    )
 
     rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
     diag_rows = {r["step"]: r for r in rows if any(k.startswith("diag/") for k in r)}

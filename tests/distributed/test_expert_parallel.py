@@ -12,7 +12,9 @@ import torch
 
 from torchtitan_loom.models.loom.infra.expert_parallel import _local_expert_order, _split_sizes
 
-LAUNCHES = 30  # the limit, in bare-launch costs; the compile check traces on 4 ranks sharing the cores
+LAUNCHES = (
+    30  # the limit, in bare-launch costs; the compile check traces on 4 ranks sharing the cores
+)
 
 
 def test_split_sizes_and_local_expert_order_on_a_hand_built_case():
@@ -34,4 +36,6 @@ def test_split_sizes_and_local_expert_order_on_a_hand_built_case():
 
 def test_expert_parallel_on_4_gloo_ranks(tmp_path, launch_ranks):
     world = 4
-    launch_ranks(ep_workers.run, world, (world, str(tmp_path / "store")), LAUNCHES, "expert parallel")
+    launch_ranks(
+        ep_workers.run, world, (world, str(tmp_path / "store")), LAUNCHES, "expert parallel"
+    )

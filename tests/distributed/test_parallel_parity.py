@@ -41,21 +41,47 @@ LAUNCHES = 48  # the limit, in bare-launch costs (tests/launch_cost.py): 240 s a
 
 
 def base_argv(pack_dir) -> list[str]:
-    return ["--data.path", str(pack_dir), "--training.seq_len", "32", "--training.global_batch_size", "8",
-            "--training.micro_batch_size", "2", "--model.num_loops", "9", "--training.bp_segment_len", "3",
-            "--training.mixed_precision_param", "float32", "--training.max_norm", "1.0", "--optimizer.eps", "1e-3",
-            "--metrics.enable_tensorboard", "false", "--eval.interval", "0", "--spike_guard.enable", "false",
-            "--training.steps", str(STEPS)]
+    return [
+        "--data.path",
+        str(pack_dir),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "8",
+        "--training.micro_batch_size",
+        "2",
+        "--model.num_loops",
+        "9",
+        "--training.bp_segment_len",
+        "3",
+        "--training.mixed_precision_param",
+        "float32",
+        "--training.max_norm",
+        "1.0",
+        "--optimizer.eps",
+        "1e-3",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--eval.interval",
+        "0",
+        "--spike_guard.enable",
+        "false",
+        "--training.steps",
+        str(STEPS),
+    ]
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_pack, tmp_path_factory):
-    cfg = load_config(base_argv(tiny_pack) + ["--job.dump_folder", str(tmp_path_factory.mktemp("ref"))])
+    cfg = load_config(
+        base_argv(tiny_pack) + ["--job.dump_folder", str(tmp_path_factory.mktemp("ref"))]
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 busy cores: one thread is several times faster than two here
     try:
-        trainer = Trainer(cfg, resolve(cfg, 1), DistInfo(rank=0, world_size=1,
-                                                          device=torch.device("cpu")))
+        trainer = Trainer(
+            cfg, resolve(cfg, 1), DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
+        )
         return parallel_workers.record_run(trainer, STEPS)
     finally:
         torch.set_num_threads(threads)
@@ -66,23 +92,33 @@ def launch(launch_ranks, world: int, cases: list[dict], pack_dir, tmp_path) -> d
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    launch_ranks(parallel_workers.run, world, (world, str(tmp_path / "store"), str(spec_path)), LAUNCHES,
-                 "parallel parity")
+    launch_ranks(
+        parallel_workers.run,
+        world,
+        (world, str(tmp_path / "store"), str(spec_path)),
+        LAUNCHES,
+        "parallel parity",
+    )
     return {c["name"]: json.loads((tmp_path / f"{c['name']}.json").read_text()) for c in cases}
 
 
 def check_layout(name: str, got: dict, want: dict) -> None:
     steps = len(got["seg_losses"])
-    assert got["init_diff"] == 0.0, f"{name}: initial weights differ from one process by {got['init_diff']}"
+    assert got["init_diff"] == 0.0, (
+        f"{name}: initial weights differ from one process by {got['init_diff']}"
+    )
     for what in ("seg_losses", "grad_norms"):
         a = torch.tensor(got[what], dtype=torch.float64)
         b = torch.tensor(want[what][:steps], dtype=torch.float64)
         rel = ((a - b).abs() / b.abs()).flatten()
-        assert rel.max() <= MAX_RTOL and rel.median() <= MEDIAN_RTOL, \
+        assert rel.max() <= MAX_RTOL and rel.median() <= MEDIAN_RTOL, (
             f"{name}: {what} relative differences {rel.tolist()}"
+        )
     # Per-loop routers: exactly one AdamW step per global step (None gradient in the other
     # segments, also under FSDP); shared weights one per segment.
-    assert got["adam_steps"] == {"router": [steps], "other": [3 * steps]}, f"{name}: {got['adam_steps']}"
+    assert got["adam_steps"] == {"router": [steps], "other": [3 * steps]}, (
+        f"{name}: {got['adam_steps']}"
+    )
     assert got["counts_by_step"][0] == want["counts_by_step"][0], f"{name}: kept counts of step 1"
     if steps == len(want["seg_losses"]):
         assert got["expert_bias"] == want["expert_bias"], f"{name}: expert bias after {steps} steps"
@@ -100,8 +136,16 @@ def test_two_rank_layouts_match_one_process(reference, tiny_pack, tmp_path, laun
         {"name": "fsdp2", "argv": [], "steps": STEPS},
         {"name": "replicate2", "argv": ["--parallelism.dp_replicate", "2"], "steps": STEPS},
         {"name": "fsdp2_ac_loop", "argv": ["--activation_checkpoint.mode", "loop"], "steps": SHORT},
-        {"name": "fsdp2_compile", "argv": ["--compile.enable", "--compile.backend", "aot_eager"], "steps": SHORT},
-        {"name": "fsdp2_bf16", "argv": ["--training.mixed_precision_param", "bfloat16"], "steps": SHORT},
+        {
+            "name": "fsdp2_compile",
+            "argv": ["--compile.enable", "--compile.backend", "aot_eager"],
+            "steps": SHORT,
+        },
+        {
+            "name": "fsdp2_bf16",
+            "argv": ["--training.mixed_precision_param", "bfloat16"],
+            "steps": SHORT,
+        },
     ]
     results = launch(launch_ranks, 2, cases, tiny_pack, tmp_path)
     for case in cases[:-1]:
@@ -109,8 +153,9 @@ def test_two_rank_layouts_match_one_process(reference, tiny_pack, tmp_path, laun
     # FSDP's MixedPrecisionPolicy (bf16 parameters, fp32 reductions, memories kept fp32): close to
     # the fp32 curve, as bf16 rounding allows (measured ≤ 1.3e-3 relative), and routers still 1 step.
     bf16 = results["fsdp2_bf16"]
-    rel = (torch.tensor(bf16["seg_losses"]) - torch.tensor(reference["seg_losses"][:SHORT])).abs() \
-        / torch.tensor(reference["seg_losses"][:SHORT])
+    rel = (
+        torch.tensor(bf16["seg_losses"]) - torch.tensor(reference["seg_losses"][:SHORT])
+    ).abs() / torch.tensor(reference["seg_losses"][:SHORT])
     assert rel.max() <= 1e-2, rel.tolist()
     assert bf16["adam_steps"] == {"router": [SHORT], "other": [3 * SHORT]}
 
@@ -120,9 +165,16 @@ def test_four_rank_layouts_match_one_process(reference, tiny_pack, tmp_path, lau
         {"name": "fsdp4", "argv": [], "steps": STEPS},
         {"name": "fsdp4_ep2", "argv": ["--parallelism.ep", "2"], "steps": STEPS},
         {"name": "fsdp4_ep4", "argv": ["--parallelism.ep", "4"], "steps": SHORT},
-        {"name": "hsdp2x2_ep2", "argv": ["--parallelism.dp_replicate", "2", "--parallelism.ep", "2"], "steps": SHORT},
-        {"name": "fsdp4_ep2_ac_segment", "argv": ["--parallelism.ep", "2", "--activation_checkpoint.mode", "segment"],
-         "steps": SHORT},
+        {
+            "name": "hsdp2x2_ep2",
+            "argv": ["--parallelism.dp_replicate", "2", "--parallelism.ep", "2"],
+            "steps": SHORT,
+        },
+        {
+            "name": "fsdp4_ep2_ac_segment",
+            "argv": ["--parallelism.ep", "2", "--activation_checkpoint.mode", "segment"],
+            "steps": SHORT,
+        },
     ]
     results = launch(launch_ranks, 4, cases, tiny_pack, tmp_path)
     for case in cases:

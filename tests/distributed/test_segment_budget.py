@@ -28,31 +28,77 @@ RS, AG = "_reduce_scatter_base_", "_allgather_base_"
 
 
 def test_fsdp_and_expert_parallel_budgets_per_segment(tiny_pack, tmp_path, launch_ranks):
-    base = ["--data.path", str(tiny_pack), "--training.seq_len", "32", "--training.global_batch_size", "8",
-            "--model.num_loops", "3", "--training.bp_segment_len", "1", "--parallelism.dp_shard", "2",
-            "--training.mixed_precision_param", "float32", "--optimizer.eps", "1e-3",
-            "--metrics.enable_tensorboard", "false", "--eval.interval", "0", "--spike_guard.enable", "false"]
+    base = [
+        "--data.path",
+        str(tiny_pack),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "8",
+        "--model.num_loops",
+        "3",
+        "--training.bp_segment_len",
+        "1",
+        "--parallelism.dp_shard",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        "--optimizer.eps",
+        "1e-3",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--eval.interval",
+        "0",
+        "--spike_guard.enable",
+        "false",
+    ]
     cases = [
         {"name": "segment_mb1", "argv": ["--training.micro_batch_size", "4"]},  # 4 rows per rank
         {"name": "segment_mb4", "argv": ["--training.micro_batch_size", "1"]},
-        {"name": "micro_batch_mb4", "argv": ["--training.micro_batch_size", "1", "--parallelism.fsdp_sync", "micro_batch"]},
-        {"name": "ep2_capacity", "argv": ["--training.micro_batch_size", "2", "--parallelism.ep", "2"],
-         "sync_budget": True},
-        {"name": "ep2_no_capacity", "argv": ["--training.micro_batch_size", "2", "--parallelism.ep", "2",
-                                             "--model.capacity_factor", "0"]},
+        {
+            "name": "micro_batch_mb4",
+            "argv": ["--training.micro_batch_size", "1", "--parallelism.fsdp_sync", "micro_batch"],
+        },
+        {
+            "name": "ep2_capacity",
+            "argv": ["--training.micro_batch_size", "2", "--parallelism.ep", "2"],
+            "sync_budget": True,
+        },
+        {
+            "name": "ep2_no_capacity",
+            "argv": [
+                "--training.micro_batch_size",
+                "2",
+                "--parallelism.ep",
+                "2",
+                "--model.capacity_factor",
+                "0",
+            ],
+        },
     ]
     spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps({"base": base, "cases": cases, "out": str(tmp_path), "steps": STEPS}))
+    spec_path.write_text(
+        json.dumps({"base": base, "cases": cases, "out": str(tmp_path), "steps": STEPS})
+    )
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    launch_ranks(segment_budget_workers.run, 2, (2, str(tmp_path / "store"), str(spec_path)), LAUNCH_TIMEOUT_S,
-                 "fsdp sync")
+    launch_ranks(
+        segment_budget_workers.run,
+        2,
+        (2, str(tmp_path / "store"), str(spec_path)),
+        LAUNCH_TIMEOUT_S,
+        "fsdp sync",
+    )
     got = {c["name"]: json.loads((tmp_path / f"{c['name']}.json").read_text()) for c in cases}
     one, four, per_mb = (got[c["name"]]["counts"] for c in cases[:3])
     assert one[RS] > 0 and one[AG] > 0, one
-    assert (four[RS], four[AG]) == (one[RS], one[AG]), f"1 micro-batch: {one}, 4 micro-batches: {four}"
+    assert (four[RS], four[AG]) == (one[RS], one[AG]), (
+        f"1 micro-batch: {one}, 4 micro-batches: {four}"
+    )
     assert (per_mb[RS], per_mb[AG]) == (4 * one[RS], 4 * one[AG]), per_mb
-    deferred, per_step = (torch.tensor(got[n]["seg_losses"], dtype=torch.float64)
-                          for n in ("segment_mb4", "micro_batch_mb4"))
+    deferred, per_step = (
+        torch.tensor(got[n]["seg_losses"], dtype=torch.float64)
+        for n in ("segment_mb4", "micro_batch_mb4")
+    )
     rel = (deferred - per_step).abs() / per_step
     assert rel.max() <= 1e-5, rel.tolist()
     # EP + capacity: the workers asserted 1 host sync per segment on every rank; rank 0's record:

@@ -34,8 +34,8 @@ def batch(B=2, S=256, vocab=512):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (B, S), generator=g)
     doc = torch.zeros(B, S, dtype=torch.long)
-    doc[0, 100:] = 1                       # two documents in row 0
-    doc[1, 200:] = -1                      # padding tail in row 1
+    doc[0, 100:] = 1  # two documents in row 0
+    doc[1, 200:] = -1  # padding tail in row 1
     pos = torch.arange(S).expand(B, S).clone()
     pos[0, 100:] -= 100
     return [t.to(DEVICE) for t in (tokens, pos, doc)]
@@ -55,7 +55,7 @@ def assert_backends_agree(backend: str, dtype: torch.dtype, tol: float) -> None:
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
         ref_logits, ref_grads = loss_and_grads(ref_model, inputs)
         logits, grads = loss_and_grads(model, inputs)
-    valid = inputs[2] >= 0                 # padding rows attend among themselves: compare real tokens
+    valid = inputs[2] >= 0  # padding rows attend among themselves: compare real tokens
     torch.testing.assert_close(logits[valid], ref_logits[valid], rtol=tol, atol=tol)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
@@ -92,14 +92,20 @@ def test_auto_backend_on_cuda_in_bf16_matches_sdpa_and_experts_take_bf16_grouped
     assert_backends_agree("auto", torch.bfloat16, 3e-2)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is None, reason="flash-attn not installed"
+)
 def test_flash_attn_forward_and_backward_match_sdpa():
     assert_backends_agree("flash_attn", torch.bfloat16, 3e-2)
 
 
 # ---------------------------------------------------------------------------- real float8
-needs_sm89 = pytest.mark.skipif(capability() < (8, 9), reason="real float8 needs compute capability 8.9+")
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+needs_sm89 = pytest.mark.skipif(
+    capability() < (8, 9), reason="real float8 needs compute capability 8.9+"
+)
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao not installed"
+)
 
 
 def expert_kernel() -> str | None:
@@ -120,12 +126,35 @@ def test_real_float8_training_tracks_bf16(recipe, tiny_pack, tmp_path):
     info = DistInfo(rank=0, world_size=1, device=torch.device(DEVICE, 0))
 
     def curve(*extra):
-        argv = ["--data.path", str(tiny_pack), "--job.dump_folder", str(tmp_path / "_".join(extra or ["bf16"])),
-                "--training.device", "cuda", "--training.seq_len", "32", "--training.global_batch_size", "8",
-                "--training.micro_batch_size", "8", "--training.bp_segment_len", "1", "--training.steps", "10",
-                "--optimizer.lr", "1e-3", "--training.mixed_precision_param", "bfloat16",
-                "--metrics.enable_tensorboard", "false", "--eval.interval", "0", "--spike_guard.enable", "false",
-                *extra]
+        argv = [
+            "--data.path",
+            str(tiny_pack),
+            "--job.dump_folder",
+            str(tmp_path / "_".join(extra or ["bf16"])),
+            "--training.device",
+            "cuda",
+            "--training.seq_len",
+            "32",
+            "--training.global_batch_size",
+            "8",
+            "--training.micro_batch_size",
+            "8",
+            "--training.bp_segment_len",
+            "1",
+            "--training.steps",
+            "10",
+            "--optimizer.lr",
+            "1e-3",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--eval.interval",
+            "0",
+            "--spike_guard.enable",
+            "false",
+            *extra,
+        ]
         cfg = load_config(argv)
         tr = Trainer(cfg, resolve(cfg, 1), info)
         it = iter(tr.dataloader)
@@ -141,7 +170,9 @@ def test_real_float8_training_tracks_bf16(recipe, tiny_pack, tmp_path):
 
 
 @needs_torchao
-@pytest.mark.skipif(expert_kernel() is None, reason="float8 grouped GEMMs need SM90 (fp8 rowwise) or SM100 (MXFP8)")
+@pytest.mark.skipif(
+    expert_kernel() is None, reason="float8 grouped GEMMs need SM90 (fp8 rowwise) or SM100 (MXFP8)"
+)
 def test_real_float8_grouped_experts_close_to_bf16():
     from torchtitan_loom.components.quantization.float8 import EXPERT_ALIGNMENT
     from torchtitan_loom.components.quantization.float8_experts import Float8GroupedExperts
@@ -149,11 +180,15 @@ def test_real_float8_grouped_experts_close_to_bf16():
 
     kernel = expert_kernel()
     torch.manual_seed(0)
-    experts = RoutedExperts(8, 256, 512, "grouped").to(DEVICE, torch.bfloat16)  # bf16 like FSDP's params
+    experts = RoutedExperts(8, 256, 512, "grouped").to(
+        DEVICE, torch.bfloat16
+    )  # bf16 like FSDP's params
     with torch.no_grad():
-        experts.w13.normal_(std=256 ** -0.5), experts.w2.normal_(std=512 ** -0.5)
+        experts.w13.normal_(std=256**-0.5), experts.w2.normal_(std=512**-0.5)
     counts_E = torch.tensor([300, 0, 700, 5, 640, 1, 333, 53], device=DEVICE)
-    x_AD = torch.randn(int(counts_E.sum()), 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    x_AD = torch.randn(
+        int(counts_E.sum()), 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True
+    )
     ref = experts(x_AD, counts_E)
     ref_grads = torch.autograd.grad(ref.float().square().sum(), (x_AD, experts.w13, experts.w2))
     f8 = Float8GroupedExperts(experts, kernel, EXPERT_ALIGNMENT[kernel])
@@ -178,8 +213,14 @@ def test_nccl_with_one_rank():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60), device_id=torch.device(DEVICE, 0))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+        device_id=torch.device(DEVICE, 0),
+    )
     try:
         t = torch.arange(4.0, device=DEVICE)
         dist.all_reduce(t)

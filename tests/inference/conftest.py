@@ -27,9 +27,26 @@ def trained_run(tiny_pack, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run(make_trainer(tiny_pack, dump, "--training.steps", "40", "--checkpoint.interval", "20",
-                         "--eval.interval", "20", "--eval.tokens", "1500", "--optimizer.lr", "3e-3",
-                         "--checkpoint.keep_latest_k", "0", "--spike_guard.enable", "false"))
+        run(
+            make_trainer(
+                tiny_pack,
+                dump,
+                "--training.steps",
+                "40",
+                "--checkpoint.interval",
+                "20",
+                "--eval.interval",
+                "20",
+                "--eval.tokens",
+                "1500",
+                "--optimizer.lr",
+                "3e-3",
+                "--checkpoint.keep_latest_k",
+                "0",
+                "--spike_guard.enable",
+                "false",
+            )
+        )
     finally:
         torch.set_num_threads(threads)
     return dump

@@ -22,7 +22,7 @@ def greedy_by_recompute(model, ids, steps):
     for _ in range(steps):
         out = model(seq, torch.arange(seq.shape[1])[None], torch.zeros_like(seq))
         seq = torch.cat([seq, out.logits_BSV[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return seq[0, len(ids):].tolist()
+    return seq[0, len(ids) :].tolist()
 
 
 def test_loader_gives_capacity_off_fp32_and_the_pack_tokenizer(trained_run):
@@ -38,19 +38,40 @@ def test_loader_gives_capacity_off_fp32_and_the_pack_tokenizer(trained_run):
 
 
 def test_greedy_generation_matches_recompute_and_learned_text(trained_run, capsys):
-    code, out, _ = generate_cli(capsys, str(trained_run), "--prompt", "the cat sat on the", "--temperature", "0",
-                                "--max-new-tokens", "4")
+    code, out, _ = generate_cli(
+        capsys,
+        str(trained_run),
+        "--prompt",
+        "the cat sat on the",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "4",
+    )
     assert code == 0
     assert out.startswith("the cat sat on the mat")  # the pack's sentence, learned in 40 steps
     loaded = load(str(trained_run))
     ids = loaded.tokenizer.encode("the cat sat on the")
     with torch.no_grad():
         ref = greedy_by_recompute(loaded.model, ids, 4)
-    assert out.rstrip("\n") == "the cat sat on the" + loaded.tokenizer.decode([t for t in ref if t != 256])
+    assert out.rstrip("\n") == "the cat sat on the" + loaded.tokenizer.decode(
+        [t for t in ref if t != 256]
+    )
 
 
 def test_sampling_seed_loops_and_export_folder(trained_run, tmp_path, capsys):
-    args = ["--prompt", "12+", "--temperature", "1.5", "--top-k", "20", "--top-p", "0.95", "--max-new-tokens", "12"]
+    args = [
+        "--prompt",
+        "12+",
+        "--temperature",
+        "1.5",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.95",
+        "--max-new-tokens",
+        "12",
+    ]
     a = generate_cli(capsys, str(trained_run), *args, "--seed", "1")
     b = generate_cli(capsys, str(trained_run), *args, "--seed", "1")
     c = generate_cli(capsys, str(trained_run), *args, "--seed", "2")
@@ -59,7 +80,9 @@ def test_sampling_seed_loops_and_export_folder(trained_run, tmp_path, capsys):
     capsys.readouterr()
     from_export = generate_cli(capsys, str(tmp_path / "exp"), *args, "--seed", "1")
     assert from_export[0] == 0 and from_export[1] == a[1]
-    early = generate_cli(capsys, str(trained_run), "--prompt", "the cat", "--loops", "1", "--temperature", "0")
+    early = generate_cli(
+        capsys, str(trained_run), "--prompt", "the cat", "--loops", "1", "--temperature", "0"
+    )
     assert early[0] == 0 and early[1].startswith("the cat")
 
 
@@ -70,10 +93,19 @@ def test_bad_input_is_one_line_and_exit_2(trained_run, tmp_path, capsys):
     cases = [
         ([str(tmp_path / "nothing"), "--prompt", "x"], "no such file or directory"),
         ([str(torn), "--prompt", "x"], "incomplete checkpoint"),
-        ([str(trained_run), "--prompt", "x", "--loops", "4"], "--loops 4: out of range; valid 1..3"),
+        (
+            [str(trained_run), "--prompt", "x", "--loops", "4"],
+            "--loops 4: out of range; valid 1..3",
+        ),
         ([str(trained_run), "--prompt", "x", "--loops", "0"], "--loops 0: out of range"),
-        ([str(trained_run), "--prompt", "x" * 300], "--prompt is 300 tokens; the model takes at most max_seq_len=256"),
-        ([str(trained_run), "--prompt", "x", "--tokenizer", "HuggingFaceTB/SmolLM"], "does not match the pack"),
+        (
+            [str(trained_run), "--prompt", "x" * 300],
+            "--prompt is 300 tokens; the model takes at most max_seq_len=256",
+        ),
+        (
+            [str(trained_run), "--prompt", "x", "--tokenizer", "HuggingFaceTB/SmolLM"],
+            "does not match the pack",
+        ),
         ([str(trained_run), "--prompt", "x", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
     ]
     for argv, expected in cases:

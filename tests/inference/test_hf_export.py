@@ -37,15 +37,25 @@ def test_folder_layout_and_standalone_generated_modeling_file(hf_dir):
     assert src == modeling_source()  # regenerated, not stored
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+            )
             assert not any(n.startswith("torchtitan_loom") for n in names), ast.unparse(node)
     # The math is the package's own source, verbatim.
-    for fn in (looping_residual.looping_residual_write, attention.apply_rope, model.LoomTransformer._run_loop):
+    for fn in (
+        looping_residual.looping_residual_write,
+        attention.apply_rope,
+        model.LoomTransformer._run_loop,
+    ):
         assert inspect.getsource(fn).strip() in src
 
 
 def test_logits_equal_the_project_model_and_generate_works(trained_run, hf_dir):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), trust_remote_code=True
+    ).eval()
     ours = load(str(trained_run)).model
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -64,10 +74,12 @@ def test_logits_equal_the_project_model_and_generate_works(trained_run, hf_dir):
 
     prompt = torch.tensor([list(b"the cat sat on")])
     with torch.no_grad():
-        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+        out = hf.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False
+        )
         ref = generate(ours, prompt, SamplingConfig(max_new_tokens=8, temperature=0), eos_id=256)
-    new = out[0, prompt.shape[1]:].tolist()
-    assert new == ref[0, :len(new)].tolist() and len(new) >= 1
+    new = out[0, prompt.shape[1] :].tolist()
+    assert new == ref[0, : len(new)].tolist() and len(new) >= 1
     assert bytes(t for t in new if t < 256).startswith(b" the mat")
 
 
@@ -77,15 +89,23 @@ def test_hf_tokenizer_of_the_pack_is_exported(tmp_path):
 
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"])
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"]
+    )
     tok.train_from_iterator(["the cat sat on the mat"] * 50 + ["12+30=42."] * 50, trainer=trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
     ours = HFTokenizer(str(tmp_path / "tokenizer.json"))
     args = type("Args", (), {"max_seq_len": 256})()
-    loaded = Loaded(model=None, args=args, checkpoint="", step=None, config=None, pack_path=None, tokenizer=ours)
+    loaded = Loaded(
+        model=None, args=args, checkpoint="", step=None, config=None, pack_path=None, tokenizer=ours
+    )
     out = tmp_path / "out"
     out.mkdir()
-    assert _tokenizer_files(loaded, str(out)) == ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    assert _tokenizer_files(loaded, str(out)) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ]
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
     text = "the cat sat on 12+30"
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
@@ -98,7 +118,10 @@ def test_hf_export_of_a_missing_or_incomplete_checkpoint_is_exit_2(trained_run, 
     torn = tmp_path / "torn"
     shutil.copytree(trained_run / "checkpoint" / "step-20", torn)
     os.remove(torn / "COMPLETE")
-    for ckpt, expected in ((tmp_path / "none", "no such file or directory"), (torn, "incomplete checkpoint")):
+    for ckpt, expected in (
+        (tmp_path / "none", "no such file or directory"),
+        (torn, "incomplete checkpoint"),
+    ):
         assert export_tool.main([str(ckpt), str(tmp_path / "out"), "--format", "hf"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("export error: ") and err.count("\n") == 1 and expected in err, err

@@ -34,30 +34,37 @@ def run_eval(capsys, ckpt, out, *extra):
 
 
 def lls(result):
-    return [[r[0] for r in s["resps"]] for s in sorted(result["samples"]["loom_tiny_mc"], key=lambda s: s["doc_id"])]
+    return [
+        [r[0] for r in s["resps"]]
+        for s in sorted(result["samples"]["loom_tiny_mc"], key=lambda s: s["doc_id"])
+    ]
 
 
 def reference_loglikelihood(model, ctx, cont):
     """Sum of log p(cont | ctx) from one plain forward, independent of the adapter."""
     ids = torch.tensor([ctx + cont])
     with torch.no_grad():
-        logits = model(ids[:, :-1], torch.arange(ids.shape[1] - 1)[None], torch.zeros_like(ids[:, :-1])).logits_BSV
-    logp = F.log_softmax(logits[0, len(ctx) - 1:], dim=-1)
+        logits = model(
+            ids[:, :-1], torch.arange(ids.shape[1] - 1)[None], torch.zeros_like(ids[:, :-1])
+        ).logits_BSV
+    logp = F.log_softmax(logits[0, len(ctx) - 1 :], dim=-1)
     return logp.gather(1, torch.tensor(cont)[:, None]).sum().item()
-
-
 
 
 def test_end_to_end_results_scores_and_batch_size_independence(trained_run, tmp_path, capsys):
     code, r1, stdout, err = run_eval(capsys, trained_run, tmp_path / "b1", "--batch-size", "1")
-    assert stdout.startswith(f"lm_eval: loading lm-eval, then the checkpoint {trained_run} ...\n")  # before the slow part
+    assert stdout.startswith(
+        f"lm_eval: loading lm-eval, then the checkpoint {trained_run} ...\n"
+    )  # before the slow part
     assert code == 0, err
     assert r1["step"] == 40 and r1["checkpoint"].endswith("step-40")
     assert r1["commit"] and r1["config"]["training"]["seq_len"] == 32
     assert r1["scoring"]["capacity"] == "off" and r1["scoring"]["param_dtype"] == "fp32"
     h = r1["holdout"]
     assert h["mode"] == "on" and h["logged_eval_loss"] is not None and h["gap"] <= 1e-6
-    assert "| loom_tiny_mc | acc |" in stdout and os.path.isfile(glob.glob(str(tmp_path / "b1" / "*" / "summary.md"))[0])
+    assert "| loom_tiny_mc | acc |" in stdout and os.path.isfile(
+        glob.glob(str(tmp_path / "b1" / "*" / "summary.md"))[0]
+    )
 
     # Every choice's score equals an independent forward; acc is the share of argmax == gold.
     docs = [json.loads(line) for line in open(os.path.join(TASKS_DIR, "loom_tiny_mc.jsonl"))]
@@ -66,13 +73,19 @@ def test_end_to_end_results_scores_and_batch_size_independence(trained_run, tmp_
     scores = lls(r1)
     assert len(scores) == len(docs) == 12
     for doc, row in zip(docs, scores):
-        ref = [reference_loglikelihood(loaded.model, enc(doc["query"]), enc(c)) for c in doc["choices"]]
+        ref = [
+            reference_loglikelihood(loaded.model, enc(doc["query"]), enc(c)) for c in doc["choices"]
+        ]
         assert row == pytest.approx(ref, rel=1e-5, abs=1e-5)
-    acc = sum(max(range(len(s)), key=s.__getitem__) == d["gold"] for s, d in zip(scores, docs)) / len(docs)
+    acc = sum(
+        max(range(len(s)), key=s.__getitem__) == d["gold"] for s, d in zip(scores, docs)
+    ) / len(docs)
     assert r1["results"]["loom_tiny_mc"]["acc,none"] == pytest.approx(acc)
     assert acc >= 0.5  # the "the cat sat on the" -> " mat" half is learned
 
-    code, r5, _, _ = run_eval(capsys, trained_run, tmp_path / "b5", "--batch-size", "5", "--holdout-check", "off")
+    code, r5, _, _ = run_eval(
+        capsys, trained_run, tmp_path / "b5", "--batch-size", "5", "--holdout-check", "off"
+    )
     assert code == 0 and r5["holdout"]["recomputed_eval_loss"] is None
     # Same requests, other batch neighbours and padding: equal up to fp32 summation order.
     for a, b in zip(scores, lls(r5)):
@@ -87,8 +100,10 @@ def test_holdout_check_trips_on_perturbed_weights(trained_run, tmp_path, capsys)
 
     g = torch.Generator().manual_seed(0)
     # Noise of half each tensor's std (the tiny model shrugs off less: 30% gives a gap of ~0.01).
-    tensors = {k: v if "expert_bias" in k else v + 0.5 * v.std() * torch.randn(v.shape, generator=g)
-               for k, v in load_file(str(exp / "model.safetensors")).items()}
+    tensors = {
+        k: v if "expert_bias" in k else v + 0.5 * v.std() * torch.randn(v.shape, generator=g)
+        for k, v in load_file(str(exp / "model.safetensors")).items()
+    }
     save_file(tensors, str(exp / "model.safetensors"))
     capsys.readouterr()
     code, _, _, err = run_eval(capsys, exp, tmp_path / "res")
@@ -103,8 +118,10 @@ def test_holdout_check_trips_on_perturbed_weights(trained_run, tmp_path, capsys)
 
 def test_bad_input_exit_2(trained_run, tmp_path, capsys):
     cases = [
-        (["--tasks", "loom_tiny_mcq", "--tasks-dir", TASKS_DIR, "--only-tasks-dir"],
-         "lm-eval knows no task 'loom_tiny_mcq'; did you mean loom_tiny_mc"),
+        (
+            ["--tasks", "loom_tiny_mcq", "--tasks-dir", TASKS_DIR, "--only-tasks-dir"],
+            "lm-eval knows no task 'loom_tiny_mcq'; did you mean loom_tiny_mc",
+        ),
         ([*TASK, "--loops", "4"], "--loops 4: out of range; valid 1..3"),
         ([*TASK, "--tokenizer", "gpt2"], "does not match the pack"),
     ]
@@ -117,13 +134,35 @@ def test_bad_input_exit_2(trained_run, tmp_path, capsys):
 
 
 def test_two_ranks_split_requests_and_match_one_rank(trained_run, tmp_path, capsys):
-    code, one, _, _ = run_eval(capsys, trained_run, tmp_path / "one", "--holdout-check", "off", "--loops", "2")
+    code, one, _, _ = run_eval(
+        capsys, trained_run, tmp_path / "one", "--holdout-check", "off", "--loops", "2"
+    )
     assert code == 0
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "torchtitan_loom.tools.lm_eval", str(trained_run), *TASK, "--loops", "2", "--batch-size", "3",
-         "--out", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=400)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "torchtitan_loom.tools.lm_eval",
+            str(trained_run),
+            *TASK,
+            "--loops",
+            "2",
+            "--batch-size",
+            "3",
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.load(open(glob.glob(str(tmp_path / "two" / "*" / "results.json"))[0]))
     assert two["scoring"]["world_size"] == 2

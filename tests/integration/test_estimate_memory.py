@@ -32,8 +32,14 @@ CELL = ["--model.num_loops", "3", "--training.bp_segment_len", "3"]
 @pytest.mark.parametrize("mode", memory_time.AC_MODES)
 def test_predicted_activation_memory_matches_memory_time(mode):
     argv = memory_time.BASE + CELL + ["--activation_checkpoint.mode", mode]
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cell", json.dumps(argv), "--steps", "1"],
-                          capture_output=True, text=True, env=memory_time._child_env(), timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cell", json.dumps(argv), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        env=memory_time._child_env(),
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"] * 2**20
     predicted = memory_time.estimated_mib(argv) * 2**20  # all but the parameters, allocated before

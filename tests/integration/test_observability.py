@@ -31,14 +31,48 @@ def run(tiny_pack, tmp_path_factory):
     """4 steps of the debug model (H = 3, L = 2, E = 8), eval and branch diagnostics at steps 2 and 4,
     profiling on."""
     dump = tmp_path_factory.mktemp("obs") / "run"
-    argv = ["--data.path", str(tiny_pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.steps", str(STEPS), "--training.global_batch_size", "4", "--training.micro_batch_size", "4",
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-            "--eval.interval", str(EVAL_EVERY), "--eval.tokens", "400", "--spike_guard.enable", "false",
-            "--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS),
-            "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
-            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
-            "--profiling.enable_memory_snapshot", "true", "--metrics.diag_interval", "2", "--metrics.diag_grad", "true"]
+    argv = [
+        "--data.path",
+        str(tiny_pack),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        str(STEPS),
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "4",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--eval.interval",
+        str(EVAL_EVERY),
+        "--eval.tokens",
+        "400",
+        "--spike_guard.enable",
+        "false",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        str(STEPS),
+        "--profiling.enable_profiling",
+        "true",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.profiler_warmup",
+        "1",
+        "--profiling.profiler_active",
+        "1",
+        "--profiling.enable_memory_snapshot",
+        "true",
+        "--metrics.diag_interval",
+        "2",
+        "--metrics.diag_grad",
+        "true",
+    ]
     cfg = load_config(argv)
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
@@ -53,7 +87,9 @@ def test_diversity_scalars_and_expert_load_only_at_eval(run):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    assert all("expert_load" not in r for r in rows if "eval_loss" not in r)  # default: eval steps only
+    assert all(
+        "expert_load" not in r for r in rows if "eval_loss" not in r
+    )  # default: eval steps only
     last = evals[-1]
     assert len(last["expert_load"]) == 2 and len(last["expert_load"][0]) == 3
     H, E, k = 3, 8, trainer.model_args.routed_top_k
@@ -64,7 +100,9 @@ def test_diversity_scalars_and_expert_load_only_at_eval(run):
     for t in (1, 2, 3):
         assert 0.0 < last[f"routing_load_entropy_loop_{t}"] <= 1.0
         assert last[f"routing_load_max_mean_loop_{t}"] >= 1.0
-        assert last[f"stream_rms_loop_{t}"] == pytest.approx(1.0, abs=1e-3)  # RMS-normed after every loop
+        assert last[f"stream_rms_loop_{t}"] == pytest.approx(
+            1.0, abs=1e-3
+        )  # RMS-normed after every loop
     assert 0 <= last["routing_dead_experts"] <= E
     # The eval's diversity equals a direct recomputation on the same checkpointed model.
     direct, _ = trainer.held_out.validate(trainer.state.step)
@@ -76,8 +114,16 @@ def test_tensorboard_scalars_and_images(run):
     acc = EventAccumulator(trainer.metrics.tb_dir, size_guidance={"images": 0})  # tb/<launch>/
     acc.Reload()
     scalars = acc.Tags()["scalars"]
-    for tag in ("routing/distinct_experts", "routing/overlap", "routing/load_entropy", "routing/dead_experts",
-                "routing/overlap_loop_1", "stream/rms_loop_3", "stream/cos_loop_2", "eval/loss_loop_1"):
+    for tag in (
+        "routing/distinct_experts",
+        "routing/overlap",
+        "routing/load_entropy",
+        "routing/dead_experts",
+        "routing/overlap_loop_1",
+        "stream/rms_loop_3",
+        "stream/cos_loop_2",
+        "eval/loss_loop_1",
+    ):
         assert tag in scalars, tag
     assert [e.step for e in acc.Scalars("routing/distinct_experts")] == [2, 4]
     images = acc.Tags()["images"]
@@ -85,7 +131,9 @@ def test_tensorboard_scalars_and_images(run):
     dpi = routing_plots.DPI
     heat = acc.Images("routing/load_layer_1")
     assert [e.step for e in heat] == [2, 4]
-    assert (heat[-1].width, heat[-1].height) == tuple(round(x * dpi) for x in routing_plots.HEATMAP_SIZE_IN)
+    assert (heat[-1].width, heat[-1].height) == tuple(
+        round(x * dpi) for x in routing_plots.HEATMAP_SIZE_IN
+    )
     curve = acc.Images("eval/loss_per_loop")[-1]
     assert (curve.width, curve.height) == tuple(round(x * dpi) for x in routing_plots.CURVE_SIZE_IN)
     assert heat[-1].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
@@ -106,7 +154,11 @@ def test_numpy_fallback_heatmap_pixels(tmp_path):
     event = acc.Images("routing/load_layer_0")[0]
     assert (event.step, event.width, event.height) == (7, 3 * c, 2 * c)
     bars = routing_plots.loss_curve_image([4.0, 2.0], "t", use_matplotlib=False)
-    assert bars.shape == (3, 120, 48) and (bars[:, 0, 2:22] != 255).all() and (bars[:, 0, 26:46] == 255).all()
+    assert (
+        bars.shape == (3, 120, 48)
+        and (bars[:, 0, 2:22] != 255).all()
+        and (bars[:, 0, 26:46] == 255).all()
+    )
 
 
 def test_profiler_traces_are_json_and_memory_snapshot_message(run):
@@ -124,7 +176,9 @@ def test_profiling_config_errors():
     from torchtitan_loom.config import ConfigError
 
     cfg = load_config(["--profiling.profile_freq", "3", "--profiling.profiler_warmup", "3"])
-    with pytest.raises(ConfigError, match=r"profiler_warmup \+ profiler_active = 4: must be ≤ profile_freq = 3"):
+    with pytest.raises(
+        ConfigError, match=r"profiler_warmup \+ profiler_active = 4: must be ≤ profile_freq = 3"
+    ):
         resolve(cfg, 1)
     cfg = load_config(["--metrics.expert_load_every", "-1"])
     with pytest.raises(ConfigError, match="metrics.expert_load_every = -1"):
@@ -135,14 +189,26 @@ def test_analyze_writes_report(run, tmp_path, tiny_pack):
     dump, trainer, _ = run
     out = tmp_path / "report"
     # Same eval batches as the trainer's (tokens, rows), so the loss table must match its last eval.
-    assert analyze.main([str(dump), "--out", str(out), "--tokens", "400", "--batch-rows", "4",
-                         "--samples", "2"]) == 0
+    assert (
+        analyze.main(
+            [str(dump), "--out", str(out), "--tokens", "400", "--batch-rows", "4", "--samples", "2"]
+        )
+        == 0
+    )
     report = (out / "report.md").read_text()
-    for name in ("loss_per_loop.png", "load_layer_0.png", "load_layer_1.png", "doc_0.png", "doc_1.png"):
+    for name in (
+        "loss_per_loop.png",
+        "load_layer_0.png",
+        "load_layer_1.png",
+        "doc_0.png",
+        "doc_1.png",
+    ):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"]({name})" in report, name
     assert "## Routing diversity per layer" in report and "| 1 |" in report and "**mean**" in report
-    assert f"step {STEPS}" in report and str(tiny_pack) in report  # the run's data.path from config.toml
+    assert (
+        f"step {STEPS}" in report and str(tiny_pack) in report
+    )  # the run's data.path from config.toml
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     expected = " | ".join(f"{rows[-1][f'eval_loss_loop_{t}']:.4f}" for t in (1, 2, 3))
     assert f"| loss | {expected} |" in report
@@ -154,13 +220,17 @@ def test_analyze_writes_report(run, tmp_path, tiny_pack):
     for branch in ("attention", "moe"):
         for stat in ("norm", "var", "erank", "top_sv", "cos"):
             name = f"diag_{branch}_{stat}.png"
-            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in report, name
+            assert (out / name).read_bytes()[
+                :8
+            ] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in report, name
     assert "](diag_grad_norm.png)" in report
     from torchtitan_loom.tools.analyze_diag import read_diagnostics
 
     data = read_diagnostics(str(dump / "metrics.jsonl"))
     grid = data["branch"][("attention", "erank")][4]
-    assert grid.shape == (2, 3) and grid[1, 2] == pytest.approx(rows[-1]["diag/attention/erank/layer_1/loop_3"])
+    assert grid.shape == (2, 3) and grid[1, 2] == pytest.approx(
+        rows[-1]["diag/attention/erank/layer_1/loop_3"]
+    )
     assert sorted(data["grad"]) == [2, 4]
 
 
@@ -175,16 +245,32 @@ def test_the_eval_line_announces_the_holdout_tokens_it_reads(run, tiny_pack):
     dump, trainer, lines = run
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     read = next(r["eval_tokens"] for r in rows if r["step"] == 2)
-    assert f"[torchtitan_loom] eval at step 2: {read:,} holdout tokens, 3 loops ..." in lines  # not eval.tokens
+    assert (
+        f"[torchtitan_loom] eval at step 2: {read:,} holdout tokens, 3 loops ..." in lines
+    )  # not eval.tokens
     # eval.tokens above what the holdout holds: the line gives the count read, and says so.
     t = trainer.cfg.training
     lines_big = []
-    big = HeldOutEval(dataclasses.replace(trainer.cfg.eval, tokens=10**7), model=trainer.model, data_path=str(tiny_pack),
-                    val_path=None, seq_len=t.seq_len, vocab_size=trainer.vocab_size, batch_rows=t.global_batch_size,
-                    dp_rank=0, dp_world=1, tokenizer_name=None, device=trainer.device,
-                    micro_batches=trainer.micro_batches, autocast=trainer.autocast, stop_requested=lambda: 0,
-                    log=lines_big.append)
+    big = HeldOutEval(
+        dataclasses.replace(trainer.cfg.eval, tokens=10**7),
+        model=trainer.model,
+        data_path=str(tiny_pack),
+        val_path=None,
+        seq_len=t.seq_len,
+        vocab_size=trainer.vocab_size,
+        batch_rows=t.global_batch_size,
+        dp_rank=0,
+        dp_world=1,
+        tokenizer_name=None,
+        device=trainer.device,
+        micro_batches=trainer.micro_batches,
+        autocast=trainer.autocast,
+        stop_requested=lambda: 0,
+        log=lines_big.append,
+    )
     scalars, _ = big.validate(4)
     assert scalars["eval_tokens"] < 10**7
-    assert lines_big[0] == (f"eval at step 4: {scalars['eval_tokens']:,} holdout tokens (the holdout holds fewer "
-                            f"than eval.tokens = 10,000,000), 3 loops ...")
+    assert lines_big[0] == (
+        f"eval at step 4: {scalars['eval_tokens']:,} holdout tokens (the holdout holds fewer "
+        f"than eval.tokens = 10,000,000), 3 loops ..."
+    )

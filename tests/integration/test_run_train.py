@@ -12,8 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_train(args, env_extra=None, timeout=600):
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["./run_train.sh", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_jsonl(path):
@@ -22,21 +28,31 @@ def read_jsonl(path):
 
 def test_default_run_trains_and_logs(tmp_path):
     dump = tmp_path / "run"
-    proc = run_train(["--training.steps", "20", "--job.dump_folder", str(dump), "--metrics.log_freq", "5"],
-                     {"NGPU": "1"})
+    proc = run_train(
+        ["--training.steps", "20", "--job.dump_folder", str(dump), "--metrics.log_freq", "5"],
+        {"NGPU": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_jsonl(dump / "metrics.jsonl")
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped", "loss_segment_1",
-                "loss_segment_3"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "skipped",
+        "loss_segment_1",
+        "loss_segment_3",
+    ):
         assert key in rows[0], key
-    assert "expert_load" not in rows[0]           # metrics.expert_load_every = 0: eval steps only
-    assert rows[0]["mfu"] is None                 # CPU: no peak FLOP/s, MFU left null
+    assert "expert_load" not in rows[0]  # metrics.expert_load_every = 0: eval steps only
+    assert rows[0]["mfu"] is None  # CPU: no peak FLOP/s, MFU left null
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, [r["loss"] for r in rows]
     last = rows[-1]
     assert {"eval_loss", "eval_loss_loop_1", "eval_loss_loop_3"} <= last.keys()
     assert last["eval_loss"] == last["eval_loss_loop_3"]
-    load = last["expert_load"]                    # [layer][loop][expert]
+    load = last["expert_load"]  # [layer][loop][expert]
     assert len(load) == 2 and len(load[0]) == 3 and len(load[0][0]) == 8
     assert (dump / "config.toml").exists()
 
@@ -46,7 +62,9 @@ def test_default_run_trains_and_logs(tmp_path):
     acc = EventAccumulator(str(launch))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    loss_tag = next(t for t in tags if t.endswith("loss") and "eval" not in t and "segment" not in t)
+    loss_tag = next(
+        t for t in tags if t.endswith("loss") and "eval" not in t and "segment" not in t
+    )
     assert [e.step for e in acc.Scalars(loss_tag)] == [5, 10, 15, 20]
     assert abs(acc.Scalars(loss_tag)[-1].value - rows[-1]["loss"]) < 1e-4
     assert any("eval" in t for t in tags)
@@ -54,16 +72,38 @@ def test_default_run_trains_and_logs(tmp_path):
 
 def test_two_ranks_match_one_rank(tmp_path, tiny_pack):
     # Same global batches, token-mean gradients: the world size must not change the trajectory.
-    common = ["--data.path", str(tiny_pack), "--training.seq_len", "32", "--training.steps", "3",
-              "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-              "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--eval.interval", "3",
-              "--eval.tokens", "500"]
+    common = [
+        "--data.path",
+        str(tiny_pack),
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        "3",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--eval.interval",
+        "3",
+        "--eval.tokens",
+        "500",
+    ]
     runs = {}
-    for name, ngpu, extra in (("single", "1", []), ("replicas", "2", ["--parallelism.dp_replicate", "2"]),
-                              ("fsdp", "2", [])):
+    for name, ngpu, extra in (
+        ("single", "1", []),
+        ("replicas", "2", ["--parallelism.dp_replicate", "2"]),
+        ("fsdp", "2", []),
+    ):
         dump = tmp_path / name
         # One thread per rank in every run: CPU matmul blocking (and so rounding) depends on threads.
-        proc = run_train(common + extra + ["--job.dump_folder", str(dump)], {"NGPU": ngpu, "OMP_NUM_THREADS": "1"})
+        proc = run_train(
+            common + extra + ["--job.dump_folder", str(dump)],
+            {"NGPU": ngpu, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[name] = [(r["loss"], r.get("eval_loss")) for r in read_jsonl(dump / "metrics.jsonl")]
     assert runs["single"][-1][1] is not None
@@ -84,12 +124,33 @@ def test_spike_abort_exits_2_with_message(tmp_path, tiny_pack):
     dump = tmp_path / "spike"
     # lr 10 from step 1 (no warmup): step 2's loss rises by ~285, a finite hard spike. (A larger lr
     # overflows the gradients, and a non-finite gradient stops the run whatever abort_on_spike says.)
-    proc = run_train(["--data.path", str(tiny_pack), "--training.seq_len", "32", "--training.steps", "5",
-                      "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
-                      "--eval.interval", "0", "--job.dump_folder", str(dump),
-                      "--optimizer.lr", "1e1", "--lr_scheduler.warmup_ratio", "0",
-                      "--spike_guard.warmup_steps", "0", "--spike_guard.abort_on_spike", "true"],
-                     {"NGPU": "1"})
+    proc = run_train(
+        [
+            "--data.path",
+            str(tiny_pack),
+            "--training.seq_len",
+            "32",
+            "--training.steps",
+            "5",
+            "--training.global_batch_size",
+            "2",
+            "--training.micro_batch_size",
+            "2",
+            "--eval.interval",
+            "0",
+            "--job.dump_folder",
+            str(dump),
+            "--optimizer.lr",
+            "1e1",
+            "--lr_scheduler.warmup_ratio",
+            "0",
+            "--spike_guard.warmup_steps",
+            "0",
+            "--spike_guard.abort_on_spike",
+            "true",
+        ],
+        {"NGPU": "1"},
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "loss spike at step 2" in (dump / "SPIKE_ABORT.txt").read_text()
     assert "abort_on_spike" in proc.stdout + proc.stderr

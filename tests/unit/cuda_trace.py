@@ -28,14 +28,23 @@ from torchtitan_loom.models.loom.target import KernelTarget
 
 GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm")
 # Ops whose result the host must wait for (a value or a data-dependent shape).
-HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
-                 "unique_consecutive", "is_nonzero", "equal", "repeat_interleave")
+HOST_SYNC_OPS = (
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "is_nonzero",
+    "equal",
+    "repeat_interleave",
+)
 
 
 @dataclass
 class Op:
-    name: str          # overload packet name, e.g. "mm", "_grouped_mm"
-    args: list[Any]    # positional arguments (tensors are fakes)
+    name: str  # overload packet name, e.g. "mm", "_grouped_mm"
+    args: list[Any]  # positional arguments (tensors are fakes)
     outputs: list[torch.Tensor]
 
 
@@ -50,12 +59,16 @@ class AtenRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
-        if name in HOST_SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size")):
+        if name in HOST_SYNC_OPS and not (
+            name == "repeat_interleave" and (kwargs or {}).get("output_size")
+        ):
             raise AssertionError(f"host sync: aten.{name} reached (the segment's budget is 0)")
         out = func(*args, **(kwargs or {}))
         if name == "device":  # prim.device: a query, tens of thousands of them
             return out
-        self.ops.append(Op(name, list(args), [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]))
+        self.ops.append(
+            Op(name, list(args), [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+        )
         return out
 
     def named(self, *names: str) -> list[Op]:
@@ -79,11 +92,14 @@ def cuda_kernel(fn, *args, **kwargs):
     raise AssertionError(f"no CUDA stand-in for {getattr(fn, '__name__', fn)}")
 
 
-CUDA = KernelTarget("cuda", flash_attn=False, run_kernel=cuda_kernel)  # the GPU image has no flash-attn
+CUDA = KernelTarget(
+    "cuda", flash_attn=False, run_kernel=cuda_kernel
+)  # the GPU image has no flash-attn
 
 
-def trace_segment(args, *, micro_batch: int, seq_len: int, loops: tuple[int, int], precision: str,
-                  convert=None) -> tuple[AtenRecorder, Any]:
+def trace_segment(
+    args, *, micro_batch: int, seq_len: int, loops: tuple[int, int], precision: str, convert=None
+) -> tuple[AtenRecorder, Any]:
     """Forward loops [a, b] + the trainer's loss + backward of a fake `args`-shaped model, CUDA-forced.
     Returns the recorder and what `convert` returned.
 

@@ -29,7 +29,12 @@ class HostSyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in HOST_TRANSFERS and args and isinstance(args[0], torch.Tensor) and id(args[0]) not in self._ignore:
+        if (
+            name in HOST_TRANSFERS
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and id(args[0]) not in self._ignore
+        ):
             caller = traceback.extract_stack(limit=2)[0]
             self.calls.append((name, f"{caller.filename.rsplit('/', 1)[-1]}:{caller.lineno}"))
         return func(*args, **(kwargs or {}))

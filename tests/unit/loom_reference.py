@@ -33,7 +33,9 @@ def rms(v: Tensor, eps: float, weight: Tensor | None = None) -> Tensor:
     return out if weight is None else out * weight
 
 
-def ema_write(num: Tensor | None, den: Tensor | None, u: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+def ema_write(
+    num: Tensor | None, den: Tensor | None, u: Tensor, beta: float
+) -> tuple[Tensor, Tensor]:
     """One Looping-Residual memory write (§4.4 steps 8-9).
 
     If the memory is empty: N = u, D = 1; else N ← β·N + u, D ← β·D + 1.
@@ -63,7 +65,9 @@ def rope(x_SHd: Tensor, pos_S: Tensor, theta: float) -> Tensor:
     return x_SHd * cos + rotated * sin
 
 
-def attention_branch(sd: dict, cfg: dict, l: int, h_BSD: Tensor, pos_BS: Tensor, doc_BS: Tensor) -> Tensor:
+def attention_branch(
+    sd: dict, cfg: dict, l: int, h_BSD: Tensor, pos_BS: Tensor, doc_BS: Tensor
+) -> Tensor:
     """Gated GQA attention a = (σ(G) ⊙ Attn(Q, K, V)) · W_o^T, per row and per document (§4.4 1-6)."""
     B, S, D = h_BSD.shape
     nh, nkv = cfg["n_heads"], cfg["n_kv_heads"]

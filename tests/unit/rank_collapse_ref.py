@@ -15,5 +15,8 @@ def direct_rank_collapse(x_RD: torch.Tensor) -> tuple[float, float, float]:
     unit = x / x.norm(dim=1, keepdim=True)
     cos = unit @ unit.T
     r = x.shape[0]
-    return (math.exp(-(p * p.log()).sum().item()), (s.max() / s.sum()).item(),
-            ((cos.sum() - cos.diagonal().sum()) / (r * (r - 1))).item())
+    return (
+        math.exp(-(p * p.log()).sum().item()),
+        (s.max() / s.sum()).item(),
+        ((cos.sum() - cos.diagonal().sum()) / (r * (r - 1))).item(),
+    )

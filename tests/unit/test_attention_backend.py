@@ -9,21 +9,28 @@ from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
-from torchtitan_loom.models.loom.attention import build_attention_mask, mask_backend, resolve_attn_backend
+from torchtitan_loom.models.loom.attention import (
+    build_attention_mask,
+    mask_backend,
+    resolve_attn_backend,
+)
 from torchtitan_loom.train import Trainer
 from batches import two_document_batch  # tests/unit/batches.py
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.mark.parametrize("device, dtype, flash, want", [
-    ("cuda", BF16, True, "flash_attn"),
-    ("cuda", FP16, True, "flash_attn"),
-    ("cuda", FP32, True, "flex"),      # flash-attn takes 16-bit inputs only
-    ("cuda", BF16, False, "flex"),     # not installed
-    ("cpu", BF16, True, "sdpa"),       # flex has no backward on CPU
-    ("cpu", FP32, False, "sdpa"),
-])
+@pytest.mark.parametrize(
+    "device, dtype, flash, want",
+    [
+        ("cuda", BF16, True, "flash_attn"),
+        ("cuda", FP16, True, "flash_attn"),
+        ("cuda", FP32, True, "flex"),  # flash-attn takes 16-bit inputs only
+        ("cuda", BF16, False, "flex"),  # not installed
+        ("cpu", BF16, True, "sdpa"),  # flex has no backward on CPU
+        ("cpu", FP32, False, "sdpa"),
+    ],
+)
 def test_auto_resolution(device, dtype, flash, want):
     assert resolve_attn_backend("auto", device, dtype, flash) == want
     assert resolve_attn_backend("flex", device, dtype, flash) == "flex"  # an explicit choice stays
@@ -62,8 +69,18 @@ def test_auto_gives_the_sdpa_logits_and_one_mask_serves_every_block(dtype):
 
 
 def test_run_log_names_the_backend(tiny_pack, tmp_path, capsys):
-    argv = ["--data.path", str(tiny_pack), "--job.dump_folder", str(tmp_path / "run"), "--training.seq_len", "32",
-            "--metrics.enable_tensorboard", "false", "--eval.interval", "0"]
+    argv = [
+        "--data.path",
+        str(tiny_pack),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.seq_len",
+        "32",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--eval.interval",
+        "0",
+    ]
     cfg = load_config(argv)
     Trainer(cfg, resolve(cfg, 1), DistInfo(rank=0, world_size=1, device=torch.device("cpu")))
     assert "attention backend: sdpa (attn_backend=auto)" in capsys.readouterr().out

@@ -21,10 +21,28 @@ CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def make_trainer(pack, dump, *extra, cls=Trainer):
-    argv = ["--data.path", str(pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--eval.interval", "0",
-            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", *extra]
+    argv = [
+        "--data.path",
+        str(pack),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--eval.interval",
+        "0",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable",
+        *extra,
+    ]
     cfg = load_config(argv)
     trainer = cls(cfg, resolve(cfg, 1), CPU)
     trainer.resume()  # what train() does first; done here so tests can inspect the resumed state
@@ -56,7 +74,14 @@ def assert_same_state(t1, t2):
 
 
 def test_resume_restores_every_state_exactly(tiny_pack, tmp_path):
-    common = ("--training.steps", "6", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+    common = (
+        "--training.steps",
+        "6",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.keep_latest_k",
+        "0",
+    )
     straight = run(make_trainer(tiny_pack, tmp_path, *common))
     rng_after = torch.get_rng_state()
     assert straight.state.step == 6
@@ -71,10 +96,24 @@ def test_resume_restores_every_state_exactly(tiny_pack, tmp_path):
 
 def test_resume_with_activation_checkpointing_switched_on(tiny_pack, tmp_path):
     # Module wrappers must not change the saved names; recomputation does not change the math.
-    common = ("--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    common = (
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    )
     straight = run(make_trainer(tiny_pack, tmp_path, *common))
-    resumed = make_trainer(tiny_pack, tmp_path, *common, "--checkpoint.load_step", "2",
-                           "--activation_checkpoint.mode", "block")
+    resumed = make_trainer(
+        tiny_pack,
+        tmp_path,
+        *common,
+        "--checkpoint.load_step",
+        "2",
+        "--activation_checkpoint.mode",
+        "block",
+    )
     assert resumed.state.step == 2
     run(resumed)
     assert_same_state(straight, resumed)
@@ -85,7 +124,9 @@ def test_parameters_without_adam_state_stay_without_state(tiny_pack, tmp_path):
     batch = next(iter(t1.dataloader))
     # One update of loop 1 only: the routers of loops 2 and 3 get no gradient, hence no AdamW state.
     t1.optimizer.zero_grad(set_to_none=True)
-    out = t1.model(batch["input_ids"], batch["positions"], batch["doc_ids"], loop_start=1, loop_end=1)
+    out = t1.model(
+        batch["input_ids"], batch["positions"], batch["doc_ids"], loop_start=1, loop_end=1
+    )
     out.logits_BSV.float().square().mean().backward()
     t1.optimizer.step()
     t1.state.step = 1
@@ -109,17 +150,30 @@ def test_saving_an_empty_optimizer_invents_no_state(tiny_pack, tmp_path):
     t1.checkpointer.save(1)
     assert not t1.optimizer.state
     assert_same_tensors(before, t1.model.state_dict(), "model after save")
-    assert not any(k.startswith("optimizer.state.") for k in read_metadata(str(tmp_path / "checkpoint" / "step-1")))
+    assert not any(
+        k.startswith("optimizer.state.")
+        for k in read_metadata(str(tmp_path / "checkpoint" / "step-1"))
+    )
     t2 = make_trainer(tiny_pack, tmp_path, "--training.steps", "2")
     assert not t2.optimizer.state
 
 
 def test_torn_checkpoint_is_skipped_with_a_warning(tiny_pack, tmp_path, capsys):
-    run(make_trainer(tiny_pack, tmp_path, "--training.steps", "3", "--checkpoint.interval", "1",
-                     "--checkpoint.keep_latest_k", "0"))
+    run(
+        make_trainer(
+            tiny_pack,
+            tmp_path,
+            "--training.steps",
+            "3",
+            "--checkpoint.interval",
+            "1",
+            "--checkpoint.keep_latest_k",
+            "0",
+        )
+    )
     root = tmp_path / "checkpoint"
-    os.remove(root / "step-3" / layout.MARKER)                  # rank 0 died before the marker
-    shutil.copytree(root / "step-2", root / ".tmp-step-4")      # a save killed mid-write
+    os.remove(root / "step-3" / layout.MARKER)  # rank 0 died before the marker
+    shutil.copytree(root / "step-2", root / ".tmp-step-4")  # a save killed mid-write
     capsys.readouterr()
     t = make_trainer(tiny_pack, tmp_path, "--training.steps", "3")
     assert t.state.step == 2
@@ -130,9 +184,22 @@ def test_torn_checkpoint_is_skipped_with_a_warning(tiny_pack, tmp_path, capsys):
 
 
 def test_keep_latest_k_snapshots_and_loading_a_snapshot(tiny_pack, tmp_path):
-    t = run(make_trainer(tiny_pack, tmp_path, "--training.steps", "7", "--checkpoint.interval", "1",
-                         "--checkpoint.keep_latest_k", "2", "--checkpoint.snapshot_interval", "2",
-                         "--checkpoint.snapshot_keep", "2"))
+    t = run(
+        make_trainer(
+            tiny_pack,
+            tmp_path,
+            "--training.steps",
+            "7",
+            "--checkpoint.interval",
+            "1",
+            "--checkpoint.keep_latest_k",
+            "2",
+            "--checkpoint.snapshot_interval",
+            "2",
+            "--checkpoint.snapshot_keep",
+            "2",
+        )
+    )
     root = str(tmp_path / "checkpoint")
     found = layout.scan(root)
     assert [e.step for e in found.of_kind("periodic")] == [6, 7]
@@ -151,7 +218,9 @@ def test_keep_latest_k_snapshots_and_loading_a_snapshot(tiny_pack, tmp_path):
 
 
 def test_async_save_stages_before_returning_and_commits(tiny_pack, tmp_path):
-    t1 = make_trainer(tiny_pack, tmp_path, "--training.steps", "2", "--checkpoint.async_mode", "async")
+    t1 = make_trainer(
+        tiny_pack, tmp_path, "--training.steps", "2", "--checkpoint.async_mode", "async"
+    )
     run(t1)  # the final save is async too and committed by close()
     assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 2
     expected = {k: v.clone() for k, v in t1.model.state_dict().items()}
@@ -204,8 +273,16 @@ def test_sigterm_finishes_the_step_saves_and_resumes_at_the_next(tiny_pack, tmp_
 def test_spike_abort_does_not_save_the_step_it_stopped_at(tiny_pack, tmp_path):
     # A spike at step 2: that step already applied the segments before the spike (issue #11), so
     # the newest checkpoint stays step 1.
-    t = make_trainer(tiny_pack, tmp_path, "--training.steps", "5", "--checkpoint.interval", "1",
-                     "--spike_guard.abort_on_spike", "true")
+    t = make_trainer(
+        tiny_pack,
+        tmp_path,
+        "--training.steps",
+        "5",
+        "--checkpoint.interval",
+        "1",
+        "--spike_guard.abort_on_spike",
+        "true",
+    )
     t.spike_guard.check = lambda seg, loss, finite, step: "forced" if step >= 2 else None
     assert t.train() == 2
     assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 1
@@ -218,29 +295,70 @@ def test_resume_with_another_global_batch_is_refused(tiny_pack, tmp_path):
 
     # The run folder's identity refuses it up front; without run.json (a run from before it) the
     # data loader's own state check still does.
-    with pytest.raises(ConfigError, match=r"holds a different run \(training.global_batch_size: 4 → 2\)"):
-        make_trainer(tiny_pack, tmp_path, "--training.steps", "2", "--training.global_batch_size", "2")
+    with pytest.raises(
+        ConfigError, match=r"holds a different run \(training.global_batch_size: 4 → 2\)"
+    ):
+        make_trainer(
+            tiny_pack, tmp_path, "--training.steps", "2", "--training.global_batch_size", "2"
+        )
     os.remove(tmp_path / "run.json")
     with pytest.raises(CheckpointError, match="cannot restore 'dataloader'.*global_batch_rows=4"):
-        make_trainer(tiny_pack, tmp_path, "--training.steps", "2", "--training.global_batch_size", "2")
+        make_trainer(
+            tiny_pack, tmp_path, "--training.steps", "2", "--training.global_batch_size", "2"
+        )
 
 
 def test_disabled_manager_does_nothing(tiny_pack, tmp_path):
-    cfg = load_config(["--data.path", str(tiny_pack), "--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
-                       "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
-                       "--training.steps", "1", "--eval.interval", "0", "--metrics.enable_tensorboard", "false"])
+    cfg = load_config(
+        [
+            "--data.path",
+            str(tiny_pack),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "32",
+            "--training.global_batch_size",
+            "2",
+            "--training.micro_batch_size",
+            "2",
+            "--training.steps",
+            "1",
+            "--eval.interval",
+            "0",
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+    )
     t = Trainer(cfg, resolve(cfg, 1), CPU)
     assert t.train() == 0 and not (tmp_path / "checkpoint").exists()
     assert not t.stop_signals.installed
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--checkpoint.load_step", "3"], "checkpoint.load_step = 3 needs checkpoint.enable = true"),
-    (["--checkpoint.enable", "--checkpoint.load_step", "0"], "checkpoint.load_step = 0: must be -1"),
-    (["--checkpoint.enable", "--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k = -1: must be ≥ 0"),
-    (["--checkpoint.enable", "--checkpoint.folder", "/abs"], "checkpoint.folder = '/abs': must be a non-empty"),
-    (["--checkpoint.exit_after_step", "5"], "checkpoint.exit_after_step = 5 needs checkpoint.enable = true"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["--checkpoint.load_step", "3"],
+            "checkpoint.load_step = 3 needs checkpoint.enable = true",
+        ),
+        (
+            ["--checkpoint.enable", "--checkpoint.load_step", "0"],
+            "checkpoint.load_step = 0: must be -1",
+        ),
+        (
+            ["--checkpoint.enable", "--checkpoint.keep_latest_k", "-1"],
+            "checkpoint.keep_latest_k = -1: must be ≥ 0",
+        ),
+        (
+            ["--checkpoint.enable", "--checkpoint.folder", "/abs"],
+            "checkpoint.folder = '/abs': must be a non-empty",
+        ),
+        (
+            ["--checkpoint.exit_after_step", "5"],
+            "checkpoint.exit_after_step = 5 needs checkpoint.enable = true",
+        ),
+    ],
+)
 def test_checkpoint_config_errors(argv, expected, tmp_path):
     from torchtitan_loom.config import ConfigError
 

@@ -16,8 +16,15 @@ from torchtitan_loom.tools import export as export_tool
 from tests.unit.test_checkpoint import assert_same_state, make_trainer, run
 
 STEPS = ("--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
-FILES = (".metadata", "__0_0.distcp", "config.toml", "model_args.json", "meta.json", integrity.CHECKSUMS,
-         layout.MARKER)
+FILES = (
+    ".metadata",
+    "__0_0.distcp",
+    "config.toml",
+    "model_args.json",
+    "meta.json",
+    integrity.CHECKSUMS,
+    layout.MARKER,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +51,15 @@ def corrupt(path, how):
     else:  # same size, different bytes in the middle
         data = bytearray(open(path, "rb").read())
         mid = len(data) // 2
-        data[mid:mid + 8] = bytes(b ^ 0xA5 for b in data[mid:mid + 8])
+        data[mid : mid + 8] = bytes(b ^ 0xA5 for b in data[mid : mid + 8])
         open(path, "wb").write(bytes(data))
 
 
 @pytest.mark.parametrize("how", ["bytes", "truncate", "delete"])
 @pytest.mark.parametrize("name", FILES)
-def test_corrupt_file_falls_back_to_previous_checkpoint_bit_identically(tiny_pack, tmp_path, pristine, straight,
-                                                                       name, how, capsys):
+def test_corrupt_file_falls_back_to_previous_checkpoint_bit_identically(
+    tiny_pack, tmp_path, pristine, straight, name, how, capsys
+):
     dump = tmp_path / "run"
     shutil.copytree(pristine, dump)
     bad = dump / "checkpoint" / "step-4" / name
@@ -63,9 +71,15 @@ def test_corrupt_file_falls_back_to_previous_checkpoint_bit_identically(tiny_pac
     if name in (layout.MARKER, ".metadata") and how == "delete":  # a torn save, skipped as before
         assert "skipping incomplete checkpoint" in out and str(bad.parent) in out
     else:
-        warnings = [line for line in out.splitlines() if line.startswith("[torchtitan_loom] warning: skipping corrupt")]
+        warnings = [
+            line
+            for line in out.splitlines()
+            if line.startswith("[torchtitan_loom] warning: skipping corrupt")
+        ]
         assert len(warnings) == 1 and str(bad) in warnings[0], out
-    assert (dump / "checkpoint" / layout.ABANDONED / "step-4" / "meta.json").exists() or name == "meta.json"
+    assert (
+        dump / "checkpoint" / layout.ABANDONED / "step-4" / "meta.json"
+    ).exists() or name == "meta.json"
     run(resumed)
     assert_same_state(straight, resumed)
 
@@ -75,10 +89,14 @@ def test_load_step_of_a_corrupt_checkpoint_is_refused(tiny_pack, tmp_path, prist
     shutil.copytree(pristine, dump)
     distcp = dump / "checkpoint" / "step-4" / "__0_0.distcp"
     corrupt(distcp, "bytes")  # same size: found by the full CRC in the manager
-    with pytest.raises(CheckpointError, match=r"load_step = 4: checkpoint is corrupt: .*__0_0.distcp: CRC-32"):
+    with pytest.raises(
+        CheckpointError, match=r"load_step = 4: checkpoint is corrupt: .*__0_0.distcp: CRC-32"
+    ):
         make_trainer(tiny_pack, dump, *STEPS, "--checkpoint.load_step", "4")
     corrupt(distcp, "truncate")  # another size: found already by the config check
-    with pytest.raises(ConfigError, match=r"load_step = 4: checkpoint is corrupt: .*__0_0.distcp: size"):
+    with pytest.raises(
+        ConfigError, match=r"load_step = 4: checkpoint is corrupt: .*__0_0.distcp: size"
+    ):
         make_trainer(tiny_pack, dump, *STEPS, "--checkpoint.load_step", "4")
 
 
@@ -87,7 +105,9 @@ def write_nonfinite_step(trainer, step):
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
     tmp = layout.temp_dir(trainer.checkpointer.root, step, "periodic")
-    trainer.checkpointer._save(step, "periodic", tmp, True, False)  # bypasses save()'s finiteness guard
+    trainer.checkpointer._save(
+        step, "periodic", tmp, True, False
+    )  # bypasses save()'s finiteness guard
 
 
 def test_nonfinite_model_is_never_saved_and_never_loaded(tiny_pack, tmp_path, capsys, straight):
@@ -125,29 +145,58 @@ def test_checksums_are_recorded_before_the_marker(pristine):
     assert marker["checksums"] == integrity.CHECKSUMS
     sums = layout.read_json(str(step / integrity.CHECKSUMS))["files"]
     assert set(sums) == set(os.listdir(step)) - {layout.MARKER, integrity.CHECKSUMS}
-    assert sums["__0_0.distcp"]["crc32"] == f"{integrity.crc32_file(str(step / '__0_0.distcp')):08x}"
+    assert (
+        sums["__0_0.distcp"]["crc32"] == f"{integrity.crc32_file(str(step / '__0_0.distcp')):08x}"
+    )
 
 
 def _tree(path):
-    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(path).as_posix(): p.read_bytes()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
-@pytest.mark.parametrize("how", ["truncate", "bytes"])  # found by the config check / by the full CRC at load
-def test_a_run_whose_checkpoints_are_all_damaged_is_refused_never_restarted(tiny_pack, tmp_path, pristine, how,
-                                                                           capsys):
+@pytest.mark.parametrize(
+    "how", ["truncate", "bytes"]
+)  # found by the config check / by the full CRC at load
+def test_a_run_whose_checkpoints_are_all_damaged_is_refused_never_restarted(
+    tiny_pack, tmp_path, pristine, how, capsys
+):
     dump = tmp_path / "run"
     shutil.copytree(pristine, dump)
     for step in (2, 4):
         corrupt(dump / "checkpoint" / f"step-{step}" / "__0_0.distcp", how)
     before = _tree(dump)
-    args = ["--data.path", str(tiny_pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--eval.interval", "0",
-            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", *STEPS]
+    args = [
+        "--data.path",
+        str(tiny_pack),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--eval.interval",
+        "0",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable",
+        *STEPS,
+    ]
     capsys.readouterr()
     assert train.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "every complete checkpoint" in err[0] and "step-2, step-4" in err[0], err
+    assert len(err) == 1 and "every complete checkpoint" in err[0] and "step-2, step-4" in err[0], (
+        err
+    )
     assert "--job.overwrite" in err[0]
     # Nothing written, renamed or deleted: the damaged checkpoints and the history are as they were.
     assert _tree(dump) == before

@@ -10,7 +10,9 @@ from torchtitan_loom.components.checkpoint import layout
 
 def fake_ckpt(root, step, kind="periodic", complete=True, tmp=False):
     """A directory that looks like a DCP checkpoint (``.metadata`` + a data file)."""
-    path = layout.temp_dir(str(root), step, kind) if tmp else layout.final_dir(str(root), step, kind)
+    path = (
+        layout.temp_dir(str(root), step, kind) if tmp else layout.final_dir(str(root), step, kind)
+    )
     os.makedirs(path)
     for name in (layout.DCP_METADATA, "__0_0.distcp"):
         with open(os.path.join(path, name), "w") as fh:
@@ -23,12 +25,16 @@ def fake_ckpt(root, step, kind="periodic", complete=True, tmp=False):
 def test_scan_separates_complete_from_torn(tmp_path):
     fake_ckpt(tmp_path, 2)
     fake_ckpt(tmp_path, 10)
-    torn = fake_ckpt(tmp_path, 12, complete=False)   # a step dir without the marker
-    tmp = fake_ckpt(tmp_path, 14, tmp=True)          # a save that died before its commit
+    torn = fake_ckpt(tmp_path, 12, complete=False)  # a step dir without the marker
+    tmp = fake_ckpt(tmp_path, 14, tmp=True)  # a save that died before its commit
     fake_ckpt(tmp_path, 8, kind="snapshot")
-    (tmp_path / "step-x").mkdir()                    # unrelated names are ignored
+    (tmp_path / "step-x").mkdir()  # unrelated names are ignored
     found = layout.scan(str(tmp_path))
-    assert [(e.step, e.kind) for e in found.complete] == [(2, "periodic"), (8, "snapshot"), (10, "periodic")]
+    assert [(e.step, e.kind) for e in found.complete] == [
+        (2, "periodic"),
+        (8, "snapshot"),
+        (10, "periodic"),
+    ]
     assert {e.path for e in found.incomplete} == {torn, tmp}
     assert found.newest().step == 10
     assert found.find(8).kind == "snapshot" and found.find(12) is None
@@ -75,9 +81,9 @@ def test_prune_keeps_latest_k_and_snapshots_and_never_the_newest_complete(tmp_pa
         fake_ckpt(tmp_path, s)
     for s in (2, 4):
         fake_ckpt(tmp_path, s, kind="snapshot")
-    torn_new = fake_ckpt(tmp_path, 5, complete=False)   # newer but torn: does not count
-    stale_tmp = fake_ckpt(tmp_path, 3, tmp=True)        # older than the newest complete: garbage
-    live_tmp = fake_ckpt(tmp_path, 6, tmp=True)         # maybe an async save in flight: kept
+    torn_new = fake_ckpt(tmp_path, 5, complete=False)  # newer but torn: does not count
+    stale_tmp = fake_ckpt(tmp_path, 3, tmp=True)  # older than the newest complete: garbage
+    live_tmp = fake_ckpt(tmp_path, 6, tmp=True)  # maybe an async save in flight: kept
     deleted = layout.prune(root, keep_latest_k=2, snapshot_keep=1)
     found = layout.scan(root)
     assert [e.step for e in found.of_kind("periodic")] == [3, 4]
@@ -88,7 +94,10 @@ def test_prune_keeps_latest_k_and_snapshots_and_never_the_newest_complete(tmp_pa
     # Each kind is pruned on its own count: a newer snapshot does not push out the periodic one.
     fake_ckpt(tmp_path, 9, kind="snapshot")
     layout.prune(root, keep_latest_k=1, snapshot_keep=1)
-    assert [(e.step, e.kind) for e in layout.scan(root).complete] == [(4, "periodic"), (9, "snapshot")]
+    assert [(e.step, e.kind) for e in layout.scan(root).complete] == [
+        (4, "periodic"),
+        (9, "snapshot"),
+    ]
 
 
 def test_prune_protects_the_newest_complete_checkpoint_via_keep_paths(tmp_path):
@@ -104,12 +113,17 @@ def test_index_and_layout_md_describe_what_is_on_disk(tmp_path):
     fake_ckpt(tmp_path, 10)
     fake_ckpt(tmp_path, 5, kind="snapshot")
     fake_ckpt(tmp_path, 11, tmp=True)
-    layout.write_index(root, {"interval": 5, "keep_latest_k": 2, "snapshot_interval": 5, "snapshot_keep": 0},
-                       final_step=10)
+    layout.write_index(
+        root,
+        {"interval": 5, "keep_latest_k": 2, "snapshot_interval": 5, "snapshot_keep": 0},
+        final_step=10,
+    )
     index = json.load(open(os.path.join(root, layout.INDEX)))
     assert index["latest"] == "step-10" and index["final"] == "step-10"
     assert [p["step"] for p in index["periodic"]] == [5, 10]
     assert index["snapshots"] == [{"step": 5, "path": "snapshots/step-5"}]
     assert index["incomplete"] == [".tmp-step-11"]
     md = open(os.path.join(root, layout.LAYOUT_MD)).read()
-    assert "| 10 | periodic | `step-10` |" in md and "snapshots/step-5" in md and ".tmp-step-11" in md
+    assert (
+        "| 10 | periodic | `step-10` |" in md and "snapshots/step-5" in md and ".tmp-step-11" in md
+    )

@@ -61,7 +61,9 @@ def one_error_line(capsys, prefix):
     return err
 
 
-def test_planted_metadata_runs_no_code_in_resume_generate_or_export(tiny_pack, pristine, tmp_path, capsys):
+def test_planted_metadata_runs_no_code_in_resume_generate_or_export(
+    tiny_pack, pristine, tmp_path, capsys
+):
     dump = copy_run(pristine, tmp_path)
     step4 = dump / "checkpoint" / "step-4"
     mark = tmp_path / "CODE_RAN"
@@ -88,15 +90,24 @@ def test_planted_metadata_runs_no_code_in_resume_generate_or_export(tiny_pack, p
 def test_a_non_tensor_entry_that_asks_for_code_is_refused(tmp_path):
     mark = tmp_path / "CODE_RAN"
     ckpt = tmp_path / "ckpt"
-    dcp.save({"model": {"w": torch.ones(3)}, "train_state": {"step": Payload(mark)}}, checkpoint_id=str(ckpt),
-             no_dist=True)
+    dcp.save(
+        {"model": {"w": torch.ones(3)}, "train_state": {"step": Payload(mark)}},
+        checkpoint_id=str(ckpt),
+        no_dist=True,
+    )
     with pytest.raises(CheckpointError, match=r"entry 'train_state.step' refused: not plain data"):
         load_full(str(ckpt))
     assert not mark.exists()
-    assert load_full(str(ckpt), prefix="model.")["w"].tolist() == [1.0, 1.0, 1.0]  # tensors still load
+    assert load_full(str(ckpt), prefix="model.")["w"].tolist() == [
+        1.0,
+        1.0,
+        1.0,
+    ]  # tensors still load
 
 
-def test_no_reader_calls_torch_load_without_weights_only(tiny_pack, pristine, tmp_path, monkeypatch, capsys):
+def test_no_reader_calls_torch_load_without_weights_only(
+    tiny_pack, pristine, tmp_path, monkeypatch, capsys
+):
     dump = copy_run(pristine, tmp_path)
     calls = []
     real = torch.load
@@ -106,14 +117,17 @@ def test_no_reader_calls_torch_load_without_weights_only(tiny_pack, pristine, tm
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "load", recording_load)
-    assert make_trainer(tiny_pack, dump, *STEPS).state.step == 4  # resume: model, optimizer, every state
+    assert (
+        make_trainer(tiny_pack, dump, *STEPS).state.step == 4
+    )  # resume: model, optimizer, every state
     assert generate_tool.main([str(dump), "--prompt", "the cat", "--max-new-tokens", "2"]) == 0
     assert export_tool.main([str(dump), str(tmp_path / "out")]) == 0
     assert calls and all(w is True for w in calls), calls
 
 
-def test_a_marker_that_lost_its_checksums_is_refused_only_format_1_loads_unverified(tiny_pack, pristine, tmp_path,
-                                                                                      capsys):
+def test_a_marker_that_lost_its_checksums_is_refused_only_format_1_loads_unverified(
+    tiny_pack, pristine, tmp_path, capsys
+):
     dump = copy_run(pristine, tmp_path)
     step4 = dump / "checkpoint" / "step-4"
     marker = json.loads((step4 / layout.MARKER).read_text())
@@ -143,14 +157,18 @@ def test_a_marker_that_lost_its_checksums_is_refused_only_format_1_loads_unverif
     assert f"warning: checkpoint {step4} predates checksums (format 1): loaded unverified" in out
 
 
-def test_export_file_name_stays_inside_the_export_and_model_pt_is_plain_tensors(pristine, tmp_path, capsys):
+def test_export_file_name_stays_inside_the_export_and_model_pt_is_plain_tensors(
+    pristine, tmp_path, capsys
+):
     out = tmp_path / "out"
     assert export_tool.main([str(pristine), str(out)]) == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     shutil.move(str(out / "model.safetensors"), str(elsewhere / "model.safetensors"))
     info = json.loads((out / "model_args.json").read_text())
-    (out / "model_args.json").write_text(json.dumps(dict(info, file="../elsewhere/model.safetensors")))
+    (out / "model_args.json").write_text(
+        json.dumps(dict(info, file="../elsewhere/model.safetensors"))
+    )
     capsys.readouterr()
     assert generate_tool.main([str(out), "--prompt", "the cat", "--max-new-tokens", "2"]) == 2
     assert "must name a file inside" in one_error_line(capsys, "generate error:")
@@ -193,16 +211,22 @@ def test_pack_tokenizer_path_is_resolved_against_the_pack(tmp_path, monkeypatch)
         info = {"vocab_size": tok.vocab_size, "name_or_path": recorded, "eos_token_id": tok.eos_id}
         with PackWriter(out, info, max_seq_len=33) as w:
             for _ in range(40):
-                w.add_document(np.asarray(tok.encode("the cat sat on the mat") + [tok.eos_id], dtype=np.int64))
+                w.add_document(
+                    np.asarray(tok.encode("the cat sat on the mat") + [tok.eos_id], dtype=np.int64)
+                )
             w.finish(epochs=1, holdout_tokens=0, seed=0)
         return out
 
-    pack = write_pack("mytok/tokenizer.json")  # relative: to the pack, where the tokenizer is copied
+    pack = write_pack(
+        "mytok/tokenizer.json"
+    )  # relative: to the pack, where the tokenizer is copied
     shutil.copytree(tok_dir, pack / "mytok")
     elsewhere = tmp_path / "cwd"
     (elsewhere / "mytok").mkdir(parents=True)  # the same name here holds nothing usable
     monkeypatch.chdir(elsewhere)
-    assert load_tokenizer(pack, None, model_vocab=4096).name_or_path == str(pack / "mytok" / "tokenizer.json")
+    assert load_tokenizer(pack, None, model_vocab=4096).name_or_path == str(
+        pack / "mytok" / "tokenizer.json"
+    )
     pack = write_pack("../mytok/tokenizer.json")  # exists, but outside the pack
     with pytest.raises(LoadError, match="resolves outside the pack"):
         load_tokenizer(pack, None, model_vocab=4096)

@@ -25,8 +25,11 @@ _batch = two_document_batch
 
 
 def _targets(gm: torch.fx.GraphModule) -> set[str]:
-    return {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
-            if n.op in ("call_function", "call_method")}
+    return {
+        getattr(n.target, "__name__", str(n.target))
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method")
+    }
 
 
 @pytest.mark.parametrize("ac", ["none", "loop"])
@@ -41,7 +44,9 @@ def test_compiled_block_one_graph_no_break(dtype, ac):
     model = LoomTransformer(loom_flavors["debug"].replace(num_loops=6))
     model.init_weights()
     if ac != "none":
-        apply_activation_checkpointing(model, ac, save_routing=False)  # as parallelize does under compile
+        apply_activation_checkpointing(
+            model, ac, save_routing=False
+        )  # as parallelize does under compile
     apply_compile(model, backend=recording_backend, fullgraph=True)
     after_loop = {}
     inner = model.region_wrappers.get("loop")

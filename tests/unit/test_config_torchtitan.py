@@ -92,7 +92,11 @@ def test_ported_deepseek_debug_toml_loads_and_writes_our_names(tmp_path):
     cfg = load_config(["--job.config_file", str(path)])
     assert cfg.metrics.tb_folder == "tb_tt" and cfg.training.micro_batch_size == 8
     assert cfg.training.seed == 42 and cfg.training.gc_freq == 5
-    assert (cfg.parallelism.dp_shard, cfg.parallelism.dp_replicate, cfg.parallelism.ep) == (-1, 1, 1)
+    assert (cfg.parallelism.dp_shard, cfg.parallelism.dp_replicate, cfg.parallelism.ep) == (
+        -1,
+        1,
+        1,
+    )
     assert cfg.activation_checkpoint.mode == "block"
     assert cfg.lr_scheduler.kind == "wsd" and cfg.lr_scheduler.min_ratio == 0.0
     assert cfg.lr_scheduler.warmup_ratio == pytest.approx(2 / 10)
@@ -115,30 +119,63 @@ def test_ported_deepseek_debug_toml_loads_and_writes_our_names(tmp_path):
 
 def test_warmup_steps_is_exact_and_the_later_source_wins(tmp_path):
     for steps, warm in ((10, 2), (300, 7), (57_000, 2_000), (7, 3)):
-        cfg = load_config(["--lr_scheduler.warmup_steps", str(warm), "--training.steps", str(steps)])
+        cfg = load_config(
+            ["--lr_scheduler.warmup_steps", str(warm), "--training.steps", str(steps)]
+        )
         s = cfg.lr_scheduler
         # lr_scale reaches the peak exactly at step `warm` (the ratio round-trips to the step count).
-        peak = [lr_scale(i, total_steps=steps, warmup_ratio=s.warmup_ratio, decay_ratio=0.0, min_ratio=0.1,
-                         kind="wsd") for i in (warm - 1, warm)]
+        peak = [
+            lr_scale(
+                i,
+                total_steps=steps,
+                warmup_ratio=s.warmup_ratio,
+                decay_ratio=0.0,
+                min_ratio=0.1,
+                kind="wsd",
+            )
+            for i in (warm - 1, warm)
+        ]
         assert peak[1] == 1.0 and peak[0] < 1.0
     path = tmp_path / "c.toml"
     path.write_text("[lr_scheduler]\nwarmup_steps = 5\n")
-    assert load_config(["--job.config_file", str(path), "--lr_scheduler.warmup_ratio", "0.3"]
-                       ).lr_scheduler.warmup_ratio == 0.3
-    with pytest.raises(ConfigError, match=r"lr_scheduler.warmup_steps = 400: must lie in \[0, training.steps = 300\]"):
+    assert (
+        load_config(
+            ["--job.config_file", str(path), "--lr_scheduler.warmup_ratio", "0.3"]
+        ).lr_scheduler.warmup_ratio
+        == 0.3
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"lr_scheduler.warmup_steps = 400: must lie in \[0, training.steps = 300\]",
+    ):
         load_config(["--lr_scheduler.warmup_steps", "400"])
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--model.converters", "float8"], "model.converters (TorchTitan) has no meaning here: set float8.enable = true"),
-    (["--parallelism.tensor_parallel_degree", "2"], "tensor parallelism is not implemented here; leave it at 1"),
-    (["--parallelism.pipeline_parallel_degree", "4"], "pipeline parallelism is not implemented here"),
-    (["--parallelism.context_parallel_degree", "2"], "context parallelism is not implemented here"),
-    (["--activation_checkpoint.mode", "selective"], "use activation_checkpoint.mode = block"),
-    (["--lr_scheduler.decay_type", "cosine"], "use lr_scheduler.kind = wsd"),
-    (["--training.dataset", "c4"], "tools.pack --hf-dataset"),
-    (["--metrics.disable_color_printing"], "console lines are plain text"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["--model.converters", "float8"],
+            "model.converters (TorchTitan) has no meaning here: set float8.enable = true",
+        ),
+        (
+            ["--parallelism.tensor_parallel_degree", "2"],
+            "tensor parallelism is not implemented here; leave it at 1",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_degree", "4"],
+            "pipeline parallelism is not implemented here",
+        ),
+        (
+            ["--parallelism.context_parallel_degree", "2"],
+            "context parallelism is not implemented here",
+        ),
+        (["--activation_checkpoint.mode", "selective"], "use activation_checkpoint.mode = block"),
+        (["--lr_scheduler.decay_type", "cosine"], "use lr_scheduler.kind = wsd"),
+        (["--training.dataset", "c4"], "tools.pack --hf-dataset"),
+        (["--metrics.disable_color_printing"], "console lines are plain text"),
+    ],
+)
 def test_keys_without_meaning_get_one_line_and_exit_2(argv, expected, capsys):
     assert main(["--check-config", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -146,15 +183,39 @@ def test_keys_without_meaning_get_one_line_and_exit_2(argv, expected, capsys):
 
 
 # TorchTitan's docs (docs/fsdp.md, docs/float8.md, README, debugging.md) spell FSDP/EP/AC/compile so:
-@pytest.mark.parametrize("world, argv", [
-    (8, ["--parallelism.data_parallel_shard_degree", "8", "--training.local_batch_size", "4"]),
-    (8, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "4",
-         "--training.local_batch_size", "2"]),
-    (4, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
-    (1, ["--activation_checkpoint.mode", "full", "--compile.enable"]),
-    (1, ["--activation_checkpoint.mode=full", "--compile.enable", "--training.local_batch_size=4",
-         "--metrics.save_tb_folder", "tb2", "--lr_scheduler.warmup_steps", "20", "--validation.freq", "50"]),
-])
+@pytest.mark.parametrize(
+    "world, argv",
+    [
+        (8, ["--parallelism.data_parallel_shard_degree", "8", "--training.local_batch_size", "4"]),
+        (
+            8,
+            [
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "4",
+                "--training.local_batch_size",
+                "2",
+            ],
+        ),
+        (4, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
+        (1, ["--activation_checkpoint.mode", "full", "--compile.enable"]),
+        (
+            1,
+            [
+                "--activation_checkpoint.mode=full",
+                "--compile.enable",
+                "--training.local_batch_size=4",
+                "--metrics.save_tb_folder",
+                "tb2",
+                "--lr_scheduler.warmup_steps",
+                "20",
+                "--validation.freq",
+                "50",
+            ],
+        ),
+    ],
+)
 def test_torchtitan_command_lines_work_unchanged(world, argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     assert main(["--check-config", "--training.global_batch_size", "32", *argv]) == 0
@@ -162,12 +223,16 @@ def test_torchtitan_command_lines_work_unchanged(world, argv, monkeypatch):
 
 def test_help_shows_the_torchtitan_spelling_next_to_ours():
     lines = help_text().splitlines()
-    for ours, tt in (("parallelism.dp_shard", "parallelism.data_parallel_shard_degree"),
-                     ("training.micro_batch_size", "training.local_batch_size"),
-                     ("lr_scheduler.warmup_ratio", "lr_scheduler.warmup_steps")):
+    for ours, tt in (
+        ("parallelism.dp_shard", "parallelism.data_parallel_shard_degree"),
+        ("training.micro_batch_size", "training.local_batch_size"),
+        ("lr_scheduler.warmup_ratio", "lr_scheduler.warmup_steps"),
+    ):
         line = next(x for x in lines if x.startswith(f"  --{ours} "))
         assert f"--{tt}" in line, line
-    assert "mode 'full' = 'block'" in next(x for x in lines if x.startswith("  --activation_checkpoint.mode "))
+    assert "mode 'full' = 'block'" in next(
+        x for x in lines if x.startswith("  --activation_checkpoint.mode ")
+    )
     assert any(line.startswith("  --comm.train_timeout_seconds ") for line in lines)
     assert NO_MEANING  # every no-meaning key has its instruction
     assert all(v for v in NO_MEANING.values())

@@ -45,25 +45,38 @@ def aligned(t: torch.Tensor) -> bool:
     return strides_ok and t.storage_offset() * size % 16 == 0
 
 
-def check_cuda_segment(rec: AtenRecorder, n_layers: int, low_precision_gemm=lambda op: False) -> None:
+def check_cuda_segment(
+    rec: AtenRecorder, n_layers: int, low_precision_gemm=lambda op: False
+) -> None:
     LT = n_layers * T
     gemms = rec.named(*GEMMS)
-    high = [op for op in gemms if not low_precision_gemm(op)
-            and any(t.dtype != torch.bfloat16 for t in tensors(op))]
+    high = [
+        op
+        for op in gemms
+        if not low_precision_gemm(op) and any(t.dtype != torch.bfloat16 for t in tensors(op))
+    ]
     # The routers' GEMMs (an [*, E] operand, fp32), and nothing else outside bf16.
-    assert all(any(E in t.shape for t in tensors(op)) and all(t.dtype == torch.float32 for t in tensors(op))
-               for op in high), [(op.name, [(t.dtype, tuple(t.shape)) for t in tensors(op)]) for op in high][:5]
+    assert all(
+        any(E in t.shape for t in tensors(op))
+        and all(t.dtype == torch.float32 for t in tensors(op))
+        for op in high
+    ), [(op.name, [(t.dtype, tuple(t.shape)) for t in tensors(op)]) for op in high][:5]
     assert len(high) == ROUTER_GEMMS * LT
 
     grouped = rec.named("_grouped_mm")
     assert len(grouped) == 6 * LT  # w13 and w2, forward and both gradients
     for op in grouped:
-        assert all(t.dtype == torch.bfloat16 and aligned(t) for t in tensors(op)), \
-            [(t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors(op)]
+        assert all(t.dtype == torch.bfloat16 and aligned(t) for t in tensors(op)), [
+            (t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors(op)
+        ]
 
     # Flex attention: one fused forward and backward per layer and loop, and no score tensor.
-    assert len(rec.named("flex_attention")) == LT and len(rec.named("flex_attention_backward")) == LT
-    scores = [(op.name, tuple(t.shape), t.dtype) for op in rec.ops for t in op.outputs if score_like(t)]
+    assert (
+        len(rec.named("flex_attention")) == LT and len(rec.named("flex_attention_backward")) == LT
+    )
+    scores = [
+        (op.name, tuple(t.shape), t.dtype) for op in rec.ops for t in op.outputs if score_like(t)
+    ]
     assert not scores, scores[:5]
 
 
@@ -77,7 +90,11 @@ def test_one_gpu_segment_runs_the_cuda_kernels_in_bf16(autocast_trace):
     """One GPU, as benchmarks/gpu_check.sh runs it: bf16 autocast over fp32 parameters."""
     check_cuda_segment(autocast_trace, ARGS.n_layers)
     # The head: its three GEMMs in bf16 (the logits are upcast after it, for the loss).
-    head = [op for op in autocast_trace.named("mm") if any(ARGS.vocab_size in t.shape for t in tensors(op))]
+    head = [
+        op
+        for op in autocast_trace.named("mm")
+        if any(ARGS.vocab_size in t.shape for t in tensors(op))
+    ]
     assert len(head) == 3 and all(t.dtype == torch.bfloat16 for op in head for t in tensors(op))
 
 
@@ -99,16 +116,32 @@ def test_float8_segment_converts_what_it_claims():
     from torchtitan_loom.config import load_config
     from torchtitan_loom.protocols import get_train_spec
 
-    cfg = load_config(["--job.config_file", "train_configs/loom_1p7b_float8.toml", "--float8.experts", "false"])
+    cfg = load_config(
+        ["--job.config_file", "train_configs/loom_1p7b_float8.toml", "--float8.experts", "false"]
+    )
     spec = get_train_spec("loom")
     plan, errors = plan_float8(cfg.float8, "cuda", (9, 0), "NVIDIA H200")
     assert not errors and plan is not None and not plan.emulate
     args = dataclasses.replace(ARGS, n_layers=2)
-    rec, report = trace_segment(args, micro_batch=B, seq_len=S, loops=LOOPS, precision="autocast",
-                                convert=Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls).convert)
-    per_layer = ("attention.wqkv", "attention.wo", "moe.shared_experts.0.w13", "moe.shared_experts.0.w2",
-                 "moe.shared_experts.1.w13", "moe.shared_experts.1.w2")
-    assert sorted(report.dense) == sorted(f"layers.{i}.{n}" for i in range(args.n_layers) for n in per_layer)
+    rec, report = trace_segment(
+        args,
+        micro_batch=B,
+        seq_len=S,
+        loops=LOOPS,
+        precision="autocast",
+        convert=Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls).convert,
+    )
+    per_layer = (
+        "attention.wqkv",
+        "attention.wo",
+        "moe.shared_experts.0.w13",
+        "moe.shared_experts.0.w2",
+        "moe.shared_experts.1.w13",
+        "moe.shared_experts.1.w2",
+    )
+    assert sorted(report.dense) == sorted(
+        f"layers.{i}.{n}" for i in range(args.n_layers) for n in per_layer
+    )
 
     def is_float8(op):
         return all(isinstance(t, Float8TrainingTensor) for t in tensors(op))

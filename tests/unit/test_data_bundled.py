@@ -19,7 +19,7 @@ def test_generator_is_deterministic_and_tasks_are_correct():
     titles = {d.split(":\n")[0] for d in a}
     assert titles == {t for t, _, _ in sc.TASKS}
     rng = random.Random(0)
-    for _ in range(200):   # the answers the model is asked to learn are actually right
+    for _ in range(200):  # the answers the model is asked to learn are actually right
         line = sc.var_chain(rng)
         defs, query = line.rsplit("; ", 1)
         env = {}
@@ -43,14 +43,20 @@ def test_bundled_corpus_builds_once_and_is_trainable(tmp_path):
     path = bundled_corpus_path(tmp_path)
     assert path == tmp_path / sc.CORPUS_NAME
     meta = json.loads((path / "metadata.json").read_text())
-    assert meta["tokenizer_info"] == {"vocab_size": 258, "name_or_path": "byte", "eos_token_id": 256}
+    assert meta["tokenizer_info"] == {
+        "vocab_size": 258,
+        "name_or_path": "byte",
+        "eos_token_id": 256,
+    }
     assert meta["max_seq_len"] == 257 and meta["corpus"] == sc.CORPUS_NAME
     assert 3_000_000 <= meta["total_length"] <= 5_000_000
     assert 0.015 <= meta["holdout_tokens"] / meta["total_length"] <= 0.03
     pack = open_pack(path, seq_len=256, vocab_size=512, tokenizer_name="byte")
     assert len(pack.training_epochs) >= 2 and pack.holdout_epoch is not None
     mtime = (path / "tokens.npy").stat().st_mtime_ns
-    assert bundled_corpus_path(tmp_path) == path and (path / "tokens.npy").stat().st_mtime_ns == mtime  # reused
+    assert (
+        bundled_corpus_path(tmp_path) == path and (path / "tokens.npy").stat().st_mtime_ns == mtime
+    )  # reused
     b = next(iter(build_train_loader(path, 256, 512, global_batch_rows=8, dp_rank=0, dp_world=1)))
     assert b["input_ids"].shape == (8, 256)
 
@@ -58,6 +64,7 @@ def test_bundled_corpus_builds_once_and_is_trainable(tmp_path):
 def test_cache_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTITAN_LOOM_CACHE", str(tmp_path / "cache"))
     from torchtitan_loom.components.data import default_cache_dir
+
     assert default_cache_dir() == tmp_path / "cache"
 
 
@@ -73,6 +80,7 @@ def _tiny_builder(calls):
             (tmp / "ok").unlink()
             tmp.rmdir()
             raise FileExistsError(final) from None
+
     return build
 
 
@@ -84,7 +92,9 @@ def test_concurrent_first_use_all_get_the_winner(tmp_path):
     def worker():
         barrier.wait()
         try:
-            results.append(ensure_built(final, _tiny_builder(calls), lambda p: (p / "ok").is_file()))
+            results.append(
+                ensure_built(final, _tiny_builder(calls), lambda p: (p / "ok").is_file())
+            )
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -94,12 +104,12 @@ def test_concurrent_first_use_all_get_the_winner(tmp_path):
     for t in threads:
         t.join()
     assert not errors and results == [final] * 6
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]   # losers cleaned up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # losers cleaned up
 
 
 def test_broken_cache_entry_is_moved_aside_and_rebuilt(tmp_path):
     final = tmp_path / "corpus"
-    final.mkdir()   # exists but does not verify (no 'ok' file)
+    final.mkdir()  # exists but does not verify (no 'ok' file)
     calls = []
     assert ensure_built(final, _tiny_builder(calls), lambda p: (p / "ok").is_file()) == final
     assert len(calls) == 1 and (final / "ok").is_file()

@@ -33,7 +33,11 @@ def pack_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("packs") / "p"
     with PackWriter(out, BYTE_INFO, S + 1) as w:
         for _ in range(150):
-            w.add_document(tok.encode_array("".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(1, 25)))))
+            w.add_document(
+                tok.encode_array(
+                    "".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(1, 25)))
+                )
+            )
         for _ in range(8):
             w.add_document(tok.encode_array("Z" * 9))
         w.finish(epochs=2, holdout_tokens=80, seed=0)
@@ -51,8 +55,12 @@ def assert_batch_equal(a, b):
 
 
 def rank_loaders(path, G, W, **kw):
-    return [build_train_loader(path, seq_len=S, vocab_size=258, global_batch_rows=G, dp_rank=r, dp_world=W, **kw)
-            for r in range(W)]
+    return [
+        build_train_loader(
+            path, seq_len=S, vocab_size=258, global_batch_rows=G, dp_rank=r, dp_world=W, **kw
+        )
+        for r in range(W)
+    ]
 
 
 def global_batches(loaders, n):
@@ -72,7 +80,9 @@ def expected_global(path, orderings, G):
 
 
 def test_loader_is_a_stateful_dataloader_with_contract_batches(pack_dir):
-    ld = build_train_loader(pack_dir, seq_len=S, vocab_size=258, global_batch_rows=4, dp_rank=1, dp_world=2)
+    ld = build_train_loader(
+        pack_dir, seq_len=S, vocab_size=258, global_batch_rows=4, dp_rank=1, dp_world=2
+    )
     assert isinstance(ld, StatefulDataLoader)
     b = next(iter(ld))
     assert set(b) == {"input_ids", "labels", "positions", "doc_ids"}
@@ -95,7 +105,7 @@ def test_state_saved_at_w4_loads_at_w2(pack_dir):
     w4 = rank_loaders(pack_dir, G, 4)
     global_batches(w4, n)
     states = [ld.state_dict() for ld in w4]
-    assert all(s == states[0] for s in states)     # W-independent: every rank holds the same state
+    assert all(s == states[0] for s in states)  # W-independent: every rank holds the same state
     w2 = rank_loaders(pack_dir, G, 2)
     for ld in w2:
         ld.load_state_dict(states[0])
@@ -112,7 +122,7 @@ def test_resume_mid_epoch_gives_the_same_next_batches(pack_dir):
     following = [next(it) for _ in range(4)]
     b = build_train_loader(pack_dir, S, 258, 4, 0, 1)
     b.load_state_dict(sd)
-    for x, y in zip(following, [next(iter(b)) for _ in range(4)]):   # each iter() continues
+    for x, y in zip(following, [next(iter(b)) for _ in range(4)]):  # each iter() continues
         assert_batch_equal(x, y)
 
 
@@ -126,14 +136,18 @@ def test_roll_over_cycles_training_orderings_and_never_reads_holdout(pack_dir):
     got = global_batches([ld], len(ref))
     for a, b in zip(got, ref):
         assert_batch_equal(a, b)
-        assert not (a["input_ids"] == ord("Z")).any()   # holdout tokens never trained on
+        assert not (a["input_ids"] == ord("Z")).any()  # holdout tokens never trained on
     assert ld.state_dict()["epoch"] == 2 and ld.state_dict()["cursor"] == per_pass[0] * G
-    assert not torch.equal(ref[0]["input_ids"], ref[per_pass[0]]["input_ids"])  # pass 2 uses epoch_1
+    assert not torch.equal(
+        ref[0]["input_ids"], ref[per_pass[0]]["input_ids"]
+    )  # pass 2 uses epoch_1
 
 
 def test_load_state_with_other_batch_or_seq_len_fails(pack_dir):
     ld = build_train_loader(pack_dir, S, 258, 4, 0, 1)
-    with pytest.raises(ValueError, match="global_batch_rows=8 but this run uses global_batch_rows=4"):
+    with pytest.raises(
+        ValueError, match="global_batch_rows=8 but this run uses global_batch_rows=4"
+    ):
         ld.load_state_dict({"epoch": 0, "cursor": 8, "global_batch_rows": 8, "seq_len": S})
     with pytest.raises(ValueError, match="seq_len=31 but this run uses seq_len=15"):
         ld.load_state_dict({"epoch": 0, "cursor": 8, "global_batch_rows": 4, "seq_len": 31})
@@ -155,7 +169,7 @@ def test_workers_give_same_batches_and_exact_resume(pack_dir, workers):
     ref = global_batches([build_train_loader(pack_dir, S, 258, 4, 0, 1)], 9)
     ld = build_train_loader(pack_dir, S, 258, 4, 0, 1, num_workers=workers)
     it = iter(ld)
-    got = [next(it) for _ in range(5)]   # workers have prefetched beyond batch 5 by now
+    got = [next(it) for _ in range(5)]  # workers have prefetched beyond batch 5 by now
     sd = ld.state_dict()
     del it
     for a, b in zip(got, ref):
@@ -171,20 +185,28 @@ def test_workers_give_same_batches_and_exact_resume(pack_dir, workers):
 def test_eval_reads_holdout_in_order_and_pads_last_batch(pack_dir):
     pack = open_pack(pack_dir, S, 258)
     layout = layout_rows(*pack.records(2), S + 1)
-    batches = [list(build_eval_loader(pack_dir, S, 258, batch_rows=4, dp_rank=r, dp_world=2)) for r in (0, 1)]
+    batches = [
+        list(build_eval_loader(pack_dir, S, 258, batch_rows=4, dp_rank=r, dp_world=2))
+        for r in (0, 1)
+    ]
     assert len(batches[0]) == len(batches[1]) == -(-layout.num_rows // 4)
     full = torch.cat([torch.cat([a["input_ids"], b["input_ids"]]) for a, b in zip(*batches)])
     ref = assemble_rows(pack.tokens, layout, 0, layout.num_rows)["input_ids"]
-    assert torch.equal(full[:layout.num_rows], ref)
-    assert (full[layout.num_rows:] == 0).all()                   # padding rows
-    assert set(full[full != 0].tolist()) <= {ord("Z"), 256}      # holdout docs only
+    assert torch.equal(full[: layout.num_rows], ref)
+    assert (full[layout.num_rows :] == 0).all()  # padding rows
+    assert set(full[full != 0].tolist()) <= {ord("Z"), 256}  # holdout docs only
     again = list(build_eval_loader(pack_dir, S, 258, 4, 0, 2))
-    assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(again, batches[0]))  # fixed order
+    assert all(
+        torch.equal(a["labels"], b["labels"]) for a, b in zip(again, batches[0])
+    )  # fixed order
 
 
 def test_eval_stops_after_max_tokens_counted_globally(pack_dir):
     ev1 = build_eval_loader(pack_dir, S, 258, batch_rows=2, dp_rank=0, dp_world=1, max_tokens=20)
-    ev2 = [build_eval_loader(pack_dir, S, 258, batch_rows=2, dp_rank=r, dp_world=2, max_tokens=20) for r in (0, 1)]
+    ev2 = [
+        build_eval_loader(pack_dir, S, 258, batch_rows=2, dp_rank=r, dp_world=2, max_tokens=20)
+        for r in (0, 1)
+    ]
     # each holdout row holds one 'Z'*9+EOS record = 9 labels; 18 after batch 1, 36 after batch 2
     assert len(ev1) == len(ev2[0]) == len(ev2[1]) == 2 and ev1.num_label_tokens == 36
     labels = sum(int((b["labels"] != IGNORE_INDEX).sum()) for ld in ev2 for b in ld)
@@ -219,13 +241,24 @@ def test_loader_without_torchdata_gives_the_same_batches_and_state(pack_dir, tmp
         "assert type(ld).__mro__[1] is torch.utils.data.DataLoader, type(ld).__mro__\n"
         "it = iter(ld)\n"
         "batches = [next(it)['input_ids'] for _ in range(3)]\n"
-        "torch.save({'batches': batches, 'state': ld.state_dict()}, sys.argv[1])\n")
+        "torch.save({'batches': batches, 'state': ld.state_dict()}, sys.argv[1])\n"
+    )
     out = tmp_path / "out.pt"
-    subprocess.run([sys.executable, str(script), str(out)], check=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [sys.executable, str(script), str(out)],
+        check=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     got = torch.load(out)
-    ld = build_train_loader(pack_dir, seq_len=S, vocab_size=258, global_batch_rows=4, dp_rank=0, dp_world=1)
+    ld = build_train_loader(
+        pack_dir, seq_len=S, vocab_size=258, global_batch_rows=4, dp_rank=0, dp_world=1
+    )
     it = iter(ld)
     want = [next(it)["input_ids"] for _ in range(3)]
     assert all(torch.equal(a, b) for a, b in zip(got["batches"], want))
-    assert got["state"] == ld.state_dict() == {"epoch": 0, "cursor": 12, "global_batch_rows": 4, "seq_len": S}
+    assert (
+        got["state"]
+        == ld.state_dict()
+        == {"epoch": 0, "cursor": 12, "global_batch_rows": 4, "seq_len": S}
+    )

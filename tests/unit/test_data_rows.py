@@ -35,13 +35,16 @@ def test_next_fit_matches_definition_random(seed, monkeypatch):
     np.testing.assert_array_equal(next_fit_row_starts(lens, C), naive_row_starts(lens, C))
 
 
-@pytest.mark.parametrize("lens,C", [
-    (np.full(1000, 5), 12),      # equal lengths: guessed chains never merge (worst case)
-    (np.full(1000, 12), 12),     # one piece per row
-    (np.ones(1000, int), 7),     # many pieces per row, rows span blocks
-    (np.array([7]), 7),
-    (np.zeros(0, int), 7),
-])
+@pytest.mark.parametrize(
+    "lens,C",
+    [
+        (np.full(1000, 5), 12),  # equal lengths: guessed chains never merge (worst case)
+        (np.full(1000, 12), 12),  # one piece per row
+        (np.ones(1000, int), 7),  # many pieces per row, rows span blocks
+        (np.array([7]), 7),
+        (np.zeros(0, int), 7),
+    ],
+)
 def test_next_fit_matches_definition_edge_cases(lens, C, monkeypatch):
     monkeypatch.setattr("torchtitan_loom.components.data.rows._BLOCK", 3)
     np.testing.assert_array_equal(next_fit_row_starts(lens, C), naive_row_starts(lens, C))
@@ -55,7 +58,7 @@ def test_next_fit_large_default_block():
 
 def test_split_records_cuts_long_records_and_drops_one_token_pieces():
     start = np.array([0, 100, 200])
-    length = np.array([10, 3, 1])       # 10 → 4+4+2 ; 3 stays ; 1 dropped (no target)
+    length = np.array([10, 3, 1])  # 10 → 4+4+2 ; 3 stays ; 1 dropped (no target)
     s, n = split_records(start, length, 4)
     assert s.tolist() == [0, 4, 8, 100]
     assert n.tolist() == [4, 4, 2, 3]
@@ -80,7 +83,7 @@ def test_assemble_rows_layout_labels_positions_padding():
     assert b["labels"][1].tolist() == [121, 122, 123, 124, IGNORE_INDEX]
     assert b["doc_ids"][1].tolist() == [0, 0, 0, 0, 0]
     assert b["input_ids"][2].tolist() == [130, 131, 132, 133, 134]
-    assert b["labels"][2].tolist() == [131, 132, 133, 134, 135]   # a full row: last label is real
+    assert b["labels"][2].tolist() == [131, 132, 133, 134, 135]  # a full row: last label is real
 
 
 def test_assemble_rows_padding_values_and_extra_empty_rows():

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from rank_collapse_ref import direct_rank_collapse  # noqa: E402 (next to this file)
-from torchtitan_loom.components.observability.diagnostics import RANK_SAMPLE_ROWS, rank_collapse, sample_rows
+from torchtitan_loom.components.observability.diagnostics import (
+    RANK_SAMPLE_ROWS,
+    rank_collapse,
+    sample_rows,
+)
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
@@ -20,12 +24,37 @@ CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def make_trainer(pack_dir, tmp_path, *extra):
-    argv = ["--data.path", str(pack_dir), "--job.dump_folder", str(tmp_path / "run"),
-            "--training.seq_len", "32", "--metrics.enable_tensorboard", "false", "--eval.interval", "0",
-            "--model.num_loops", "3", "--training.bp_segment_len", "2", "--training.max_norm", "0",
-            "--training.global_batch_size", "8", "--training.micro_batch_size", "4",
-            "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
-            "--metrics.diag_interval", "1", "--metrics.diag_grad", "true", *extra]
+    argv = [
+        "--data.path",
+        str(pack_dir),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.seq_len",
+        "32",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--eval.interval",
+        "0",
+        "--model.num_loops",
+        "3",
+        "--training.bp_segment_len",
+        "2",
+        "--training.max_norm",
+        "0",
+        "--training.global_batch_size",
+        "8",
+        "--training.micro_batch_size",
+        "4",
+        "--training.mixed_precision_param",
+        "float32",
+        "--activation_checkpoint.mode",
+        "none",
+        "--metrics.diag_interval",
+        "1",
+        "--metrics.diag_grad",
+        "true",
+        *extra,
+    ]
     cfg = load_config(argv)
     return Trainer(cfg, resolve(cfg, 1), CPU)
 
@@ -35,10 +64,16 @@ def capture_branches(model):
     seen = []
     handles = []
     for layer in model.layers:
-        handles.append(layer.attention.register_forward_hook(
-            lambda mod, args, out, l=layer: seen.append(("attention", out.detach().clone()))))
-        handles.append(layer.moe.register_forward_hook(
-            lambda mod, args, out: seen.append(("moe", out[0].detach().clone()))))
+        handles.append(
+            layer.attention.register_forward_hook(
+                lambda mod, args, out, l=layer: seen.append(("attention", out.detach().clone()))
+            )
+        )
+        handles.append(
+            layer.moe.register_forward_hook(
+                lambda mod, args, out: seen.append(("moe", out[0].detach().clone()))
+            )
+        )
     return seen, handles
 
 
@@ -89,16 +124,24 @@ def test_every_statistic_equals_a_direct_computation(tiny_pack, tmp_path):
     for group, names in tr.model.param_groups().items():
         sq = sum(grads[n].double().pow(2).sum().item() for n in names if n in grads)
         total_sq += sq
-        assert out.diag[f"diag/grad_norm/{group}/segment_{last}"] == pytest.approx(math.sqrt(sq), rel=1e-6)
+        assert out.diag[f"diag/grad_norm/{group}/segment_{last}"] == pytest.approx(
+            math.sqrt(sq), rel=1e-6
+        )
         assert out.diag[f"diag/grad_norm/{group}/segment_1"] > 0 or not names
-    assert math.sqrt(total_sq) == pytest.approx(out.grad_norm, rel=1e-6)  # the groups cover every parameter
+    assert math.sqrt(total_sq) == pytest.approx(
+        out.grad_norm, rel=1e-6
+    )  # the groups cover every parameter
 
 
 def test_rank_collapse_extremes():
     g = torch.Generator().manual_seed(0)
     v = torch.randn(1, 16, generator=g, dtype=torch.float64)
-    collapsed = (torch.rand(8, 1, generator=g, dtype=torch.float64) + 0.5) * v  # rank one: every row along v
-    erank, top, cos = rank_collapse((collapsed @ collapsed.T).numpy())  # fp64, as the trainer's Gram
+    collapsed = (
+        torch.rand(8, 1, generator=g, dtype=torch.float64) + 0.5
+    ) * v  # rank one: every row along v
+    erank, top, cos = rank_collapse(
+        (collapsed @ collapsed.T).numpy()
+    )  # fp64, as the trainer's Gram
     assert erank == pytest.approx(1.0, abs=1e-3) and top == pytest.approx(1.0, abs=1e-3)
     assert cos == pytest.approx(1.0, abs=1e-6)
     eye = torch.eye(8)
@@ -106,18 +149,32 @@ def test_rank_collapse_extremes():
 
 
 def test_off_steps_keys_and_skipped_segments(tiny_pack, tmp_path):
-    tr = make_trainer(tiny_pack, tmp_path, "--metrics.diag_interval", "2", "--metrics.diag_grad", "false",
-                      "--spike_guard.enable", "true", "--spike_guard.warmup_steps", "0")
+    tr = make_trainer(
+        tiny_pack,
+        tmp_path,
+        "--metrics.diag_interval",
+        "2",
+        "--metrics.diag_grad",
+        "false",
+        "--spike_guard.enable",
+        "true",
+        "--spike_guard.warmup_steps",
+        "0",
+    )
     batches = iter(tr.dataloader)
     assert tr.train_step(next(batches)).diag is None  # step 1: not a diagnostic step
     keys = tr.diagnostics.keys()
-    assert len(keys) == tr.model.args.n_layers * tr.num_loops * 2 * 5 and not any("grad_norm" in k for k in keys)
+    assert len(keys) == tr.model.args.n_layers * tr.num_loops * 2 * 5 and not any(
+        "grad_norm" in k for k in keys
+    )
     for _ in range(300):  # segment 1's baseline goes to ~0: step 2's segment 1 is a spike
         tr.spike_guard.accept(0, 0.0)
     out = tr.train_step(next(batches))
     assert out.skip_reason is not None and list(out.diag) == keys
     ran = [k for k, v in out.diag.items() if v is not None]
-    assert ran and all("loop_1/" in k + "/" or "loop_2/" in k + "/" for k in ran)  # segment 2 (loop 3) never ran
+    assert ran and all(
+        "loop_1/" in k + "/" or "loop_2/" in k + "/" for k in ran
+    )  # segment 2 (loop 3) never ran
     assert all(out.diag[k] is None for k in keys if k.endswith("loop_3"))
 
 

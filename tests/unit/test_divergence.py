@@ -11,11 +11,21 @@ from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from tests.unit.test_checkpoint import make_trainer
 
-COMMON = ("--training.steps", "12", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1",
-          "--spike_guard.abort_on_spike", "false")
+COMMON = (
+    "--training.steps",
+    "12",
+    "--checkpoint.interval",
+    "1",
+    "--checkpoint.keep_latest_k",
+    "1",
+    "--spike_guard.abort_on_spike",
+    "false",
+)
 
 
-def test_consecutive_skips_stop_the_run_and_keep_the_last_good_checkpoint(tiny_pack, tmp_path, capsys):
+def test_consecutive_skips_stop_the_run_and_keep_the_last_good_checkpoint(
+    tiny_pack, tmp_path, capsys
+):
     t = make_trainer(tiny_pack, tmp_path, *COMMON, "--spike_guard.max_consecutive_skips", "3")
     t.spike_guard.check = lambda seg, loss, finite, step: "forced" if step >= 3 else None
     assert t.train() == 2
@@ -29,7 +39,15 @@ def test_consecutive_skips_stop_the_run_and_keep_the_last_good_checkpoint(tiny_p
 
 
 def test_a_skip_streak_that_ends_does_not_stop(tiny_pack, tmp_path):
-    t = make_trainer(tiny_pack, tmp_path, *COMMON, "--training.steps", "6", "--spike_guard.max_consecutive_skips", "2")
+    t = make_trainer(
+        tiny_pack,
+        tmp_path,
+        *COMMON,
+        "--training.steps",
+        "6",
+        "--spike_guard.max_consecutive_skips",
+        "2",
+    )
     t.spike_guard.check = lambda seg, loss, finite, step: "forced" if step in (2, 4) else None
     assert t.train() == 0 and t.state.step == 6
     assert not (tmp_path / "SPIKE_ABORT.txt").exists()
@@ -62,30 +80,47 @@ def test_nonfinite_weight_after_a_step_stops_without_saving(tiny_pack, tmp_path,
 def stopped_at_8(tiny_pack, tmp_path_factory):
     """A healthy run stopped at step 8 (checkpoints at 4 and 8), as the relaunches below find it."""
     dump = tmp_path_factory.mktemp("stopped_at_8")
-    t = make_trainer(tiny_pack, dump, *COMMON, "--checkpoint.interval", "4", "--checkpoint.exit_after_step", "8")
+    t = make_trainer(
+        tiny_pack, dump, *COMMON, "--checkpoint.interval", "4", "--checkpoint.exit_after_step", "8"
+    )
     assert t.train() == 0 and t.state.step == 8
     return dump
 
 
 @pytest.mark.parametrize("guard", ["true", "false"])
-def test_a_nonfinite_loss_stops_the_run_whatever_the_guard(tiny_pack, tmp_path, stopped_at_8, guard):
+def test_a_nonfinite_loss_stops_the_run_whatever_the_guard(
+    tiny_pack, tmp_path, stopped_at_8, guard
+):
     # lr 1e12 on the resumed run: step 9 is finite, its update makes step 10's loss NaN while the
     # weights stay finite. Before, the guard skipped 10-12 and saved step-12 of that model (exit 0),
     # and with the guard off the NaN update was applied.
     shutil.copytree(stopped_at_8, tmp_path, dirs_exist_ok=True)
-    t = make_trainer(tiny_pack, tmp_path, *COMMON, "--checkpoint.interval", "4", "--optimizer.lr", "1e12",
-                     "--spike_guard.enable", guard)
+    t = make_trainer(
+        tiny_pack,
+        tmp_path,
+        *COMMON,
+        "--checkpoint.interval",
+        "4",
+        "--optimizer.lr",
+        "1e12",
+        "--spike_guard.enable",
+        guard,
+    )
     assert t.train() == 2 and t.state.step == 10
     text = (tmp_path / "SPIKE_ABORT.txt").read_text()
     assert "non-finite loss in segment 1" in text and "at step 10" in text
-    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [8]  # nothing saved, nothing pruned
+    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [
+        8
+    ]  # nothing saved, nothing pruned
     assert not model_finite(t.model)  # the NaN step's update was not applied
 
 
 def test_a_nonfinite_gradient_stops_the_run(tiny_pack, tmp_path, stopped_at_8):
     # lr 1e6: step 10's loss is finite (huge) but its gradient is not: no longer skipped to the end.
     shutil.copytree(stopped_at_8, tmp_path, dirs_exist_ok=True)
-    t = make_trainer(tiny_pack, tmp_path, *COMMON, "--checkpoint.interval", "4", "--optimizer.lr", "1e6")
+    t = make_trainer(
+        tiny_pack, tmp_path, *COMMON, "--checkpoint.interval", "4", "--optimizer.lr", "1e6"
+    )
     assert t.train() == 2 and t.state.step == 10
     assert "non-finite gradient in segment 1" in (tmp_path / "SPIKE_ABORT.txt").read_text()
     assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [8]

@@ -19,7 +19,13 @@ from torchtitan_loom.distributed.estimate import estimate, recommend, report, se
 from torchtitan_loom.protocols import get_train_spec
 from torchtitan_loom.protocols import segments
 
-BASE = ["--parallelism.dry_run", "--training.global_batch_size", "64", "--training.micro_batch_size", "2"]
+BASE = [
+    "--parallelism.dry_run",
+    "--training.global_batch_size",
+    "64",
+    "--training.micro_batch_size",
+    "2",
+]
 
 
 def resolved(argv: list[str], world: int):
@@ -27,9 +33,18 @@ def resolved(argv: list[str], world: int):
     return (cfg, *resolve(cfg, world))
 
 
-@pytest.mark.parametrize("key, value", [("peak_tflops", "0"), ("achievable_fraction", "1.5"),
-                                        ("intra_node_gbps", "-1"), ("inter_node_gbps", "nan"),
-                                        ("gpus_per_node", "0"), ("latency_us", "-2"), ("memory_gib", "0")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("peak_tflops", "0"),
+        ("achievable_fraction", "1.5"),
+        ("intra_node_gbps", "-1"),
+        ("inter_node_gbps", "nan"),
+        ("gpus_per_node", "0"),
+        ("latency_us", "-2"),
+        ("memory_gib", "0"),
+    ],
+)
 def test_bad_assumptions_are_config_errors_naming_the_key(key, value):
     cfg = load_config(BASE + [f"--estimate.{key}", value])
     with pytest.raises(ConfigError, match=f"estimate.{key} = "):
@@ -44,8 +59,17 @@ def test_assumptions_are_printed_and_drive_the_step_time():
     assert b.overlapped_s > a.overlapped_s  # 16 ranks span two 8-GPU nodes: the network is the link
     text = "\n".join(report(slow, args, dims))
     assert "peak 100 TFLOP/s per GPU" in text and "5 GB/s between nodes" in text
-    for part in ("gathered parameters", "activations of one micro-batch (none)", "logits", "all_gather",
-                 "reduce_scatter", "replicated parameters", "FLOPs per step", "MFU", "recommended:"):
+    for part in (
+        "gathered parameters",
+        "activations of one micro-batch (none)",
+        "logits",
+        "all_gather",
+        "reduce_scatter",
+        "replicated parameters",
+        "FLOPs per step",
+        "MFU",
+        "recommended:",
+    ):
         assert part in text, part
 
 
@@ -62,15 +86,30 @@ def test_flops_are_the_trainers():
         model = get_train_spec("loom").model_cls(args)
     n_seg = len(segments(args.num_loops, 3))
     rows = cfg.training.global_batch_size // dims.dp
-    want = model.flops_per_token(cfg.training.seq_len, head_calls=n_seg) * rows * cfg.training.seq_len
+    want = (
+        model.flops_per_token(cfg.training.seq_len, head_calls=n_seg) * rows * cfg.training.seq_len
+    )
     assert estimate(cfg, args, dims).flops == pytest.approx(want, rel=1e-12)
 
 
-@pytest.mark.parametrize("argv, world", [
-    # HSDP 2 × 6: no dimension of the debug model divides by 6, so FSDP pads every parameter.
-    (["--parallelism.dp_replicate", "2", "--model.vocab_size", "520", "--training.global_batch_size", "96"], 12),
-    (["--parallelism.ep", "8"], 16),  # one expert per ep rank, FSDP splits expert rows
-])
+@pytest.mark.parametrize(
+    "argv, world",
+    [
+        # HSDP 2 × 6: no dimension of the debug model divides by 6, so FSDP pads every parameter.
+        (
+            [
+                "--parallelism.dp_replicate",
+                "2",
+                "--model.vocab_size",
+                "520",
+                "--training.global_batch_size",
+                "96",
+            ],
+            12,
+        ),
+        (["--parallelism.ep", "8"], 16),  # one expert per ep rank, FSDP splits expert rows
+    ],
+)
 def test_parameters_per_rank_are_rank_0s_real_shards(argv, world):
     cfg, args, dims = resolved(argv + ["--parallelism.dry_run_world_size", str(world)], world)
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -82,7 +121,9 @@ def test_parameters_per_rank_are_rank_0s_real_shards(argv, world):
         with torch.device("meta"):
             model = spec.model_cls(args)
         model = spec.parallelize_fn(model, dims, cfg).model
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+        local = sum(
+            (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
+        )
     finally:
         dist.destroy_process_group()
     assert estimate(cfg, args, dims).memory["parameters (fp32)"] == 4 * local
@@ -92,7 +133,11 @@ def test_recommendation_is_the_fastest_layout_that_fits():
     cfg, args, dims = resolved(["--parallelism.dry_run_world_size", "16"], 16)
     lines = recommend(cfg, args, 16)
     best = [line for line in lines if line.startswith("  recommended:")][0]
-    ranked = [float(line.split(": ")[1].split(" s per step")[0]) for line in lines if " s per step, MFU" in line]
+    ranked = [
+        float(line.split(": ")[1].split(" s per step")[0])
+        for line in lines
+        if " s per step, MFU" in line
+    ]
     assert ranked == sorted(ranked) and len(ranked) == 3
     first = [line for line in lines if " s per step, MFU" in line][0]
     r, s, e = re.search(r"dp_replicate (\d+) × dp_shard (\d+), ep (\d+):", first).groups()

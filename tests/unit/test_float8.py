@@ -9,8 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan_loom.components.quantization.float8 import Float8Converter, plan_float8, select_dense, select_experts
-from torchtitan_loom.components.quantization.float8_experts import Float8GroupedExperts, padded_layout, swiglu_grouped
+from torchtitan_loom.components.quantization.float8 import (
+    Float8Converter,
+    plan_float8,
+    select_dense,
+    select_experts,
+)
+from torchtitan_loom.components.quantization.float8_experts import (
+    Float8GroupedExperts,
+    padded_layout,
+    swiglu_grouped,
+)
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
@@ -20,20 +29,38 @@ from torchtitan_loom.train import main
 
 LOOM = get_train_spec("loom")
 
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao not installed"
+)
 
 # The debug flavor: 2 layers, 2 shared experts. Exactly these modules become Float8Linear ...
-DENSE = [f"layers.{l}.{m}" for l in range(2) for m in
-         ("attention.wqkv", "attention.wo", "moe.shared_experts.0.w13", "moe.shared_experts.0.w2",
-          "moe.shared_experts.1.w13", "moe.shared_experts.1.w2")]
+DENSE = [
+    f"layers.{l}.{m}"
+    for l in range(2)
+    for m in (
+        "attention.wqkv",
+        "attention.wo",
+        "moe.shared_experts.0.w13",
+        "moe.shared_experts.0.w2",
+        "moe.shared_experts.1.w13",
+        "moe.shared_experts.1.w2",
+    )
+]
 # ... and these become Float8GroupedExperts; nothing else changes type.
 EXPERTS = ["layers.0.moe.experts", "layers.1.moe.experts"]
 
 
 def f8_section(**changes):
-    base = dict(enable=True, recipe="tensorwise", emulate=False, experts=False, experts_recipe="auto",
-                enable_fsdp_float8_all_gather=False, precompute_float8_dynamic_scale_for_fsdp=False,
-                filter_fqns=[])
+    base = dict(
+        enable=True,
+        recipe="tensorwise",
+        emulate=False,
+        experts=False,
+        experts_recipe="auto",
+        enable_fsdp_float8_all_gather=False,
+        precompute_float8_dynamic_scale_for_fsdp=False,
+        filter_fqns=[],
+    )
     return SimpleNamespace(**{**base, **changes})
 
 
@@ -67,7 +94,8 @@ def test_converter_touches_exactly_the_dense_linears_and_routed_experts():
     assert report.skipped == {"output": "never converted (routers, tok_embeddings, output)"}
     assert all(type(p) is nn.Parameter for n, p in model.named_parameters() if ".routers." in n)
     assert "never converted: routers, tok_embeddings, output" in report.summary(
-        plan_float8(f8_section(emulate=True), "cpu", None, "cpu")[0])
+        plan_float8(f8_section(emulate=True), "cpu", None, "cpu")[0]
+    )
 
 
 @needs_torchao
@@ -96,8 +124,12 @@ def test_layers_whose_dims_are_not_multiples_of_16_are_skipped_and_named():
 def test_state_dict_keys_shapes_and_parameter_order_are_unchanged():
     plain, model = meta_model(), meta_model()
     converted(model, experts=True)
-    assert [(n, p.shape) for n, p in plain.named_parameters()] == [(n, p.shape) for n, p in model.named_parameters()]
-    assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+    assert [(n, p.shape) for n, p in plain.named_parameters()] == [
+        (n, p.shape) for n, p in model.named_parameters()
+    ]
+    assert {k: v.shape for k, v in plain.state_dict().items()} == {
+        k: v.shape for k, v in model.state_dict().items()
+    }
 
 
 # ------------------------------------------------------------------ padding at the expert seam
@@ -108,10 +140,12 @@ def test_padded_layout_aligns_every_group_and_tiles_the_buffer():
     assert P % a == 0 and P >= A + len(counts_E) * a - a and int(ends_E[-1]) == P
     starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]]).long()
     assert (starts_E % a == 0).all() and ((ends_E.long() - starts_E) >= a).all()
-    assert len(set(dest_A.tolist())) == A                     # no two rows share a slot
+    assert len(set(dest_A.tolist())) == A  # no two rows share a slot
     src_start = 0
-    for e, c in enumerate(counts_E.tolist()):                 # group e keeps its rows, in order
-        assert dest_A[src_start:src_start + c].tolist() == list(range(starts_E[e], starts_E[e] + c))
+    for e, c in enumerate(counts_E.tolist()):  # group e keeps its rows, in order
+        assert dest_A[src_start : src_start + c].tolist() == list(
+            range(starts_E[e], starts_E[e] + c)
+        )
         src_start += c
 
 
@@ -144,7 +178,7 @@ def test_emulated_mxfp8_experts_are_close_to_high_precision_but_not_equal():
     torch.manual_seed(0)
     experts = RoutedExperts(8, 128, 128, "grouped")
     with torch.no_grad():
-        experts.w13.normal_(std=128 ** -0.5), experts.w2.normal_(std=128 ** -0.5)
+        experts.w13.normal_(std=128**-0.5), experts.w2.normal_(std=128**-0.5)
     counts_E = torch.tensor([30, 0, 70, 5, 64, 1, 33, 53])
     x_AD = torch.randn(int(counts_E.sum()), 128)
     f8 = Float8GroupedExperts(experts, "mxfp8_emulated", 32)
@@ -172,42 +206,71 @@ def test_float8_on_cpu_without_emulation_is_one_clear_error():
 
 @needs_torchao
 def test_bad_combinations_are_one_error_each():
-    [e] = config_errors("--training.device", "cpu", "--float8.emulate", "--float8.recipe", "rowwise",
-                        "--float8.enable_fsdp_float8_all_gather")
+    [e] = config_errors(
+        "--training.device",
+        "cpu",
+        "--float8.emulate",
+        "--float8.recipe",
+        "rowwise",
+        "--float8.enable_fsdp_float8_all_gather",
+    )
     assert "needs float8.recipe = 'tensorwise'" in e
-    [e] = config_errors("--training.device", "cpu", "--float8.emulate",
-                        "--float8.precompute_float8_dynamic_scale_for_fsdp")
+    [e] = config_errors(
+        "--training.device",
+        "cpu",
+        "--float8.emulate",
+        "--float8.precompute_float8_dynamic_scale_for_fsdp",
+    )
     assert "enable_fsdp_float8_all_gather = true" in e
-    [e] = config_errors("--training.device", "cpu", "--float8.emulate", "--float8.experts",
-                        "--float8.experts_recipe", "fp8_rowwise")
+    [e] = config_errors(
+        "--training.device",
+        "cpu",
+        "--float8.emulate",
+        "--float8.experts",
+        "--float8.experts_recipe",
+        "fp8_rowwise",
+    )
     assert "no emulated kernel" in e
-    [e] = config_errors("--training.device", "cpu", "--float8.emulate", "--float8.experts", "--compile.enable")
+    [e] = config_errors(
+        "--training.device", "cpu", "--float8.emulate", "--float8.experts", "--compile.enable"
+    )
     assert "torch.compile fails on torchao's emulated MXFP8" in e
 
 
 def test_unknown_recipe_is_rejected_naming_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"float8\.recipe: 'blockwise' is not one of tensorwise, rowwise"):
+    with pytest.raises(
+        ConfigError, match=r"float8\.recipe: 'blockwise' is not one of tensorwise, rowwise"
+    ):
         load_config(["--float8.recipe", "blockwise"])
 
 
 @needs_torchao
 def test_cli_exits_2_with_one_error_line(capsys):
     assert main(["--float8.enable", "--training.device", "cpu", "--check-config"]) == 2
-    assert len([ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("config error")]) == 1
+    assert (
+        len([ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("config error")])
+        == 1
+    )
     assert main(["--float8.enable", "--float8.recipe", "nope", "--check-config"]) == 2
     err = capsys.readouterr().err
     assert err.count("config error") == 1 and "float8.recipe" in err
-    assert main(["--float8.enable", "--float8.emulate", "--training.device", "cpu", "--check-config"]) == 0
+    assert (
+        main(["--float8.enable", "--float8.emulate", "--training.device", "cpu", "--check-config"])
+        == 0
+    )
 
 
 @needs_torchao
-@pytest.mark.parametrize("cap, name, experts, expect", [
-    ((8, 0), "NVIDIA A100", False, "compute capability 8.9+"),
-    ((8, 9), "NVIDIA L40S", False, None),
-    ((8, 9), "NVIDIA L40S", True, "fp8_rowwise needs SM90"),
-    ((9, 0), "NVIDIA H200", True, "fp8_rowwise"),
-    ((10, 0), "NVIDIA B200", True, "mxfp8"),
-])
+@pytest.mark.parametrize(
+    "cap, name, experts, expect",
+    [
+        ((8, 0), "NVIDIA A100", False, "compute capability 8.9+"),
+        ((8, 9), "NVIDIA L40S", False, None),
+        ((8, 9), "NVIDIA L40S", True, "fp8_rowwise needs SM90"),
+        ((9, 0), "NVIDIA H200", True, "fp8_rowwise"),
+        ((10, 0), "NVIDIA B200", True, "mxfp8"),
+    ],
+)
 def test_capability_checks(cap, name, experts, expect):
     plan, errors = plan_float8(f8_section(experts=experts), "cuda", cap, name)
     if expect in ("fp8_rowwise", "mxfp8"):
@@ -221,9 +284,13 @@ def test_capability_checks(cap, name, experts, expect):
     else:
         assert len(errors) == 1 and expect in errors[0] and name in errors[0]
     # MXFP8 on an SM90 GPU is a clear error; emulation runs anywhere.
-    _, errors = plan_float8(f8_section(experts=True, experts_recipe="mxfp8"), "cuda", (9, 0), "NVIDIA H200")
+    _, errors = plan_float8(
+        f8_section(experts=True, experts_recipe="mxfp8"), "cuda", (9, 0), "NVIDIA H200"
+    )
     assert len(errors) == 1 and "needs an SM100 GPU" in errors[0]
-    plan, errors = plan_float8(f8_section(experts=True, emulate=True), "cuda", (8, 0), "NVIDIA A100")
+    plan, errors = plan_float8(
+        f8_section(experts=True, emulate=True), "cuda", (8, 0), "NVIDIA A100"
+    )
     assert not errors and plan.experts_kernel == "mxfp8_emulated"
 
 
@@ -232,15 +299,50 @@ def test_float8_preset_is_loom_1p7b_plus_the_float8_section():
     from pathlib import Path
 
     configs = Path(__file__).resolve().parents[2] / "train_configs"
-    base = load_config(["--job.config_file", str(configs / "loom_1p7b.toml"), "--parallelism.dry_run", "true"])
-    f8 = load_config(["--job.config_file", str(configs / "loom_1p7b_float8.toml"), "--parallelism.dry_run", "true"])
+    base = load_config(
+        ["--job.config_file", str(configs / "loom_1p7b.toml"), "--parallelism.dry_run", "true"]
+    )
+    f8 = load_config(
+        [
+            "--job.config_file",
+            str(configs / "loom_1p7b_float8.toml"),
+            "--parallelism.dry_run",
+            "true",
+        ]
+    )
     assert f8.float8.enable and f8.float8.recipe == "tensorwise" and f8.float8.experts
-    assert f8.float8.enable_fsdp_float8_all_gather and f8.float8.precompute_float8_dynamic_scale_for_fsdp
-    for section in ("model", "training", "optimizer", "lr_scheduler", "spike_guard", "eval", "parallelism",
-                    "checkpoint", "data", "metrics", "compile", "activation_checkpoint"):
+    assert (
+        f8.float8.enable_fsdp_float8_all_gather
+        and f8.float8.precompute_float8_dynamic_scale_for_fsdp
+    )
+    for section in (
+        "model",
+        "training",
+        "optimizer",
+        "lr_scheduler",
+        "spike_guard",
+        "eval",
+        "parallelism",
+        "checkpoint",
+        "data",
+        "metrics",
+        "compile",
+        "activation_checkpoint",
+    ):
         assert getattr(f8, section) == getattr(base, section), section
-    f8 = load_config(["--job.config_file", str(configs / "loom_1p7b_float8.toml"), "--parallelism.dry_run", "true",
-                      "--float8.emulate", "--training.device", "cpu", "--compile.enable", "false"])
+    f8 = load_config(
+        [
+            "--job.config_file",
+            str(configs / "loom_1p7b_float8.toml"),
+            "--parallelism.dry_run",
+            "true",
+            "--float8.emulate",
+            "--training.device",
+            "cpu",
+            "--compile.enable",
+            "false",
+        ]
+    )
     # valid as shipped once the device can run it (emulated float8 experts do not compile)
     assert resolve(f8, 8).model_args.num_loops == 9
 

@@ -19,7 +19,9 @@ from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.train import Trainer
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao not installed"
+)
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 LOSS_TOL = 0.06
@@ -28,11 +30,34 @@ FLOAT8 = ["--float8.enable", "--float8.emulate", "--float8.experts"]
 
 
 def make_trainer(pack, dump, *extra, steps=10):
-    argv = ["--data.path", str(pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.global_batch_size", "8", "--training.micro_batch_size", "8",
-            "--training.bp_segment_len", "1", "--training.steps", str(steps), "--optimizer.lr", "1e-3",
-            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1", "--eval.interval", "0",
-            "--spike_guard.enable", "false", *BF16, *extra]
+    argv = [
+        "--data.path",
+        str(pack),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "8",
+        "--training.micro_batch_size",
+        "8",
+        "--training.bp_segment_len",
+        "1",
+        "--training.steps",
+        str(steps),
+        "--optimizer.lr",
+        "1e-3",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--eval.interval",
+        "0",
+        "--spike_guard.enable",
+        "false",
+        *BF16,
+        *extra,
+    ]
     cfg = load_config(argv)
     trainer = Trainer(cfg, resolve(cfg, 1), CPU)
     trainer.resume()  # what train() does first; done here so tests can inspect the resumed state
@@ -54,10 +79,10 @@ def test_emulated_float8_loss_curve_tracks_bf16(tiny_pack, tmp_path):
     for recipe in ("tensorwise", "rowwise"):
         got, tr = loss_curve(tiny_pack, tmp_path / recipe, *FLOAT8, "--float8.recipe", recipe)
         kinds = {type(m) for m in tr.model.modules()}
-        assert Float8Linear in kinds and Float8GroupedExperts in kinds   # float8 really ran ...
-        assert not torch.equal(got, ref)                                   # ... and changed the numbers
+        assert Float8Linear in kinds and Float8GroupedExperts in kinds  # float8 really ran ...
+        assert not torch.equal(got, ref)  # ... and changed the numbers
         assert (got - ref).abs().max() < LOSS_TOL, (recipe, got.tolist(), ref.tolist())
-        assert got[-1] < got[0] - 3.0                                      # and it trains
+        assert got[-1] < got[0] - 3.0  # and it trains
 
 
 def read_losses(dump):
@@ -86,18 +111,20 @@ def test_checkpoint_bf16_to_float8_to_bf16(tiny_pack, tmp_path):
     leg1 = make_trainer(tiny_pack, dump, *ckpt, "--checkpoint.exit_after_step", "3", steps=9)
     leg1.train()
     after_bf16 = params_of(leg1)
-    leg2 = make_trainer(tiny_pack, dump, *ckpt, "--checkpoint.exit_after_step", "6", *FLOAT8, steps=9)
+    leg2 = make_trainer(
+        tiny_pack, dump, *ckpt, "--checkpoint.exit_after_step", "6", *FLOAT8, steps=9
+    )
     assert leg2.state.step == 3
-    assert_same_params(params_of(leg2), after_bf16)          # bf16 weights load into the float8 model
+    assert_same_params(params_of(leg2), after_bf16)  # bf16 weights load into the float8 model
     leg2.train()
     after_float8 = params_of(leg2)
     leg3 = make_trainer(tiny_pack, dump, *ckpt, steps=9)
     assert leg3.state.step == 6
-    assert_same_params(params_of(leg3), after_float8)        # and float8 weights back into bf16
+    assert_same_params(params_of(leg3), after_float8)  # and float8 weights back into bf16
     leg3.train()
 
     got = read_losses(dump)
     assert sorted(got) == list(range(1, 10))
-    assert all(got[s] == ref[s] for s in (1, 2, 3))          # bf16 leg: the unbroken run exactly
+    assert all(got[s] == ref[s] for s in (1, 2, 3))  # bf16 leg: the unbroken run exactly
     assert all(abs(got[s] - ref[s]) < LOSS_TOL for s in range(4, 10)), (got, ref)
-    assert any(got[s] != ref[s] for s in (4, 5, 6))          # the middle leg did run in float8
+    assert any(got[s] != ref[s] for s in (4, 5, 6))  # the middle leg did run in float8

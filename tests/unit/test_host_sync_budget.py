@@ -17,17 +17,36 @@ HOST_SYNCS_PER_SEGMENT = 1  # the budget
 
 
 def make_trainer(pack_dir, tmp_path, *extra):
-    argv = ["--data.path", str(pack_dir), "--job.dump_folder", str(tmp_path / "run"),
-            "--training.seq_len", "32", "--metrics.enable_tensorboard", "false", "--eval.interval", "0",
-            "--model.num_loops", "6", "--training.bp_segment_len", "2",
-            "--training.global_batch_size", "4", "--training.micro_batch_size", "2", *extra]
+    argv = [
+        "--data.path",
+        str(pack_dir),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.seq_len",
+        "32",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--eval.interval",
+        "0",
+        "--model.num_loops",
+        "6",
+        "--training.bp_segment_len",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        *extra,
+    ]
     cfg = load_config(argv)
     return Trainer(cfg, resolve(cfg, 1), CPU)
 
 
 def counted_step(trainer, batch):
     # AdamW's step counters are host tensors (not capturable): reading them is no device sync.
-    steps = tuple(s["step"] for s in trainer.optimizer.state.values() if torch.is_tensor(s.get("step")))
+    steps = tuple(
+        s["step"] for s in trainer.optimizer.state.values() if torch.is_tensor(s.get("step"))
+    )
     with HostSyncCounter(ignore=steps) as counter:
         out = trainer.train_step(batch)
     return out, counter.calls
@@ -35,8 +54,14 @@ def counted_step(trainer, batch):
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_one_host_sync_per_segment(precision, tiny_pack, tmp_path):
-    tr = make_trainer(tiny_pack, tmp_path, "--training.mixed_precision_param", precision,
-                      "--training.max_norm", "1.0")
+    tr = make_trainer(
+        tiny_pack,
+        tmp_path,
+        "--training.mixed_precision_param",
+        precision,
+        "--training.max_norm",
+        "1.0",
+    )
     batches = iter(tr.dataloader)
     tr.train_step(next(batches))  # creates the optimizer state
     out, calls = counted_step(tr, next(batches))
@@ -46,8 +71,16 @@ def test_one_host_sync_per_segment(precision, tiny_pack, tmp_path):
 
 def test_guard_and_clip_read_the_same_statistics(tiny_pack, tmp_path):
     # A spike skips the segment after its one sync: no second transfer for the clip.
-    tr = make_trainer(tiny_pack, tmp_path, "--training.mixed_precision_param", "float32",
-                      "--spike_guard.enable", "true", "--spike_guard.warmup_steps", "0")
+    tr = make_trainer(
+        tiny_pack,
+        tmp_path,
+        "--training.mixed_precision_param",
+        "float32",
+        "--spike_guard.enable",
+        "true",
+        "--spike_guard.warmup_steps",
+        "0",
+    )
     batches = iter(tr.dataloader)
     tr.train_step(next(batches))
     for _ in range(300):  # segment 1's baseline goes to ~0: its next loss is a spike
@@ -58,13 +91,25 @@ def test_guard_and_clip_read_the_same_statistics(tiny_pack, tmp_path):
 
 
 def test_a_diagnostic_step_adds_one_transfer(tiny_pack, tmp_path):
-    tr = make_trainer(tiny_pack, tmp_path, "--training.mixed_precision_param", "float32",
-                      "--metrics.diag_interval", "2", "--metrics.diag_grad", "true")
+    tr = make_trainer(
+        tiny_pack,
+        tmp_path,
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.diag_interval",
+        "2",
+        "--metrics.diag_grad",
+        "true",
+    )
     batches = iter(tr.dataloader)
     tr.train_step(next(batches))  # step 1: creates the optimizer state
     out, calls = counted_step(tr, next(batches))  # step 2: every diagnostic on
     assert out.diag and all(v is not None for v in out.diag.values())
     assert len(calls) == HOST_SYNCS_PER_SEGMENT * len(tr.segments) + 1, calls
-    assert calls[-1][1].startswith("diagnostics.py"), calls  # the one read of everything, at the end
-    out, calls = counted_step(tr, next(batches))  # step 3: not a diagnostic step, the budget as without
+    assert calls[-1][1].startswith("diagnostics.py"), (
+        calls
+    )  # the one read of everything, at the end
+    out, calls = counted_step(
+        tr, next(batches)
+    )  # step 3: not a diagnostic step, the budget as without
     assert out.diag is None and len(calls) == HOST_SYNCS_PER_SEGMENT * len(tr.segments), calls

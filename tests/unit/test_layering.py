@@ -17,8 +17,15 @@ from torchtitan_loom.protocols import get_train_spec
 
 PKG = Path(torchtitan_loom.__file__).parent
 # Top to bottom; a module may import its own layer and the ones below it.
-LAYERS = (("tools",), ("train", "launch"), ("config",), ("components",), ("models",), ("distributed",),
-          ("protocols", "data_contract"))
+LAYERS = (
+    ("tools",),
+    ("train", "launch"),
+    ("config",),
+    ("components",),
+    ("models",),
+    ("distributed",),
+    ("protocols", "data_contract"),
+)
 
 
 def modules() -> dict[str, Path]:
@@ -65,8 +72,12 @@ def test_every_module_has_a_layer():
 
 
 def test_imports_point_down_the_layers():
-    upward = sorted(f"{a} imports {b}" for a, deps in graph().items() for b in deps
-                    if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) < layer_of(a))
+    upward = sorted(
+        f"{a} imports {b}"
+        for a, deps in graph().items()
+        for b in deps
+        if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) < layer_of(a)
+    )
     assert upward == [], "\n".join(upward)
 
 
@@ -103,16 +114,28 @@ def test_no_import_cycle():
 
 def test_the_checker_sees_lazy_imports_and_cycles(tmp_path):
     # The checker itself: a lazy import inside a function is an edge, and a cycle through it is found.
-    known = {"torchtitan_loom.tools.a": tmp_path / "a.py", "torchtitan_loom.tools.b": tmp_path / "b.py"}
-    known["torchtitan_loom.tools.a"].write_text("def f():\n    from torchtitan_loom.tools.b import g\n")
+    known = {
+        "torchtitan_loom.tools.a": tmp_path / "a.py",
+        "torchtitan_loom.tools.b": tmp_path / "b.py",
+    }
+    known["torchtitan_loom.tools.a"].write_text(
+        "def f():\n    from torchtitan_loom.tools.b import g\n"
+    )
     known["torchtitan_loom.tools.b"].write_text("from torchtitan_loom.tools import a\n")
-    assert imports(known["torchtitan_loom.tools.a"], "torchtitan_loom.tools.a", known) == {"torchtitan_loom.tools.b"}
-    assert imports(known["torchtitan_loom.tools.b"], "torchtitan_loom.tools.b", known) == {"torchtitan_loom.tools.a"}
+    assert imports(known["torchtitan_loom.tools.a"], "torchtitan_loom.tools.a", known) == {
+        "torchtitan_loom.tools.b"
+    }
+    assert imports(known["torchtitan_loom.tools.b"], "torchtitan_loom.tools.b", known) == {
+        "torchtitan_loom.tools.a"
+    }
 
 
 # Names a LOOM file defines that mean something else elsewhere: torch's reduction keyword `dim=`,
 # and the sampler's own top-k option (SamplingConfig.top_k, tools/generate.py --top-k).
-OTHER_MEANINGS = {"dim": "keyword", "top_k": {"components/evaluation/sampling.py", "tools/generate.py"}}
+OTHER_MEANINGS = {
+    "dim": "keyword",
+    "top_k": {"components/evaluation/sampling.py", "tools/generate.py"},
+}
 
 
 def loom_fields() -> set[str]:
@@ -124,14 +147,22 @@ def loom_fields() -> set[str]:
 
 def field_uses(source: str, fields: set[str], rel: str) -> list[str]:
     """``.field`` (not a method call), ``field=`` in a call, or the string ``"field"``."""
-    toks = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-            if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+    toks = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type
+        not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
+    ]
     hits = []
     for i, t in enumerate(toks):
         prev = toks[i - 1].string if i else ""
         nxt = toks[i + 1].string if i + 1 < len(toks) else ""
         other = OTHER_MEANINGS.get(t.string)
-        if t.type == tokenize.NAME and t.string in fields and not (isinstance(other, set) and rel in other):
+        if (
+            t.type == tokenize.NAME
+            and t.string in fields
+            and not (isinstance(other, set) and rel in other)
+        ):
             if prev == "." and nxt != "(":
                 hits.append(f"{rel}:{t.start[0]}: .{t.string}")
             elif nxt == "=" and prev in ("(", ",") and other != "keyword":

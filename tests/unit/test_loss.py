@@ -30,7 +30,9 @@ def test_bf16_logits_upcast_and_sum_is_additive_over_rows():
     ref = -torch.log_softmax(logits_BSV.float(), -1).gather(-1, labels_BS.clamp(min=0)[..., None])
     ref = ref.squeeze(-1)[labels_BS != -100].sum()
     torch.testing.assert_close(total, ref, rtol=1e-6, atol=1e-6)  # same fp32 math, other order
-    per_row = token_ce_sum(logits_BSV[:1], labels_BS[:1]) + token_ce_sum(logits_BSV[1:], labels_BS[1:])
+    per_row = token_ce_sum(logits_BSV[:1], labels_BS[:1]) + token_ce_sum(
+        logits_BSV[1:], labels_BS[1:]
+    )
     torch.testing.assert_close(total, per_row, rtol=1e-6, atol=1e-6)
     assert count_valid(labels_BS).item() == 9
 

@@ -15,8 +15,18 @@ P1P7B = dict(total_steps=57_000, warmup_ratio=0.01, decay_ratio=0.1, min_ratio=0
 REL = 1e-12
 
 
-@pytest.mark.parametrize("step,lr", [(1, 2e-7), (999, 1.998e-4), (1000, 2e-4), (8999, 2e-4),
-                                     (9000, 2e-4), (9500, 1.1e-4), (10_000, 2e-5)])
+@pytest.mark.parametrize(
+    "step,lr",
+    [
+        (1, 2e-7),
+        (999, 1.998e-4),
+        (1000, 2e-4),
+        (8999, 2e-4),
+        (9000, 2e-4),
+        (9500, 1.1e-4),
+        (10_000, 2e-5),
+    ],
+)
 def test_329m_values(step, lr):
     assert 2e-4 * lr_scale(step, **P329M) == pytest.approx(lr, rel=REL)
 
@@ -86,7 +96,9 @@ def test_state_dict_round_trip():
     assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr(), rel=REL)
     assert sched2.last_epoch == 85
     # The optimizer's lr is restored by its own state dict; the next scheduler step agrees anyway.
-    opt.step(); sched.step()
-    opt2.step(); sched2.step()
+    opt.step()
+    sched.step()
+    opt2.step()
+    sched2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"], rel=REL)
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_scale(87, **kw), rel=REL)

@@ -26,13 +26,32 @@ def _read_jsonl(path):
 
 def test_jsonl_lines_written_and_flushed_per_call(tmp_path):
     logger = MetricsLogger(str(tmp_path), Metrics(enable_tensorboard=False))
-    logger.log(1, {"loss": 3.5, "loss_segment_1": 4.0, "mfu": None, "skipped": False,
-                   "tokens": 2048, "grad_norm": torch.tensor(0.5)},
-               extra={"expert_load": torch.tensor([[1, 2], [3, 4]])})
+    logger.log(
+        1,
+        {
+            "loss": 3.5,
+            "loss_segment_1": 4.0,
+            "mfu": None,
+            "skipped": False,
+            "tokens": 2048,
+            "grad_norm": torch.tensor(0.5),
+        },
+        extra={"expert_load": torch.tensor([[1, 2], [3, 4]])},
+    )
     # Flushed immediately: readable before close.
     rows = _read_jsonl(tmp_path / "metrics.jsonl")
-    assert rows == [{"step": 1, "loss": 3.5, "loss_segment_1": 4.0, "mfu": None, "skipped": 0,
-                     "tokens": 2048, "grad_norm": 0.5, "expert_load": [[1, 2], [3, 4]]}]
+    assert rows == [
+        {
+            "step": 1,
+            "loss": 3.5,
+            "loss_segment_1": 4.0,
+            "mfu": None,
+            "skipped": 0,
+            "tokens": 2048,
+            "grad_norm": 0.5,
+            "expert_load": [[1, 2], [3, 4]],
+        }
+    ]
     assert isinstance(rows[0]["loss"], float) and isinstance(rows[0]["tokens"], int)
     logger.log(2, {"loss": 3.25, "eval_loss": 3.3})
     logger.close()
@@ -105,10 +124,23 @@ def test_memory_stats_cpu():
 
 
 def test_console_line():
-    line = format_console_line(42, {"loss": 3.14159, "loss_segment_2": 3.2, "loss_segment_1": 3.5,
-                                    "lr": 2e-4, "grad_norm": 0.8, "tokens_per_s": 12345.6,
-                                    "tflops": 1.5, "mfu": None, "memory_max_rss_gib": 1.25})
-    assert line == ("step     42 | loss 3.1416 | seg 3.500/3.200 | lr 2.00e-04 | gnorm 0.800 | "
-                    "12,346 tok/s | 1.50 TFLOP/s | mem 1.25 GiB")
+    line = format_console_line(
+        42,
+        {
+            "loss": 3.14159,
+            "loss_segment_2": 3.2,
+            "loss_segment_1": 3.5,
+            "lr": 2e-4,
+            "grad_norm": 0.8,
+            "tokens_per_s": 12345.6,
+            "tflops": 1.5,
+            "mfu": None,
+            "memory_max_rss_gib": 1.25,
+        },
+    )
+    assert line == (
+        "step     42 | loss 3.1416 | seg 3.500/3.200 | lr 2.00e-04 | gnorm 0.800 | "
+        "12,346 tok/s | 1.50 TFLOP/s | mem 1.25 GiB"
+    )
     line = format_console_line(7, {"loss": math.nan, "mfu": 12.34, "skipped": True})
     assert "loss nan" in line and "mfu 12.3%" in line and line.endswith("SKIPPED")

@@ -24,7 +24,9 @@ def test_each_launch_gets_its_own_tensorboard_folder(tmp_path):
     with MetricsLogger(str(tmp_path), Metrics()) as first:
         first.log(1, {"loss": 3.0})
         first.log(2, {"loss": 2.5})
-    with MetricsLogger(str(tmp_path), Metrics()) as resumed:  # same dump folder, same second is fine too
+    with MetricsLogger(
+        str(tmp_path), Metrics()
+    ) as resumed:  # same dump folder, same second is fine too
         resumed.log(2, {"loss": 2.375})
         resumed.log(3, {"loss": 2.0})
     launches = sorted(p for p in (tmp_path / "tb").iterdir())
@@ -43,8 +45,8 @@ def wandb_history(run_file: str) -> list[dict]:
         if 32768 - i % 32768 < 7:  # a block's tail too short for a chunk header is padding
             i += 32768 - i % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", data[i:i + 7])
-        buf += data[i + 7:i + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[i : i + 7])
+        buf += data[i + 7 : i + 7 + length]
         i += 7 + length
         if kind in (1, 4):
             rec = pb.Record()
@@ -54,8 +56,12 @@ def wandb_history(run_file: str) -> list[dict]:
                 break
             buf = b""
             if rec.WhichOneof("record_type") == "history":
-                rows.append({(it.key or "/".join(it.nested_key)): json.loads(it.value_json)
-                             for it in rec.history.item})
+                rows.append(
+                    {
+                        (it.key or "/".join(it.nested_key)): json.loads(it.value_json)
+                        for it in rec.history.item
+                    }
+                )
     return rows
 
 
@@ -64,7 +70,9 @@ def test_wandb_offline_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_PROJECT", "loom-test")
-    with MetricsLogger(str(tmp_path), Metrics(enable_wandb=True), wandb_config={"training": {"steps": 2}}) as logger:
+    with MetricsLogger(
+        str(tmp_path), Metrics(enable_wandb=True), wandb_config={"training": {"steps": 2}}
+    ) as logger:
         logger.log(1, {"loss": 3.5, "loss_segment_1": 3.75, "lr": 1e-3, "mfu": None})
         logger.log(2, {"loss": 3.0, "eval_loss": 3.25, "eval_loss_loop_1": 3.5})
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -77,8 +85,11 @@ def test_wandb_offline_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
             if not tag.startswith("_"):
                 from_wandb.setdefault(tag, []).append((row["_step"], value))
     tb = tb_scalars(logger.tb_dir)
-    assert from_wandb.keys() == tb.keys() == {"train/loss", "train/loss_segment_1", "train/lr", "eval/loss",
-                                              "eval/loss_loop_1"}
+    assert (
+        from_wandb.keys()
+        == tb.keys()
+        == {"train/loss", "train/loss_segment_1", "train/lr", "eval/loss", "eval/loss_loop_1"}
+    )
     for tag, points in tb.items():  # TensorBoard stores float32
         assert [s for s, _ in from_wandb[tag]] == [s for s, _ in points]
         assert [v for _, v in from_wandb[tag]] == pytest.approx([v for _, v in points], rel=1e-6)

@@ -8,9 +8,13 @@ import torch
 
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.attention import (
-    GatedAttention, apply_rope, attend, build_attention_mask, document_cu_seqlens, rope_cos_sin)
-
-
+    GatedAttention,
+    apply_rope,
+    attend,
+    build_attention_mask,
+    document_cu_seqlens,
+    rope_cos_sin,
+)
 
 
 def debug_model(**changes) -> LoomTransformer:
@@ -28,8 +32,12 @@ def test_rope_rotates_pair_i_with_pair_i_plus_half_by_position_times_frequency()
         for i in range(d // 2):
             angle = p * theta ** (-2 * i / d)
             a, b = x[0, s, 0, i].item(), x[0, s, 0, i + d // 2].item()
-            assert out[0, s, 0, i].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-5)
-            assert out[0, s, 0, i + d // 2].item() == pytest.approx(b * math.cos(angle) + a * math.sin(angle), abs=1e-5)
+            assert out[0, s, 0, i].item() == pytest.approx(
+                a * math.cos(angle) - b * math.sin(angle), abs=1e-5
+            )
+            assert out[0, s, 0, i + d // 2].item() == pytest.approx(
+                b * math.cos(angle) + a * math.sin(angle), abs=1e-5
+            )
 
 
 def test_rope_scores_depend_only_on_relative_position_and_keep_dtype():
@@ -42,7 +50,9 @@ def test_rope_scores_depend_only_on_relative_position_and_keep_dtype():
         return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum().item()
 
     assert score(10, 4) == pytest.approx(score(106, 100), abs=1e-4)
-    assert apply_rope(q.bfloat16(), *rope_cos_sin(torch.tensor([[5]]), d, 1e4)).dtype == torch.bfloat16
+    assert (
+        apply_rope(q.bfloat16(), *rope_cos_sin(torch.tensor([[5]]), d, 1e4)).dtype == torch.bfloat16
+    )
 
 
 def test_sdpa_mask_is_same_document_and_causal():
@@ -69,7 +79,9 @@ def test_gqa_query_head_h_uses_kv_head_h_div_group():
     v2 = v.clone()
     v2[:, :, 1] += 1.0  # touch kv head 1 only
     out2 = attend("sdpa", q, k, v2, mask.kernel)
-    assert torch.equal(out[:, :, :2], out2[:, :, :2]) and not torch.equal(out[:, :, 2:], out2[:, :, 2:])
+    assert torch.equal(out[:, :, :2], out2[:, :, :2]) and not torch.equal(
+        out[:, :, 2:], out2[:, :, 2:]
+    )
 
 
 def test_output_gate_and_fused_projection_order():
@@ -90,7 +102,10 @@ def test_output_gate_and_fused_projection_order():
     qr = apply_rope(q.view(1, 4, 2, 64), *rope)
     kr = apply_rope(k.view(1, 4, 1, 64), *rope)
     plain = attend("sdpa", qr, kr, v.view(1, 4, 1, 64), mask.kernel)
-    gated = torch.cat([torch.sigmoid(gate[..., :64]).view(1, 4, 1, 64) * plain[:, :, :1], 0.5 * plain[:, :, 1:]], 2)
+    gated = torch.cat(
+        [torch.sigmoid(gate[..., :64]).view(1, 4, 1, 64) * plain[:, :, :1], 0.5 * plain[:, :, 1:]],
+        2,
+    )
     torch.testing.assert_close(expected_half, attn.wo(gated.reshape(1, 4, 128)), rtol=0, atol=1e-6)
     assert not torch.allclose(base, expected_half)
 
@@ -119,7 +134,10 @@ def test_changing_document_a_never_changes_outputs_at_document_b():
     assert not torch.allclose(a[0, :10], b[0, :10])
     with torch.no_grad():  # control: one document -> the same change does reach B's positions
         one_doc = torch.zeros_like(doc)
-        leak = model(tokens, positions, one_doc).logits_BSV - model(other, positions, one_doc).logits_BSV
+        leak = (
+            model(tokens, positions, one_doc).logits_BSV
+            - model(other, positions, one_doc).logits_BSV
+        )
     assert leak[0, 10:].abs().max() > 1e-2
     # positions restart per document: document B alone at the start of a row gives the same logits
     alone = torch.zeros(1, 32, dtype=torch.long)
@@ -143,7 +161,9 @@ def test_flex_backend_equals_sdpa_on_cpu_without_grad_and_refuses_backward():
         flex(tokens, positions, doc)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed"
+)
 def test_flash_attn_backend_without_the_package_says_what_to_do():
     model = debug_model(attn_backend="flash_attn")
     tokens, positions, doc = _row_with_two_docs(2)
@@ -163,7 +183,15 @@ def test_padding_queries_get_exactly_zero_attention_output(backend):
     # LOOM_SPEC §4.4 step 4: padding rows get zero output, with no NaN even for a fully padded row.
     from torchtitan_loom.models.loom.args import LoomModelArgs
 
-    args = LoomModelArgs(vocab_size=512, n_layers=1, expert_intermediate_size=64, dim=128, n_heads=2, n_kv_heads=1, attn_backend=backend)
+    args = LoomModelArgs(
+        vocab_size=512,
+        n_layers=1,
+        expert_intermediate_size=64,
+        dim=128,
+        n_heads=2,
+        n_kv_heads=1,
+        attn_backend=backend,
+    )
     attn = GatedAttention(args)
     positions, doc = _padded_batch()
     h = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(3))
@@ -183,7 +211,16 @@ def test_padding_queries_get_exactly_zero_attention_output(backend):
 def test_padding_output_has_finite_zero_gradients():
     from torchtitan_loom.models.loom.args import LoomModelArgs
 
-    attn = GatedAttention(LoomModelArgs(vocab_size=512, n_layers=1, expert_intermediate_size=64, dim=128, n_heads=2, n_kv_heads=1))
+    attn = GatedAttention(
+        LoomModelArgs(
+            vocab_size=512,
+            n_layers=1,
+            expert_intermediate_size=64,
+            dim=128,
+            n_heads=2,
+            n_kv_heads=1,
+        )
+    )
     positions, doc = _padded_batch()
     h = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(4), requires_grad=True)
     attn(h, rope_cos_sin(positions, 64, 1e4), build_attention_mask("sdpa", doc)).sum().backward()

@@ -11,8 +11,6 @@ from torchtitan_loom.models.loom.attention import build_attention_mask, rope_cos
 from torchtitan_loom.models.loom.looping_residual import LoopCarry
 
 
-
-
 def debug_model(**changes) -> LoomTransformer:
     model = LoomTransformer(loom_flavors["debug"].replace(**changes))
     model.init_weights()
@@ -23,7 +21,9 @@ def batch(B=2, S=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 512, (B, S), generator=g)
     doc = torch.tensor([[0] * 9 + [1] * (S - 9)] + [[0] * S] * (B - 1))
-    positions = torch.stack([torch.cat([torch.arange(9), torch.arange(S - 9)])] + [torch.arange(S)] * (B - 1))
+    positions = torch.stack(
+        [torch.cat([torch.arange(9), torch.arange(S - 9)])] + [torch.arange(S)] * (B - 1)
+    )
     return tokens, positions, doc
 
 
@@ -81,7 +81,7 @@ def test_outputs_shapes_dtypes_and_counts():
     assert out.aux_loss.item() == 0.0 and out.aux_loss.shape == ()
     assert out.carry.h_num_BSD.dtype == out.carry.h_den_BS1.dtype == torch.float32
     # 3 loops x 2 layers = 6 H-memory writes: D = 2(1 - 2^-6)
-    torch.testing.assert_close(out.carry.h_den_BS1, torch.full((2, 24, 1), 2 * (1 - 2 ** -6)))
+    torch.testing.assert_close(out.carry.h_den_BS1, torch.full((2, 24, 1), 2 * (1 - 2**-6)))
     assert out.carry.z_BSD.requires_grad and not out.carry.detach().z_BSD.requires_grad
     assert all(b.shape == (8,) and not b.any() for b in (m.expert_bias for m in model.moe_layers()))
 
@@ -91,15 +91,26 @@ def test_default_model_matches_composed_spec_forward():
     tokens, positions, doc = batch()
     with torch.no_grad():
         # fp32, same kernels, different association of a few sums: 1e-5 on O(1) logits
-        torch.testing.assert_close(model(tokens, positions, doc).logits_BSV,
-                                   composed_forward(model, tokens, positions, doc), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            model(tokens, positions, doc).logits_BSV,
+            composed_forward(model, tokens, positions, doc),
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 def test_input_validation_messages():
     model = debug_model()
     tokens, positions, doc = batch()
     with pytest.raises(ValueError, match=r"loop range \[2, 4\] invalid.*H=3"):
-        model(tokens, positions, doc, loop_start=2, loop_end=4, carry=model(tokens, positions, doc, 1, 1).carry)
+        model(
+            tokens,
+            positions,
+            doc,
+            loop_start=2,
+            loop_end=4,
+            carry=model(tokens, positions, doc, 1, 1).carry,
+        )
     with pytest.raises(ValueError, match="pass carry=None"):
         model(tokens, positions, doc, loop_start=1, carry=model(tokens, positions, doc).carry)
     with pytest.raises(ValueError, match=r"loop_start=2 continues.*\[1, 1\]"):
@@ -107,8 +118,11 @@ def test_input_validation_messages():
     with pytest.raises(ValueError, match="must have the shape of tokens_BS"):
         model(tokens, positions[:, :5], doc)
     with pytest.raises(ValueError, match="exceeds max_seq_len=256"):
-        model(torch.zeros(1, 257, dtype=torch.long), torch.zeros(1, 257, dtype=torch.long),
-              torch.zeros(1, 257, dtype=torch.long))
+        model(
+            torch.zeros(1, 257, dtype=torch.long),
+            torch.zeros(1, 257, dtype=torch.long),
+            torch.zeros(1, 257, dtype=torch.long),
+        )
 
 
 # ---------------------------------------------------------------- segments
@@ -165,7 +179,9 @@ def test_each_ablation_switch_does_what_the_spec_says(change):
     tokens, positions, doc = batch()
     with torch.no_grad():
         logits = model(tokens, positions, doc).logits_BSV
-        torch.testing.assert_close(logits, composed_forward(model, tokens, positions, doc), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            logits, composed_forward(model, tokens, positions, doc), rtol=0, atol=1e-5
+        )
         # parameters shared by name are initialised identically, so any difference is the switch
         assert (logits - default(tokens, positions, doc).logits_BSV).abs().max() > 1e-3
 
@@ -178,26 +194,44 @@ def test_ffn_branch_rms_none_has_no_norm_weight():
 def test_router_per_loop_uses_router_t_in_loop_t_and_the_switch_shares_router_0():
     per_loop, shared = debug_model(), debug_model(router_per_loop=False)
     assert [n for n, _ in shared.named_parameters() if "routers" in n] == [
-        "layers.0.moe.routers.0", "layers.1.moe.routers.0"]
+        "layers.0.moe.routers.0",
+        "layers.1.moe.routers.0",
+    ]
     tokens, positions, doc = batch()
     with torch.no_grad():
         # routers start as copies of router 0: identical results at init
-        torch.testing.assert_close(per_loop(tokens, positions, doc).logits_BSV,
-                                   shared(tokens, positions, doc).logits_BSV, rtol=0, atol=0)
+        torch.testing.assert_close(
+            per_loop(tokens, positions, doc).logits_BSV,
+            shared(tokens, positions, doc).logits_BSV,
+            rtol=0,
+            atol=0,
+        )
         before_1 = per_loop(tokens, positions, doc, 1, 1).logits_BSV
         before_2 = per_loop(tokens, positions, doc, 1, 2).logits_BSV
         for layer in per_loop.layers:
             layer.moe.routers[1].add_(torch.randn_like(layer.moe.routers[1]))
-        assert torch.equal(per_loop(tokens, positions, doc, 1, 1).logits_BSV, before_1)  # loop 1: router 0
+        assert torch.equal(
+            per_loop(tokens, positions, doc, 1, 1).logits_BSV, before_1
+        )  # loop 1: router 0
         assert not torch.allclose(per_loop(tokens, positions, doc, 1, 2).logits_BSV, before_2)
-        torch.testing.assert_close(shared(tokens, positions, doc).logits_BSV,
-                                   composed_forward(shared, tokens, positions, doc), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            shared(tokens, positions, doc).logits_BSV,
+            composed_forward(shared, tokens, positions, doc),
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 def test_all_recipe_parts_off_and_one_loop_is_a_plain_pre_norm_moe_transformer():
-    model = debug_model(num_loops=1, cycle_residual_scale=False, embed_inject_mode="none",
-                        ffn_branch_rms="none", looping_residual=False, per_layer_out_norm=False,
-                        router_per_loop=False)
+    model = debug_model(
+        num_loops=1,
+        cycle_residual_scale=False,
+        embed_inject_mode="none",
+        ffn_branch_rms="none",
+        looping_residual=False,
+        per_layer_out_norm=False,
+        router_per_loop=False,
+    )
     tokens, positions, doc = batch()
     rope = rope_cos_sin(positions, 64, 1e4)
     mask = build_attention_mask("sdpa", doc)
@@ -207,7 +241,9 @@ def test_all_recipe_parts_off_and_one_loop_is_a_plain_pre_norm_moe_transformer()
             x = x + layer.attention(rms(x), rope, mask)
             x = x + layer.moe(rms(x), layer.moe.routers[0])[0]
         expected = rms(x) @ model.output.weight.t()
-        torch.testing.assert_close(model(tokens, positions, doc).logits_BSV, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            model(tokens, positions, doc).logits_BSV, expected, rtol=0, atol=1e-5
+        )
 
 
 def test_router_z_loss_enters_aux_loss_only():

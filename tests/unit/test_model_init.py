@@ -13,8 +13,6 @@ from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.model import init_generator_seed
 
 
-
-
 DEBUG = loom_flavors["debug"]
 
 
@@ -49,7 +47,9 @@ def test_values_depend_on_name_and_seed_only():
         assert torch.equal(big[name], value), name
     other_seed = state(built(DEBUG.replace(init_seed=1)))
     assert not torch.equal(other_seed["output.weight"], small["output.weight"])
-    assert not torch.equal(small["layers.0.attention.wqkv.weight"], small["layers.1.attention.wqkv.weight"])
+    assert not torch.equal(
+        small["layers.0.attention.wqkv.weight"], small["layers.1.attention.wqkv.weight"]
+    )
 
 
 def test_generator_seeds_are_distinct_across_all_parameter_names_of_the_presets():
@@ -72,9 +72,12 @@ def test_spec_3_init_table():
         assert not layer.moe.expert_bias.any()
     assert not torch.equal(model.layers[0].moe.routers[0], model.layers[1].moe.routers[0])
     truncated = {  # name: std; fmod-3 fold keeps |x| < 3 * 1.0148 * std
-        "tok_embeddings.weight": 1 / math.sqrt(d), "output.weight": 1 / math.sqrt(d),
-        "layers.0.attention.wqkv.weight": 1 / math.sqrt(d), "layers.0.attention.wo.weight": 1 / math.sqrt(d),
-        "layers.0.moe.experts.w13": 1 / math.sqrt(d), "layers.0.moe.experts.w2": 1 / math.sqrt(inter),
+        "tok_embeddings.weight": 1 / math.sqrt(d),
+        "output.weight": 1 / math.sqrt(d),
+        "layers.0.attention.wqkv.weight": 1 / math.sqrt(d),
+        "layers.0.attention.wo.weight": 1 / math.sqrt(d),
+        "layers.0.moe.experts.w13": 1 / math.sqrt(d),
+        "layers.0.moe.experts.w2": 1 / math.sqrt(inter),
         "layers.1.moe.shared_experts.1.w13.weight": 1 / math.sqrt(d),
         "layers.1.moe.shared_experts.1.w2.weight": 1 / math.sqrt(inter),
     }
@@ -133,6 +136,8 @@ def test_fsdp_sharded_init_gives_each_rank_its_shard_of_the_full_init():
     # communication happens, so this runs on one CPU process. A subprocess keeps the process
     # group and device-mesh state out of the test session.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", DTENSOR_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", DTENSOR_SCRIPT], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["ok", str(len(list(LoomTransformer(DEBUG).parameters())))]

@@ -4,19 +4,34 @@ import pytest
 import torch
 
 from torchtitan_loom.models.loom import loom_flavors
-from torchtitan_loom.models.loom.looping_residual import Memory, ema_write, empty_memory, looping_residual_write
+from torchtitan_loom.models.loom.looping_residual import (
+    Memory,
+    ema_write,
+    empty_memory,
+    looping_residual_write,
+)
 from torchtitan_loom.models.loom.model import inject_gain, residual_gain
 
 
-
 GAMMA_TABLE = {  # H: (L=10, L=15), spec §4.3
-    1: (0.158114, 0.129099), 3: (0.052705, 0.043033), 6: (0.026352, 0.021517),
-    9: (0.017568, 0.014344), 12: (0.013176, 0.010758),
+    1: (0.158114, 0.129099),
+    3: (0.052705, 0.043033),
+    6: (0.026352, 0.021517),
+    9: (0.017568, 0.014344),
+    12: (0.013176, 0.010758),
 }
 G_TABLE = {  # t: (L=10, L=15), spec §4.3
-    2: (.07906, .06455), 3: (.05270, .04303), 4: (.03953, .03227), 5: (.03162, .02582),
-    6: (.02635, .02152), 7: (.02259, .01844), 8: (.01976, .01614), 9: (.01757, .01434),
-    10: (.01581, .01291), 11: (.01437, .01174), 12: (.01318, .01076),
+    2: (0.07906, 0.06455),
+    3: (0.05270, 0.04303),
+    4: (0.03953, 0.03227),
+    5: (0.03162, 0.02582),
+    6: (0.02635, 0.02152),
+    7: (0.02259, 0.01844),
+    8: (0.01976, 0.01614),
+    9: (0.01757, 0.01434),
+    10: (0.01581, 0.01291),
+    11: (0.01437, 0.01174),
+    12: (0.01318, 0.01076),
 }
 
 
@@ -32,10 +47,14 @@ def test_injection_gain_table_is_independent_of_H():
     for t, row in G_TABLE.items():
         for flavor, expected in zip(("loom_329m", "loom_1p7b"), row):
             for H in (9, 12):
-                assert inject_gain(t, loom_flavors[flavor].replace(num_loops=H)) == pytest.approx(expected, abs=5e-6)
+                assert inject_gain(t, loom_flavors[flavor].replace(num_loops=H)) == pytest.approx(
+                    expected, abs=5e-6
+                )
     args = loom_flavors["loom_329m"]
     assert inject_gain(9, args) == pytest.approx(residual_gain(args), rel=1e-12)  # g_H = gamma
-    assert inject_gain(1, args.replace(n_layers=1, cycle_scale_lambda=3.0)) == 1.0  # clamped to [0, 1]
+    assert (
+        inject_gain(1, args.replace(n_layers=1, cycle_scale_lambda=3.0)) == 1.0
+    )  # clamped to [0, 1]
 
 
 def test_constant_input_closed_form_of_spec_13():
@@ -53,7 +72,7 @@ def test_constant_input_closed_form_of_spec_13():
                 assert torch.all(l_mem.den_BS1 == [1.0, 1.5, 1.75][layer])
             h_dens.append(h_mem.den_BS1[0, 0, 0].item())
     assert h_dens[:3] == [1.0, 1.5, 1.75]
-    assert h_dens[-1] == pytest.approx(2 * (1 - 2.0 ** -12))  # D = 2(1 - 2^-n) after n writes
+    assert h_dens[-1] == pytest.approx(2 * (1 - 2.0**-12))  # D = 2(1 - 2^-n) after n writes
     assert l_mem.num_BSD.dtype == h_mem.num_BSD.dtype == torch.float32
 
 

@@ -10,8 +10,6 @@ from torchtitan_loom.models.loom import loom_flavors
 from torchtitan_loom.models.loom.moe import LoomMoE, capacity_plan, expert_capacity, route
 
 
-
-
 def small_moe(**changes) -> LoomMoE:
     args = loom_flavors["debug"].replace(dim=64, n_heads=1, expert_intermediate_size=32, **changes)
     moe = LoomMoE(args)
@@ -27,8 +25,12 @@ def small_moe(**changes) -> LoomMoE:
 
 def test_capacity_values_of_the_presets():
     a = loom_flavors["loom_329m"]
-    assert expert_capacity(16 * 1023, a.routed_top_k, a.num_routed_experts, a.capacity_factor) == 4910
-    assert expert_capacity(8 * 1023, a.routed_top_k, a.num_routed_experts, a.capacity_factor) == 2455
+    assert (
+        expert_capacity(16 * 1023, a.routed_top_k, a.num_routed_experts, a.capacity_factor) == 4910
+    )
+    assert (
+        expert_capacity(8 * 1023, a.routed_top_k, a.num_routed_experts, a.capacity_factor) == 2455
+    )
     assert expert_capacity(1, 1, 30, 1.5) == 1  # floor(0.05) -> at least 1
     assert expert_capacity(100, 6, 30, 0.0) is None  # 0 disables dropping
 
@@ -54,7 +56,9 @@ def test_token_that_loses_every_slot_gets_zero_weights_and_undropped_tokens_keep
     gate_NK = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.8, 0.2]])
     _, _, kept_E, new_gate_NK = capacity_plan(expert_NK, gate_NK, 3, capacity=1)
     # expert 0: t0 .6 > t1 .5 -> keep t0; expert 1: t2 .8 > t1 .5 > t0 .4 -> keep t2.
-    torch.testing.assert_close(new_gate_NK, torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.8, 0.2]]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        new_gate_NK, torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.8, 0.2]]), rtol=0, atol=0
+    )
     assert kept_E.tolist() == [1, 1, 1]
 
 
@@ -69,7 +73,9 @@ def naive_moe(moe: LoomMoE, x_ND: torch.Tensor, router_w: torch.Tensor, capacity
         picks.append([[e, scores[n, e].item() / total] for e in chosen])
     if capacity is not None:
         for e in range(E):
-            slots = [(-p[j][1], n * K + j) for n, p in enumerate(picks) for j in range(K) if p[j][0] == e]
+            slots = [
+                (-p[j][1], n * K + j) for n, p in enumerate(picks) for j in range(K) if p[j][0] == e
+            ]
             for _, flat in sorted(slots)[capacity:]:
                 picks[flat // K][flat % K][1] = 0.0
         for p in picks:

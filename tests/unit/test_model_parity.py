@@ -37,8 +37,16 @@ CFG_FIELDS = (
 ).split()
 # Small shapes: head dim 64 as in the presets, 8 routed experts, routed top-2 + 1 shared.
 SMALL = dict(
-    vocab_size=512, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, num_routed_experts=8,
-    num_shared_experts=1, top_k=3, top_k_includes_shared=True, expert_intermediate_size=32,
+    vocab_size=512,
+    dim=128,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    num_routed_experts=8,
+    num_shared_experts=1,
+    top_k=3,
+    top_k_includes_shared=True,
+    expert_intermediate_size=32,
     capacity_factor=1.5,
 )
 # Row 0: documents of 7, 10, 5 tokens + 2 padding; row 1: 3, 15 tokens + 6 padding.
@@ -52,8 +60,13 @@ S = 24
 
 @pytest.mark.parametrize(
     "H, eps10, eps15",
-    [(1, 0.158114, 0.129099), (3, 0.052705, 0.043033), (6, 0.026352, 0.021517),
-     (9, 0.017568, 0.014344), (12, 0.013176, 0.010758)],
+    [
+        (1, 0.158114, 0.129099),
+        (3, 0.052705, 0.043033),
+        (6, 0.026352, 0.021517),
+        (9, 0.017568, 0.014344),
+        (12, 0.013176, 0.010758),
+    ],
 )
 def test_gamma_matches_spec_table(H, eps10, eps15):
     assert gamma(H, 10, 0.5) == pytest.approx(eps10, abs=5e-7)
@@ -61,8 +74,32 @@ def test_gamma_matches_spec_table(H, eps10, eps15):
 
 
 def test_inject_g_matches_spec_table():
-    g10 = [.07906, .05270, .03953, .03162, .02635, .02259, .01976, .01757, .01581, .01437, .01318]
-    g15 = [.06455, .04303, .03227, .02582, .02152, .01844, .01614, .01434, .01291, .01174, .01076]
+    g10 = [
+        0.07906,
+        0.05270,
+        0.03953,
+        0.03162,
+        0.02635,
+        0.02259,
+        0.01976,
+        0.01757,
+        0.01581,
+        0.01437,
+        0.01318,
+    ]
+    g15 = [
+        0.06455,
+        0.04303,
+        0.03227,
+        0.02582,
+        0.02152,
+        0.01844,
+        0.01614,
+        0.01434,
+        0.01291,
+        0.01174,
+        0.01076,
+    ]
     for t, (a, b) in enumerate(zip(g10, g15), start=2):
         assert inject_g(t, 10, 0.5) == pytest.approx(a, abs=5e-6)
         assert inject_g(t, 15, 0.5) == pytest.approx(b, abs=5e-6)
@@ -92,7 +129,9 @@ def test_capacity_matches_spec_numbers():
 
 def test_rope_is_relative():
     q, k = torch.randn(2, 1, 1, 64, dtype=torch.float64)
-    score = lambda pq, pk: (rope(q, torch.tensor([pq]), 1e4) * rope(k, torch.tensor([pk]), 1e4)).sum()
+    score = lambda pq, pk: (
+        rope(q, torch.tensor([pq]), 1e4) * rope(k, torch.tensor([pk]), 1e4)
+    ).sum()
     assert score(7, 3) == pytest.approx(float(score(104, 100)), abs=1e-10)
     torch.testing.assert_close(rope(q, torch.tensor([0]), 1e4), q)
 
@@ -103,11 +142,15 @@ def random_state_dict(cfg, seed=0):
     D, I, E = cfg["dim"], cfg["expert_intermediate_size"], cfg["num_routed_experts"]
     hd = D // cfg["n_heads"]
     r = lambda *shape, std: torch.randn(*shape, generator=g, dtype=torch.float64) * std
-    sd = {"tok_embeddings.weight": r(cfg["vocab_size"], D, std=D**-0.5),
-          "output.weight": r(cfg["vocab_size"], D, std=D**-0.5)}
+    sd = {
+        "tok_embeddings.weight": r(cfg["vocab_size"], D, std=D**-0.5),
+        "output.weight": r(cfg["vocab_size"], D, std=D**-0.5),
+    }
     for l in range(cfg["n_layers"]):
         p = f"layers.{l}."
-        sd[p + "attention.wqkv.weight"] = r((2 * cfg["n_heads"] + 2 * cfg["n_kv_heads"]) * hd, D, std=D**-0.5)
+        sd[p + "attention.wqkv.weight"] = r(
+            (2 * cfg["n_heads"] + 2 * cfg["n_kv_heads"]) * hd, D, std=D**-0.5
+        )
         sd[p + "attention.wo.weight"] = r(D, cfg["n_heads"] * hd, std=D**-0.5)
         for t in range(cfg["num_loops"]):
             sd[p + f"moe.routers.{t}"] = r(E, D, std=D**-0.5)
@@ -122,10 +165,20 @@ def random_state_dict(cfg, seed=0):
 
 
 def default_cfg(**over):
-    cfg = dict(SMALL, num_loops=3, cycle_residual_scale=True, cycle_scale_lambda=0.5,
-               embed_inject_mode="loop_start_mix_soft", ffn_branch_rms="affine",
-               looping_residual=True, looping_residual_beta=0.5, router_per_loop=True,
-               per_layer_out_norm=True, rope_theta=10000.0, norm_eps=1e-6)
+    cfg = dict(
+        SMALL,
+        num_loops=3,
+        cycle_residual_scale=True,
+        cycle_scale_lambda=0.5,
+        embed_inject_mode="loop_start_mix_soft",
+        ffn_branch_rms="affine",
+        looping_residual=True,
+        looping_residual_beta=0.5,
+        router_per_loop=True,
+        per_layer_out_norm=True,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+    )
     cfg.update(over)
     return cfg
 
@@ -156,7 +209,9 @@ def make_batch(vocab_size, seed=0, canonical_padding=False):
 
 
 def test_reference_documents_are_isolated_and_segments_compose():
-    cfg = default_cfg(capacity_factor=0.0, num_loops=2)  # no capacity: tokens only couple via attention
+    cfg = default_cfg(
+        capacity_factor=0.0, num_loops=2
+    )  # no capacity: tokens only couple via attention
     sd = random_state_dict(cfg)
     tokens, pos, docs = make_batch(cfg["vocab_size"])
     full, carry_full = reference_forward(sd, cfg, tokens, pos, docs)
@@ -247,8 +302,13 @@ def test_capacity_dropping_parity():
 
 @pytest.mark.parametrize(
     "ablation",
-    [dict(cycle_residual_scale=False), dict(embed_inject_mode="none"), dict(ffn_branch_rms="none"),
-     dict(looping_residual=False), dict(router_per_loop=False)],
+    [
+        dict(cycle_residual_scale=False),
+        dict(embed_inject_mode="none"),
+        dict(ffn_branch_rms="none"),
+        dict(looping_residual=False),
+        dict(router_per_loop=False),
+    ],
     ids=lambda a: next(iter(a)),
 )
 def test_ablation_parity(ablation):

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("moe_layer_bench", ROOT / "benchmarks" / "moe_layer.py")
+    spec = importlib.util.spec_from_file_location(
+        "moe_layer_bench", ROOT / "benchmarks" / "moe_layer.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -94,12 +94,14 @@ def test_expert_bias_spec_sanity():
     assert torch.equal(layers[0].expert_bias, torch.tensor([2e-3, 0.0, -2e-3]))
     assert torch.equal(layers[1].expert_bias, torch.zeros(3))  # sign(0) = 0
     update_expert_bias(layers, counts_LE, lr=2e-3)  # accumulates
-    assert torch.allclose(layers[0].expert_bias, torch.tensor([4e-3, 0.0, -4e-3]), atol=0, rtol=1e-6)
+    assert torch.allclose(
+        layers[0].expert_bias, torch.tensor([4e-3, 0.0, -4e-3]), atol=0, rtol=1e-6
+    )
 
 
 def test_expert_bias_exact_for_large_counts():
     # Loads 2^25 and 2^25 + 1: a float32 mean would round them together and give sign 0.
-    big = 2 ** 25
+    big = 2**25
     layer = _MoE(2)
     update_expert_bias([layer], torch.tensor([[big, big + 1]]), lr=1.0)
     assert torch.equal(layer.expert_bias, torch.tensor([1.0, -1.0]))

@@ -15,8 +15,18 @@ from torchtitan_loom.tools import pack as cli
 datasets = pytest.importorskip("datasets")
 
 DOCS = [f"row {i}: " + "the quick brown fox " * (i % 5) for i in range(240)]
-PACK_FLAGS = ["--tokenizer", "byte", "--seq-len", "64", "--epochs", "2", "--holdout-tokens", "300",
-              "--workers", "1"]
+PACK_FLAGS = [
+    "--tokenizer",
+    "byte",
+    "--seq-len",
+    "64",
+    "--epochs",
+    "2",
+    "--holdout-tokens",
+    "300",
+    "--workers",
+    "1",
+]
 
 
 @pytest.fixture
@@ -36,15 +46,23 @@ def same_pack(a, b):
 
 def test_saved_dataset_packs_like_jsonl_with_an_eta(reference_pack, tmp_path, monkeypatch, capsys):
     saved = tmp_path / "saved"
-    datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))}).save_to_disk(str(saved))
-    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.0)  # a line per batch, so the small test sees one
+    datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))}).save_to_disk(
+        str(saved)
+    )
+    monkeypatch.setattr(
+        cli, "PROGRESS_EVERY_S", 0.0
+    )  # a line per batch, so the small test sees one
     monkeypatch.setattr(cli, "DOCS_PER_TASK", 64)
     assert cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "hf"), *PACK_FLAGS]) == 0
     same_pack(reference_pack, tmp_path / "hf")
     err = capsys.readouterr().err
     assert "64 docs" in err and f"% of {len(DOCS)} docs, ETA" in err, err
     meta = json.loads((tmp_path / "hf" / "metadata.json").read_text())
-    assert meta["hf_dataset"] == {"name": str(saved), "config": None, "split": None}  # a saved Dataset has no splits
+    assert meta["hf_dataset"] == {
+        "name": str(saved),
+        "config": None,
+        "split": None,
+    }  # a saved Dataset has no splits
 
 
 def test_streaming_parquet_materialises_nothing(reference_pack, tmp_path):
@@ -56,15 +74,32 @@ def test_streaming_parquet_materialises_nothing(reference_pack, tmp_path):
     results = {}
     for mode in ("streaming", "materialised"):
         cache = tmp_path / f"cache_{mode}"
-        cmd = [sys.executable, "-m", "torchtitan_loom.tools.pack", "--hf-dataset", "parquet", "--hf-data-files",
-               str(tmp_path / "part-0.parquet"), "--out", str(tmp_path / mode), *PACK_FLAGS]
-        proc = subprocess.run(cmd + (["--streaming"] if mode == "streaming" else []), capture_output=True,
-                              text=True, timeout=180, env=dict(env, HF_DATASETS_CACHE=str(cache)))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchtitan_loom.tools.pack",
+            "--hf-dataset",
+            "parquet",
+            "--hf-data-files",
+            str(tmp_path / "part-0.parquet"),
+            "--out",
+            str(tmp_path / mode),
+            *PACK_FLAGS,
+        ]
+        proc = subprocess.run(
+            cmd + (["--streaming"] if mode == "streaming" else []),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=dict(env, HF_DATASETS_CACHE=str(cache)),
+        )
         assert proc.returncode == 0, proc.stderr
         same_pack(reference_pack, tmp_path / mode)
         results[mode] = [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".arrow")]
     assert results["streaming"] == []  # no Arrow copy of the corpus was written
-    assert results["materialised"], "the non-streaming load should have cached Arrow files (the check's control)"
+    assert results["materialised"], (
+        "the non-streaming load should have cached Arrow files (the check's control)"
+    )
 
 
 def test_missing_text_column_is_one_line(tmp_path, capsys):
@@ -73,8 +108,9 @@ def test_missing_text_column_is_one_line(tmp_path, capsys):
     capsys.readouterr()  # the save's progress bar
     assert cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "x"), *PACK_FLAGS]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["error: --hf-dataset row 0 has no column 'text' (columns: ['body']); "
-                                        "set --text-field"], err
+    assert err.strip().splitlines() == [
+        "error: --hf-dataset row 0 has no column 'text' (columns: ['body']); set --text-field"
+    ], err
 
 
 def test_bad_hf_inputs_exit_2_with_one_line(tmp_path, capsys):
@@ -82,7 +118,10 @@ def test_bad_hf_inputs_exit_2_with_one_line(tmp_path, capsys):
     datasets.Dataset.from_dict({"text": DOCS[:5]}).save_to_disk(str(saved))
     capsys.readouterr()  # the save's progress bar
     cases = [  # (arguments, what the line says)
-        (["--hf-dataset", str(saved), "--hf-split", "validation"], "it has no splits; leave --hf-split out"),
+        (
+            ["--hf-dataset", str(saved), "--hf-split", "validation"],
+            "it has no splits; leave --hf-split out",
+        ),
         (["--hf-dataset", str(tmp_path / "no" / "such" / "dir")], "no such directory"),
     ]
     for extra, expected in cases:
@@ -91,4 +130,6 @@ def test_bad_hf_inputs_exit_2_with_one_line(tmp_path, capsys):
         assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, (extra, err)
         assert "Traceback" not in err and not (tmp_path / "x").exists()
     # The saved Dataset itself still packs without --hf-split (it has no split to choose).
-    assert cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "ok"), *PACK_FLAGS[:-4]]) == 0
+    assert (
+        cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "ok"), *PACK_FLAGS[:-4]]) == 0
+    )

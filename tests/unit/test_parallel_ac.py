@@ -17,14 +17,33 @@ from torchtitan_loom.train import Trainer
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
-
-
 def one_step(pack_dir, tmp_path, mode):
-    argv = ["--data.path", str(pack_dir), "--job.dump_folder", str(tmp_path / mode), "--training.seq_len", "32",
-            "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
-            "--eval.interval", "0", "--spike_guard.enable", "false", "--model.num_loops", "9",
-            "--training.bp_segment_len", "3", "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-            "--activation_checkpoint.mode", mode]
+    argv = [
+        "--data.path",
+        str(pack_dir),
+        "--job.dump_folder",
+        str(tmp_path / mode),
+        "--training.seq_len",
+        "32",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--eval.interval",
+        "0",
+        "--spike_guard.enable",
+        "false",
+        "--model.num_loops",
+        "9",
+        "--training.bp_segment_len",
+        "3",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        "--activation_checkpoint.mode",
+        mode,
+    ]
     cfg = load_config(argv)
     trainer = Trainer(cfg, resolve(cfg, 1), CPU)
     out = trainer.train_step(next(iter(trainer.dataloader)))
@@ -55,7 +74,9 @@ def test_each_mode_trains_exactly_like_no_checkpointing(mode, no_ac, tiny_pack, 
 
 def max_relative_difference(got, want):
     """max over tensors of max|got - want| / max|want| (0 when identical)."""
-    return max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in want)
+    return max(
+        ((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in want
+    )
 
 
 def _model_grads(mode, change_bias_before_backward, save_routing=True):

@@ -22,16 +22,44 @@ from torchtitan_loom.train import Trainer
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
-BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
-    os.environ.get("TORCHTITAN_LOOM_TEST_INDUCTOR") != "1", reason="slow on CPU; TORCHTITAN_LOOM_TEST_INDUCTOR=1"))]
+BACKENDS = [
+    "aot_eager",
+    pytest.param(
+        "inductor",
+        marks=pytest.mark.skipif(
+            os.environ.get("TORCHTITAN_LOOM_TEST_INDUCTOR") != "1",
+            reason="slow on CPU; TORCHTITAN_LOOM_TEST_INDUCTOR=1",
+        ),
+    ),
+]
 
 
 def one_step(pack_dir, tmp_path, *extra):
-    argv = ["--data.path", str(pack_dir), "--job.dump_folder", str(tmp_path / "run"), "--training.seq_len", "32",
-            "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
-            "--eval.interval", "0", "--spike_guard.enable", "false", "--model.num_loops", "9",
-            "--training.bp_segment_len", "3", "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-            *extra]
+    argv = [
+        "--data.path",
+        str(pack_dir),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.seq_len",
+        "32",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--eval.interval",
+        "0",
+        "--spike_guard.enable",
+        "false",
+        "--model.num_loops",
+        "9",
+        "--training.bp_segment_len",
+        "3",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        *extra,
+    ]
     cfg = load_config(argv)
     trainer = Trainer(cfg, resolve(cfg, 1), CPU)
     out = trainer.train_step(next(iter(trainer.dataloader)))
@@ -45,8 +73,15 @@ def test_compiled_blocks_serve_every_loop_and_match_eager(backend, tiny_pack, tm
     counters.clear()
     try:
         # With per-loop activation checkpointing on top: compiled blocks are recomputed, not re-traced.
-        out, params = one_step(tiny_pack, tmp_path, "--compile.enable", "--compile.backend", backend,
-                               "--activation_checkpoint.mode", "loop")
+        out, params = one_step(
+            tiny_pack,
+            tmp_path,
+            "--compile.enable",
+            "--compile.backend",
+            backend,
+            "--activation_checkpoint.mode",
+            "loop",
+        )
         graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()

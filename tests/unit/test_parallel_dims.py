@@ -14,7 +14,13 @@ from torchtitan_loom.distributed.parallel_dims import ParallelDims, parallelism_
 
 def test_degrees_and_dp_shard_inference():
     dims = ParallelDims.create(dp_replicate=2, dp_shard=-1, ep=2, world_size=8)
-    assert (dims.dp_replicate, dims.dp_shard, dims.ep, dims.dp, dims.dp_shard_mod_ep) == (2, 4, 2, 8, 2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.ep, dims.dp, dims.dp_shard_mod_ep) == (
+        2,
+        4,
+        2,
+        8,
+        2,
+    )
     assert dims.fsdp_enabled and dims.ep_enabled and dims.hsdp_enabled
     one = ParallelDims.create(world_size=1)
     assert (one.dp, one.dp_shard, one.fsdp_enabled, one.ep_enabled) == (1, 1, False, False)
@@ -24,18 +30,29 @@ def test_degrees_and_dp_shard_inference():
 
 def test_mesh_shapes_name_every_enabled_mesh():
     shapes = ParallelDims.create(dp_replicate=2, ep=2, world_size=8).mesh_shapes()
-    assert shapes == {"dp": (("dp", 8),), "dp_replicate": (("dp_replicate", 2),), "dp_shard": (("dp_shard", 4),),
-                      "fsdp": (("dp_replicate", 2), ("dp_shard", 4)), "ep": (("ep", 2),),
-                      "dp_shard_mod_ep": (("dp_shard_mod_ep", 2),),
-                      "efsdp": (("dp_replicate", 2), ("dp_shard_mod_ep", 2))}
+    assert shapes == {
+        "dp": (("dp", 8),),
+        "dp_replicate": (("dp_replicate", 2),),
+        "dp_shard": (("dp_shard", 4),),
+        "fsdp": (("dp_replicate", 2), ("dp_shard", 4)),
+        "ep": (("ep", 2),),
+        "dp_shard_mod_ep": (("dp_shard_mod_ep", 2),),
+        "efsdp": (("dp_replicate", 2), ("dp_shard_mod_ep", 2)),
+    }
     assert ParallelDims.create(world_size=4).mesh_shapes() == {
-        "dp": (("dp", 4),), "dp_shard": (("dp_shard", 4),), "fsdp": (("dp_shard", 4),)}
+        "dp": (("dp", 4),),
+        "dp_shard": (("dp_shard", 4),),
+        "fsdp": (("dp_shard", 4),),
+    }
 
 
 def test_get_mesh_names_the_parallelism_to_enable():
     dims = ParallelDims.create(world_size=4)
-    with pytest.raises(ValueError, match=r"mesh 'ep' does not exist: expert parallelism is not enabled "
-                                         r"\(set parallelism.ep > 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh 'ep' does not exist: expert parallelism is not enabled "
+        r"\(set parallelism.ep > 1\)",
+    ):
         dims.get_mesh("ep")
     with pytest.raises(ValueError, match=r"HSDP.*parallelism.dp_replicate > 1"):
         dims.get_mesh("dp_replicate")
@@ -46,16 +63,22 @@ def test_get_mesh_names_the_parallelism_to_enable():
         dims.get_mesh("tp")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(tp=2), "parallelism.tp = 2: tensor parallel is not supported"),
-    (dict(cp=2), "parallelism.cp = 2: context parallel is not supported"),
-    (dict(pp=4), "parallelism.pp = 4: pipeline parallel is not supported"),
-    (dict(dp_shard=0), "parallelism.dp_shard = 0: must be ≥ 1, or -1"),
-    (dict(dp_replicate=3), "parallelism.dp_replicate = 3: must divide the world size 8"),
-    (dict(dp_shard=2), "parallelism.dp_shard = 2: dp_replicate × dp_shard = 1 × 2 = 2 ranks, but the world size is 8"),
-    (dict(ep=3, num_experts=6), "parallelism.ep = 3: must divide dp_shard = 8"),
-    (dict(ep=4, num_experts=6), "parallelism.ep = 4: must divide the 6 routed experts"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tp=2), "parallelism.tp = 2: tensor parallel is not supported"),
+        (dict(cp=2), "parallelism.cp = 2: context parallel is not supported"),
+        (dict(pp=4), "parallelism.pp = 4: pipeline parallel is not supported"),
+        (dict(dp_shard=0), "parallelism.dp_shard = 0: must be ≥ 1, or -1"),
+        (dict(dp_replicate=3), "parallelism.dp_replicate = 3: must divide the world size 8"),
+        (
+            dict(dp_shard=2),
+            "parallelism.dp_shard = 2: dp_replicate × dp_shard = 1 × 2 = 2 ranks, but the world size is 8",
+        ),
+        (dict(ep=3, num_experts=6), "parallelism.ep = 3: must divide dp_shard = 8"),
+        (dict(ep=4, num_experts=6), "parallelism.ep = 4: must divide the 6 routed experts"),
+    ],
+)
 def test_each_broken_rule_gives_one_message(kwargs, message):
     args = dict(dp_replicate=1, dp_shard=-1, ep=1, world_size=8) | kwargs
     problems = parallelism_problems(**args)
@@ -64,20 +87,61 @@ def test_each_broken_rule_gives_one_message(kwargs, message):
         ParallelDims.create(**args)
 
 
-@pytest.mark.parametrize("argv, world, expected", [
-    # ep not dividing the debug flavor's 8 routed experts (and dp_shard fine): one line.
-    (["--parallelism.ep", "3", "--training.global_batch_size", "12", "--training.micro_batch_size", "2"], 6,
-     "parallelism.ep = 3: must divide the 8 routed experts of the model; valid: [1, 2, 4, 8]"),
-    # The degrees do not multiply to the world size.
-    (["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "4", "--training.micro_batch_size", "2"], 4,
-     "parallelism.dp_shard = 4: dp_replicate × dp_shard = 2 × 4 = 8 ranks, but the world size is 4; use 2 or -1"),
-    (["--parallelism.ep", "2", "--parallelism.dp_shard", "1", "--parallelism.dp_replicate", "2",
-      "--training.micro_batch_size", "2"], 2,
-     "parallelism.ep = 2: must divide dp_shard = 1"),
-    (["--training.global_batch_size", "8", "--training.micro_batch_size", "4"], 4,
-     "training.global_batch_size = 8: must be divisible by data-parallel ranks × micro_batch_size = 4 × 4"),
-    (["--parallelism.dry_run_world_size", "4"], 1, "parallelism.dry_run_world_size needs parallelism.dry_run"),
-])
+@pytest.mark.parametrize(
+    "argv, world, expected",
+    [
+        # ep not dividing the debug flavor's 8 routed experts (and dp_shard fine): one line.
+        (
+            [
+                "--parallelism.ep",
+                "3",
+                "--training.global_batch_size",
+                "12",
+                "--training.micro_batch_size",
+                "2",
+            ],
+            6,
+            "parallelism.ep = 3: must divide the 8 routed experts of the model; valid: [1, 2, 4, 8]",
+        ),
+        # The degrees do not multiply to the world size.
+        (
+            [
+                "--parallelism.dp_replicate",
+                "2",
+                "--parallelism.dp_shard",
+                "4",
+                "--training.micro_batch_size",
+                "2",
+            ],
+            4,
+            "parallelism.dp_shard = 4: dp_replicate × dp_shard = 2 × 4 = 8 ranks, but the world size is 4; use 2 or -1",
+        ),
+        (
+            [
+                "--parallelism.ep",
+                "2",
+                "--parallelism.dp_shard",
+                "1",
+                "--parallelism.dp_replicate",
+                "2",
+                "--training.micro_batch_size",
+                "2",
+            ],
+            2,
+            "parallelism.ep = 2: must divide dp_shard = 1",
+        ),
+        (
+            ["--training.global_batch_size", "8", "--training.micro_batch_size", "4"],
+            4,
+            "training.global_batch_size = 8: must be divisible by data-parallel ranks × micro_batch_size = 4 × 4",
+        ),
+        (
+            ["--parallelism.dry_run_world_size", "4"],
+            1,
+            "parallelism.dry_run_world_size needs parallelism.dry_run",
+        ),
+    ],
+)
 def test_bad_layouts_fail_at_config_time_with_one_message(argv, world, expected):
     with pytest.raises(ConfigError) as exc:
         resolve(load_config(argv), world)
@@ -90,21 +154,41 @@ def test_expert_rows_must_split_evenly_when_experts_are_fewer_than_fsdp_ranks():
     # 32 ranks, ep 2: 4 experts per ep rank over 16 FSDP ranks -> FSDP splits rows (256 and 128).
     dims = ParallelDims.from_config(cfg.parallelism, 32, num_experts=args.num_routed_experts)
     assert parallelism_errors(cfg, dims, args) == []
-    errors = parallelism_errors(cfg, dims, dataclasses.replace(args, expert_intermediate_size=4))  # 8 rows / 16
+    errors = parallelism_errors(
+        cfg, dims, dataclasses.replace(args, expert_intermediate_size=4)
+    )  # 8 rows / 16
     assert len(errors) == 1 and "FSDP splits expert rows" in errors[0], errors
 
 
 def test_dry_run_lays_out_64_ranks_in_one_process():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
-    cmd = [sys.executable, "-m", "torchtitan_loom.train", "--parallelism.dry_run", "--parallelism.dry_run_world_size",
-           "64", "--parallelism.ep", "2", "--parallelism.dp_replicate", "2", "--training.global_batch_size", "128",
-           "--training.micro_batch_size", "1", "--activation_checkpoint.mode", "loop"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchtitan_loom.train",
+        "--parallelism.dry_run",
+        "--parallelism.dry_run_world_size",
+        "64",
+        "--parallelism.ep",
+        "2",
+        "--parallelism.dp_replicate",
+        "2",
+        "--training.global_batch_size",
+        "128",
+        "--training.micro_batch_size",
+        "1",
+        "--activation_checkpoint.mode",
+        "loop",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "world 64 = dp_replicate 2 × dp_shard 32 (dp_shard = dp_shard_mod_ep 16 × ep 2)" in out
     assert "mesh efsdp            dp_replicate=2 × dp_shard_mod_ep=16" in out
-    assert "128 rows × 256 tokens per step = 2 rows per data-parallel rank (64 ranks) = 2 micro-batches of 1" in out
+    assert (
+        "128 rows × 256 tokens per step = 2 rows per data-parallel rank (64 ranks) = 2 micro-batches of 1"
+        in out
+    )
     # Dense weights: HSDP (replicated over 2, sharded over 32); experts: 4 per ep rank, rows split over 16.
     assert "layers.0.attention.wqkv.weight  (384, 128) -> (12, 128)  R, S(0)" in out
     assert "layers.0.moe.experts.w13  (8, 256, 128) -> (4, 16, 128)  R, S(1), S(0)" in out
@@ -115,8 +199,16 @@ def test_dry_run_lays_out_64_ranks_in_one_process():
 
 def test_dry_run_rejects_a_bad_layout_before_building_anything():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
-    cmd = [sys.executable, "-m", "torchtitan_loom.train", "--parallelism.dry_run", "--parallelism.dry_run_world_size",
-           "6", "--parallelism.ep", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchtitan_loom.train",
+        "--parallelism.dry_run",
+        "--parallelism.dry_run_world_size",
+        "6",
+        "--parallelism.ep",
+        "4",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert "config error: parallelism.ep = 4: must divide dp_shard = 6" in result.stderr

@@ -62,7 +62,8 @@ print(_copies(local, 8),                                        # plain: on ever
 
 def test_replication_count_of_every_placement_kind():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", COPIES_SCRIPT], capture_output=True, text=True, timeout=120,
-                            env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", COPIES_SCRIPT], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["8", "2", "1", "1", "2", "8"]

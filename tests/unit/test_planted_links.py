@@ -26,10 +26,19 @@ def copy_run(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("name", ["run.json.partial", "checkpoint/index.json.partial", "checkpoint/.tmp-step-6",
-                                  "checkpoint/step-6", "metrics.jsonl"])
-def test_a_planted_link_is_one_error_line_and_nothing_outside_changes(tiny_pack, finished_run, tmp_path, capsys,
-                                                                      name):
+@pytest.mark.parametrize(
+    "name",
+    [
+        "run.json.partial",
+        "checkpoint/index.json.partial",
+        "checkpoint/.tmp-step-6",
+        "checkpoint/step-6",
+        "metrics.jsonl",
+    ],
+)
+def test_a_planted_link_is_one_error_line_and_nothing_outside_changes(
+    tiny_pack, finished_run, tmp_path, capsys, name
+):
     dump = copy_run(finished_run, tmp_path / "run")
     victim_file = tmp_path / "victim.txt"
     victim_file.write_text("precious\n")
@@ -45,7 +54,9 @@ def test_a_planted_link_is_one_error_line_and_nothing_outside_changes(tiny_pack,
     assert train.main(argv(tiny_pack, dump, steps=6)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "symbolic link" in err and str(dump / name) in err, err
-    assert {p: p.read_bytes() for p in before} == before and sorted(os.listdir(victim_dir)) == ["keep.txt"]
+    assert {p: p.read_bytes() for p in before} == before and sorted(os.listdir(victim_dir)) == [
+        "keep.txt"
+    ]
     assert os.path.islink(dump / name)
 
 
@@ -57,7 +68,9 @@ def test_atomic_write_refuses_a_link_planted_at_its_temporary(tmp_path):
         layout.write_json(str(tmp_path / "index.json"), {"a": 1})
     assert victim.read_text() == "precious\n" and not (tmp_path / "index.json").exists()
     os.remove(tmp_path / "index.json.partial")
-    (tmp_path / "index.json.partial").write_text("left by a write that died")  # a stale regular file: replaced
+    (tmp_path / "index.json.partial").write_text(
+        "left by a write that died"
+    )  # a stale regular file: replaced
     layout.write_json(str(tmp_path / "index.json"), {"a": 1})
     assert layout.read_json(str(tmp_path / "index.json")) == {"a": 1}
 
@@ -66,12 +79,20 @@ def test_a_save_into_a_planted_temporary_link_is_refused_mid_run(tiny_pack, tmp_
     from torchtitan_loom.components.checkpoint import CheckpointError
     from tests.unit.test_checkpoint import make_trainer, run
 
-    t = run(make_trainer(tiny_pack, tmp_path / "run", "--training.steps", "2", "--checkpoint.interval", "2"))
+    t = run(
+        make_trainer(
+            tiny_pack, tmp_path / "run", "--training.steps", "2", "--checkpoint.interval", "2"
+        )
+    )
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep.txt").write_text("precious\n")
-    os.symlink(outside, layout.temp_dir(t.checkpointer.root, 2, "periodic"))  # planted after the launch check
-    with pytest.raises(CheckpointError, match=r"step 2 not saved: .*\.tmp-step-2 is a symbolic link"):
+    os.symlink(
+        outside, layout.temp_dir(t.checkpointer.root, 2, "periodic")
+    )  # planted after the launch check
+    with pytest.raises(
+        CheckpointError, match=r"step 2 not saved: .*\.tmp-step-2 is a symbolic link"
+    ):
         t.checkpointer.save(2)
     assert sorted(os.listdir(outside)) == ["keep.txt"]
 

@@ -20,28 +20,52 @@ def _estimate(argv, world=1):
         model = LoomTransformer(args)
     segs = segments(model.num_loops, cfg.training.bp_segment_len)
     fpt = model.flops_per_token(cfg.training.seq_len, head_calls=len(segs))
-    return cfg, model, estimate_step(cfg, model, dims, model.param_counts(), fpt, model.num_loops, len(segs)), fpt
+    return (
+        cfg,
+        model,
+        estimate_step(cfg, model, dims, model.param_counts(), fpt, model.num_loops, len(segs)),
+        fpt,
+    )
 
 
 def test_state_and_flops_follow_the_model():
     cfg, model, est, fpt = _estimate(["--job.config_file", "train_configs/debug_model.toml"])
     n = sum(p.numel() for p in model.parameters())
-    assert est.params == n and abs(est.state_gib - 16 * n / 2**30) < 1e-12  # fp32 param + grad + 2 moments
+    assert (
+        est.params == n and abs(est.state_gib - 16 * n / 2**30) < 1e-12
+    )  # fp32 param + grad + 2 moments
     t = cfg.training
     assert abs(est.step_tflop - fpt * t.global_batch_size * t.seq_len / 1e12) < 1e-12
     # FSDP over 4 ranks: a quarter of the state, a quarter of the step's rows per rank.
-    _, _, est4, _ = _estimate(["--job.config_file", "train_configs/debug_model.toml",
-                               "--training.micro_batch_size", "4"], world=4)
-    assert abs(est4.state_gib - est.state_gib / 4) < 1e-12 and abs(est4.step_tflop - est.step_tflop / 4) < 1e-12
+    _, _, est4, _ = _estimate(
+        ["--job.config_file", "train_configs/debug_model.toml", "--training.micro_batch_size", "4"],
+        world=4,
+    )
+    assert (
+        abs(est4.state_gib - est.state_gib / 4) < 1e-12
+        and abs(est4.step_tflop - est.step_tflop / 4) < 1e-12
+    )
 
 
 def test_329m_in_bf16_on_cpu_is_warned_not_refused():
     # dry_run: the estimate needs no data (the bundled corpus cannot serve this preset's seq_len).
-    cfg, _, est, _ = _estimate(["--job.config_file", "train_configs/loom_329m.toml",
-                                "--training.mixed_precision_param", "bfloat16", "--parallelism.dry_run", "true"],
-                               world=1)
+    cfg, _, est, _ = _estimate(
+        [
+            "--job.config_file",
+            "train_configs/loom_329m.toml",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--parallelism.dry_run",
+            "true",
+        ],
+        world=1,
+    )
     lines = start_lines(cfg, est, CPU, rate_tflops=0.05)  # 50 GFLOP/s: a generous 2-core CPU
     assert lines[0].startswith("building loom/loom_329m: 313.86M parameters")
-    assert len(lines) == 2 and lines[1].startswith("warning: one step of this config needs ~") and "it will run" in lines[1]
+    assert (
+        len(lines) == 2
+        and lines[1].startswith("warning: one step of this config needs ~")
+        and "it will run" in lines[1]
+    )
     cfg, _, est, _ = _estimate(["--job.config_file", "train_configs/debug_model.toml"])
     assert len(start_lines(cfg, est, CPU, rate_tflops=0.02)) == 1

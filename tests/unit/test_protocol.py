@@ -48,7 +48,9 @@ class LoopedDenseToy(nn.Module):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.mlp = nn.Sequential(nn.Linear(args.dim, 4 * args.dim), nn.GELU(), nn.Linear(4 * args.dim, args.dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(args.dim, 4 * args.dim), nn.GELU(), nn.Linear(4 * args.dim, args.dim)
+        )
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.region_wrappers = {}
         self.bias_updates = 0
@@ -62,8 +64,17 @@ class LoopedDenseToy(nn.Module):
         for p in self.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
-    def forward(self, tokens_BS, positions_BS, doc_ids_BS, loop_start=1, loop_end=None, carry=None,
-                return_topk=False, observe=None):
+    def forward(
+        self,
+        tokens_BS,
+        positions_BS,
+        doc_ids_BS,
+        loop_start=1,
+        loop_end=None,
+        carry=None,
+        return_topk=False,
+        observe=None,
+    ):
         loop_end = self.num_loops if loop_end is None else loop_end
         z_BSD = self.embed(tokens_BS) if carry is None else carry  # the carry is the stream itself
         for _ in range(loop_start, loop_end + 1):
@@ -101,13 +112,44 @@ TOY_SPEC = TrainSpec(name="toy_looped", model_cls=LoopedDenseToy, model_args={"t
 
 
 def toy_argv(pack, dump, *extra, steps=8):
-    return ["--model.name", "toy_looped", "--model.flavor", "tiny", "--data.path", str(pack),
-            "--job.dump_folder", str(dump), "--training.seq_len", "32", "--training.steps", str(steps),
-            "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-            "--training.mixed_precision_param", "float32", "--training.bp_segment_len", "1",
-            "--metrics.log_freq", "1", "--eval.interval", "8", "--eval.tokens", "500",
-            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
-            "--spike_guard.enable", "false", "--training.seed", "7", *extra]
+    return [
+        "--model.name",
+        "toy_looped",
+        "--model.flavor",
+        "tiny",
+        "--data.path",
+        str(pack),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        str(steps),
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        "--training.bp_segment_len",
+        "1",
+        "--metrics.log_freq",
+        "1",
+        "--eval.interval",
+        "8",
+        "--eval.tokens",
+        "500",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "4",
+        "--spike_guard.enable",
+        "false",
+        "--training.seed",
+        "7",
+        *extra,
+    ]
 
 
 def losses_of(dump):
@@ -127,7 +169,9 @@ def test_a_second_model_trains_through_the_same_trainer(tiny_pack, tmp_path):
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values())
     assert losses[8] < losses[1]
     assert {"eval_loss_loop_1", "eval_loss_loop_2", "eval_loss_loop_3"} <= rows[-1].keys()
-    assert not any(k.startswith("routing_") for k in rows[-1])  # no routed experts, no routing statistics
+    assert not any(
+        k.startswith("routing_") for k in rows[-1]
+    )  # no routed experts, no routing statistics
     assert trainer.model.bias_updates == 8  # once per step, through the protocol
     assert (dump / "checkpoint" / "step-8").is_dir()
 
@@ -137,30 +181,47 @@ def test_model_keys_are_the_chosen_models(tiny_pack, tmp_path, capsys):
     cfg = load_config(toy_argv(tiny_pack, tmp_path, "--model.dim", "16"))
     assert resolve(cfg, 1).model_args.dim == 16  # the toy's own key
     with pytest.raises(ConfigError, match=r"^model.n_heads: not a key of model 'toy_looped'"):
-        load_config(toy_argv(tiny_pack, tmp_path, "--model.n_heads", "2"))  # a LOOM key, not the toy's
+        load_config(
+            toy_argv(tiny_pack, tmp_path, "--model.n_heads", "2")
+        )  # a LOOM key, not the toy's
     assert main(toy_argv(tiny_pack, tmp_path / "bad", "--model.n_heads", "2")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("config error: model.n_heads: not a key of model 'toy_looped'")
+    assert len(err) == 1 and err[0].startswith(
+        "config error: model.n_heads: not a key of model 'toy_looped'"
+    )
 
 
 def test_the_toy_dry_runs(tiny_pack, tmp_path, capsys):
     register_train_spec("toy_looped", TOY_SPEC)
-    argv = toy_argv(tiny_pack, tmp_path, "--parallelism.dry_run", "--parallelism.dry_run_world_size", "2")
+    argv = toy_argv(
+        tiny_pack, tmp_path, "--parallelism.dry_run", "--parallelism.dry_run_world_size", "2"
+    )
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "dry run: toy_looped/tiny, H=3" in out and "rank 0 parameters" in out
-    assert "  head.weight  (512, 32) -> (512, 32)  plain" in out  # replicated: no parallelize function
+    assert (
+        "  head.weight  (512, 32) -> (512, 32)  plain" in out
+    )  # replicated: no parallelize function
 
 
 def _resume_rank(rank: int, world: int, store: str, pack: str, dump: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     register_train_spec("toy_looped", TOY_SPEC)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         cfg = load_config(toy_argv(pack, dump))
-        trainer = Trainer(cfg, resolve(cfg, world), DistInfo(rank=rank, world_size=world, device=torch.device("cpu")))
+        trainer = Trainer(
+            cfg,
+            resolve(cfg, world),
+            DistInfo(rank=rank, world_size=world, device=torch.device("cpu")),
+        )
         assert trainer.train() == 0 and trainer.resumed_from == 4 and trainer.state.step == 8
     finally:
         dist.destroy_process_group()
@@ -175,8 +236,13 @@ def test_the_toy_resumes_at_another_world_size(tiny_pack, tmp_path):
     first = load_config(toy_argv(tiny_pack, split, "--checkpoint.exit_after_step", "4"))
     assert Trainer(first, resolve(first, 1), CPU).train() == 0
     world = 2
-    mp.start_processes(_resume_rank, args=(world, str(tmp_path / "store"), str(tiny_pack), str(split)),
-                       nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(
+        _resume_rank,
+        args=(world, str(tmp_path / "store"), str(tiny_pack), str(split)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     _, want = losses_of(straight)
     _, got = losses_of(split)
     assert sorted(got) == list(range(1, 9))

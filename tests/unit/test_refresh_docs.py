@@ -31,34 +31,54 @@ def test_each_region_shows_the_commands_its_producer_runs():
     for region in all_regions():
         assert displayed_commands(region.body) == list(PRODUCERS[region.name].commands), (
             f"{region.path}: region '{region.name}' shows commands its producer does not run; "
-            f"edit scripts/docs_producers.py and rerun python scripts/refresh_docs.py --only {region.name}")
+            f"edit scripts/docs_producers.py and rerun python scripts/refresh_docs.py --only {region.name}"
+        )
 
 
-@pytest.mark.parametrize("text, where", [
-    ("a\n<!-- refresh:x -->\nb\n", "page.md:2: region 'x' is never closed"),
-    ("<!-- refresh:x -->\n<!-- refresh:y -->\n<!-- /refresh -->\n", "page.md:2: region 'y' opens inside region 'x'"),
-    ("a\n<!-- /refresh -->\n", "page.md:2: '<!-- /refresh -->' without an opening marker"),
-    ("see <!-- refresh:x --> here\n<!-- /refresh -->\n", "page.md:1: not a well-formed refresh marker"),
-    ("<!-- refresh:Bad_Name -->\n<!-- /refresh -->\n", "page.md:1: not a well-formed refresh marker"),
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("a\n<!-- refresh:x -->\nb\n", "page.md:2: region 'x' is never closed"),
+        (
+            "<!-- refresh:x -->\n<!-- refresh:y -->\n<!-- /refresh -->\n",
+            "page.md:2: region 'y' opens inside region 'x'",
+        ),
+        ("a\n<!-- /refresh -->\n", "page.md:2: '<!-- /refresh -->' without an opening marker"),
+        (
+            "see <!-- refresh:x --> here\n<!-- /refresh -->\n",
+            "page.md:1: not a well-formed refresh marker",
+        ),
+        (
+            "<!-- refresh:Bad_Name -->\n<!-- /refresh -->\n",
+            "page.md:1: not a well-formed refresh marker",
+        ),
+    ],
+)
 def test_malformed_markers_are_refused_with_their_line(text, where):
     with pytest.raises(RegionError, match=re.escape(where)):
         parse(text, "page.md")
 
 
 def test_rewrite_replaces_only_named_regions_and_keeps_indentation():
-    text = ("intro\n<!-- refresh:a -->\nold a\n<!-- /refresh -->\n- item\n  <!-- refresh:b -->\n  | old | b |\n"
-            "  <!-- /refresh -->\n<!-- refresh:c -->\nkept c\n<!-- /refresh -->\nend\n")
+    text = (
+        "intro\n<!-- refresh:a -->\nold a\n<!-- /refresh -->\n- item\n  <!-- refresh:b -->\n  | old | b |\n"
+        "  <!-- /refresh -->\n<!-- refresh:c -->\nkept c\n<!-- /refresh -->\nend\n"
+    )
     new = rewrite(text, {"a": "new a\n\nsecond", "b": "| new | b |\n| row | 2 |"})
-    assert new == ("intro\n<!-- refresh:a -->\nnew a\n\nsecond\n<!-- /refresh -->\n- item\n  <!-- refresh:b -->\n"
-                   "  | new | b |\n  | row | 2 |\n  <!-- /refresh -->\n<!-- refresh:c -->\nkept c\n<!-- /refresh -->\nend\n")
+    assert new == (
+        "intro\n<!-- refresh:a -->\nnew a\n\nsecond\n<!-- /refresh -->\n- item\n  <!-- refresh:b -->\n"
+        "  | new | b |\n  | row | 2 |\n  <!-- /refresh -->\n<!-- refresh:c -->\nkept c\n<!-- /refresh -->\nend\n"
+    )
     assert [r.body for r in parse(new)] == ["new a\n\nsecond", "| new | b |\n| row | 2 |", "kept c"]
     assert rewrite(new, {}) == new
 
 
 def test_displayed_commands_follow_continuations():
     body = '```\n$ ./run_train.sh --a 1 \\\n    --b 2\nout\n$ tool --prompt "x\ny" --n 3\nout\n```'
-    assert displayed_commands(body) == ["./run_train.sh --a 1 \\\n    --b 2", 'tool --prompt "x\ny" --n 3']
+    assert displayed_commands(body) == [
+        "./run_train.sh --a 1 \\\n    --b 2",
+        'tool --prompt "x\ny" --n 3',
+    ]
 
 
 def test_a_name_used_twice_is_refused(tmp_path):
@@ -72,7 +92,11 @@ def test_a_name_used_twice_is_refused(tmp_path):
 def test_readme_is_a_front_door_with_the_ci_test_command():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.encode()) < README_LIMIT
-    ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    ci = [
+        ln
+        for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     assert ci[-1].startswith("python -m pytest")
     assert f"&& {ci[-1]}\n```" in readme, "the README's test command must be the one .ci/run runs"
     for page in re.findall(r"\]\((docs/[^)#]+|benchmarks/[^)#]+)", readme):
@@ -88,18 +112,24 @@ def _train_commands() -> list[tuple[str, str]]:
             joined = re.sub(r"\\\n\s*", " ", block)
             for line in joined.split("\n"):
                 line = line.removeprefix("$ ").split(" #")[0].strip()
-                if re.search(r"(^|\s)(\./run_train\.sh|python -m torchtitan_loom\.train)(\s|$)", line):
+                if re.search(
+                    r"(^|\s)(\./run_train\.sh|python -m torchtitan_loom\.train)(\s|$)", line
+                ):
                     found.append((f.name, line))
     return found
 
 
 def test_every_documented_training_command_is_a_valid_config():
     commands = _train_commands()
-    assert len(commands) >= 10  # the README's tour, parallelism, configuration, float8, the refreshed runs
+    assert (
+        len(commands) >= 10
+    )  # the README's tour, parallelism, configuration, float8, the refreshed runs
     for page, line in commands:
         words = shlex.split(line.replace("$NODE", "0"))
-        launcher = next(i for i, w in enumerate(words) if w in ("./run_train.sh", "torchtitan_loom.train"))
-        args = [w for w in words[launcher + 1:] if w != "--help"]
+        launcher = next(
+            i for i, w in enumerate(words) if w in ("./run_train.sh", "torchtitan_loom.train")
+        )
+        args = [w for w in words[launcher + 1 :] if w != "--help"]
         try:
             load_config(args)
         except Exception as exc:  # the message names the key

@@ -36,8 +36,8 @@ def test_hand_computed_example():
     _feed(stats)
     s = stats.summary()
     assert s["routing_distinct_experts"] == pytest.approx(3.5)
-    assert s["routing_overlap_loop_1"] == pytest.approx(0.75)   # (1/2 + 2/2) / 2
-    assert s["routing_overlap_loop_2"] == pytest.approx(0.5)    # (2/2 + 0/2) / 2
+    assert s["routing_overlap_loop_1"] == pytest.approx(0.75)  # (1/2 + 2/2) / 2
+    assert s["routing_overlap_loop_2"] == pytest.approx(0.5)  # (2/2 + 0/2) / 2
     assert s["routing_overlap"] == pytest.approx(0.625)
     # Loads: loop 1 (2,2,0,0), loop 2 (1,2,1,0), loop 3 (0,1,2,1).
     assert stats.load_LHE[0].tolist() == [[2, 2, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1]]
@@ -47,7 +47,7 @@ def test_hand_computed_example():
     assert s["routing_load_entropy"] == pytest.approx((0.5 + 0.75 + 0.75) / 3)
     assert s["routing_load_max_mean_loop_1"] == pytest.approx(2.0)  # max 2 / mean 1
     assert s["routing_load_max_mean"] == pytest.approx(2.0)
-    assert s["routing_dead_experts"] == 0            # every expert was chosen in some loop
+    assert s["routing_dead_experts"] == 0  # every expert was chosen in some loop
     assert s["routing_dead_experts_per_loop"] == pytest.approx((2 + 1 + 1) / 3)
     assert s["stream_rms_loop_1"] == pytest.approx(math.sqrt((0.5 + 1.0) / 2))
     assert s["stream_rms_loop_2"] == pytest.approx(math.sqrt((2.0 + 1.0) / 2))

@@ -13,11 +13,34 @@ from torchtitan_loom.components.checkpoint import layout
 
 
 def argv(pack, dump, *extra, steps=4):
-    return ["--data.path", str(pack), "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.global_batch_size", "4", "--training.micro_batch_size", "2", "--training.steps", str(steps),
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--eval.interval", "0",
-            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "--checkpoint.interval", "2",
-            "--checkpoint.keep_latest_k", "0", *extra]
+    return [
+        "--data.path",
+        str(pack),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        "--training.steps",
+        str(steps),
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--eval.interval",
+        "0",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        *extra,
+    ]
 
 
 def rows(dump):
@@ -26,8 +49,11 @@ def rows(dump):
 
 def write_lock(dump, pid):
     dump.mkdir(parents=True, exist_ok=True)
-    (dump / run_folder.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": pid,
-                                                    "run_id": "other", "started": "earlier"}))
+    (dump / run_folder.LOCK).write_text(
+        json.dumps(
+            {"host": socket.gethostname(), "pid": pid, "run_id": "other", "started": "earlier"}
+        )
+    )
 
 
 def test_a_second_live_run_is_refused(tiny_pack, tmp_path, capsys):
@@ -36,7 +62,10 @@ def test_a_second_live_run_is_refused(tiny_pack, tmp_path, capsys):
         write_lock(tmp_path, other.pid)
         assert train.main(argv(tiny_pack, tmp_path)) == 2
         err = capsys.readouterr().err
-        assert f"in use by a live run: pid {other.pid} on this host" in err and str(tmp_path / "RUN.lock") in err
+        assert (
+            f"in use by a live run: pid {other.pid} on this host" in err
+            and str(tmp_path / "RUN.lock") in err
+        )
         assert not (tmp_path / "metrics.jsonl").exists()
         assert json.loads((tmp_path / run_folder.LOCK).read_text())["pid"] == other.pid  # untouched
     finally:
@@ -57,9 +86,11 @@ def test_relaunch_rules_and_launch_markers(tiny_pack, tmp_path, capsys):
     assert train.main(argv(tiny_pack, tmp_path)) == 0
     run = run_folder.read_run(str(tmp_path))
     assert run["status"] == "finished" and run["step"] == 4
-    for extra, expected in ((["--training.seed", "1"], "holds a different run (training.seed: 0 → 1)"),
-                            ([], "holds a finished run (step 4 of training.steps = 4)"),
-                            (["--checkpoint.enable", "false"], "holds a finished run")):
+    for extra, expected in (
+        (["--training.seed", "1"], "holds a different run (training.seed: 0 → 1)"),
+        ([], "holds a finished run (step 4 of training.steps = 4)"),
+        (["--checkpoint.enable", "false"], "holds a finished run"),
+    ):
         capsys.readouterr()
         assert train.main(argv(tiny_pack, tmp_path, *extra)) == 2, extra
         err = capsys.readouterr().err
@@ -70,7 +101,9 @@ def test_relaunch_rules_and_launch_markers(tiny_pack, tmp_path, capsys):
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
     first, second = r[0]["run_id"], r[4]["run_id"]
     assert first != second and {x["run_id"] for x in r[:4]} == {first} and r[5]["run_id"] == second
-    assert r[0]["launch"] == {"resumed_from_step": None} and r[4]["launch"] == {"resumed_from_step": 4}
+    assert r[0]["launch"] == {"resumed_from_step": None} and r[4]["launch"] == {
+        "resumed_from_step": 4
+    }
     assert "launch" not in r[1] and "launch" not in r[5]
     assert [x["run_id"] for x in run_folder.read_run(str(tmp_path))["launches"]] == [first, second]
 
@@ -81,7 +114,9 @@ def test_checkpoints_off_cannot_continue_a_run(tiny_pack, tmp_path, capsys):
     capsys.readouterr()
     assert train.main(base) == 2  # the same command again: finished
     assert "holds a finished run" in capsys.readouterr().err
-    longer = [("8" if a == "6" else a) for a in base]  # more steps: would start over and mix two histories
+    longer = [
+        ("8" if a == "6" else a) for a in base
+    ]  # more steps: would start over and mix two histories
     assert train.main(longer) == 2
     assert "checkpoint.enable = false cannot continue" in capsys.readouterr().err
     assert len(rows(tmp_path)) == 6
@@ -90,7 +125,10 @@ def test_checkpoints_off_cannot_continue_a_run(tiny_pack, tmp_path, capsys):
 def test_overwrite_moves_the_old_run_aside(tiny_pack, tmp_path):
     assert train.main(argv(tiny_pack, tmp_path)) == 0
     old_id = run_folder.read_run(str(tmp_path))["run_id"]
-    assert train.main(argv(tiny_pack, tmp_path, "--training.seed", "1", "--job.overwrite", "true")) == 0
+    assert (
+        train.main(argv(tiny_pack, tmp_path, "--training.seed", "1", "--job.overwrite", "true"))
+        == 0
+    )
     old = tmp_path / f"replaced-{old_id}"
     assert len(rows(old)) == 4 and (old / "checkpoint" / "step-4" / layout.MARKER).exists()
     r = rows(tmp_path)

@@ -26,7 +26,7 @@ def greedy_by_recompute(model, prompt, steps, loops=None):
         out = model(seq, torch.arange(S).expand_as(seq), torch.zeros_like(seq), loop_end=loops)
         logits.append(out.logits_BSV[:, -1])
         seq = torch.cat([seq, out.logits_BSV[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return seq[:, prompt.shape[1]:], torch.stack(logits, 1)
+    return seq[:, prompt.shape[1] :], torch.stack(logits, 1)
 
 
 @pytest.mark.parametrize("loops", [None, 2])
@@ -35,7 +35,9 @@ def test_cached_greedy_equals_recomputing_the_prefix(loops):
     prompt = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref_tokens, ref_logits = greedy_by_recompute(model, prompt, 12, loops)
-        tokens = generate(model, prompt, SamplingConfig(max_new_tokens=12, temperature=0), loops=loops)
+        tokens = generate(
+            model, prompt, SamplingConfig(max_new_tokens=12, temperature=0), loops=loops
+        )
     assert torch.equal(tokens, ref_tokens)
     assert len(set(tokens[0].tolist())) > 1  # not a degenerate repeat of one token
 
@@ -49,9 +51,15 @@ def test_cached_step_logits_match_the_full_forward():
     with torch.no_grad():
         full = model(seq, pos, torch.zeros_like(seq)).logits_BSV
         cache = KVCache()
-        parts = [model(seq[:, :5], pos[:, :5], torch.zeros_like(seq[:, :5]), cache=cache).logits_BSV]
+        parts = [
+            model(seq[:, :5], pos[:, :5], torch.zeros_like(seq[:, :5]), cache=cache).logits_BSV
+        ]
         for i in range(5, 11):
-            parts.append(model(seq[:, i:i + 1], pos[:, i:i + 1], torch.zeros_like(seq[:, :1]), cache=cache).logits_BSV)
+            parts.append(
+                model(
+                    seq[:, i : i + 1], pos[:, i : i + 1], torch.zeros_like(seq[:, :1]), cache=cache
+                ).logits_BSV
+            )
     cached = torch.cat(parts, dim=1)
     assert cache.past_len() == 11
     assert set(cache.kv) == {(layer, loop) for layer in range(2) for loop in (1, 2, 3)}
@@ -78,14 +86,19 @@ def test_generate_stops_at_max_seq_len_and_eos():
     out = generate(model, prompt, SamplingConfig(max_new_tokens=50, temperature=0))
     assert out.shape == (1, 4)  # 6 + 4 = max_seq_len
     first = int(out[0, 0])
-    stopped = generate(model, prompt, SamplingConfig(max_new_tokens=50, temperature=0), eos_id=first)
+    stopped = generate(
+        model, prompt, SamplingConfig(max_new_tokens=50, temperature=0), eos_id=first
+    )
     assert stopped.tolist() == [[first]]
 
 
 def test_sampling_filters():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]] * 2000)
     g = torch.Generator().manual_seed(0)
-    assert torch.equal(next_token(logits, SamplingConfig(temperature=1.0, top_k=1), g), torch.zeros(2000, dtype=torch.long))
+    assert torch.equal(
+        next_token(logits, SamplingConfig(temperature=1.0, top_k=1), g),
+        torch.zeros(2000, dtype=torch.long),
+    )
     top2 = next_token(logits, SamplingConfig(temperature=1.0, top_k=2), g)
     assert set(top2.tolist()) == {0, 1}
     # softmax = [0.61, 0.22, 0.14, 0.02]: top_p 0.7 keeps the first two (0.61 < 0.7 <= 0.83).

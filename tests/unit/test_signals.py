@@ -42,12 +42,17 @@ def straight(tiny_pack, tmp_path_factory):
     return run(make_trainer(tiny_pack, tmp_path_factory.mktemp("straight"), *STEPS))
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0), (signal.SIGUSR1, 0)])
-def test_signal_mid_step_abandons_it_saves_and_resumes_bit_identically(tiny_pack, tmp_path, capfd, straight, sig,
-                                                                       code):
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0), (signal.SIGUSR1, 0)]
+)
+def test_signal_mid_step_abandons_it_saves_and_resumes_bit_identically(
+    tiny_pack, tmp_path, capfd, straight, sig, code
+):
     before = signal.getsignal(sig)
     t = make_trainer(tiny_pack, tmp_path / "run", *STEPS)
-    signal_on_forward(t, sig, step=2, call=1, training=True)  # during step 3's first micro-batch (of 2)
+    signal_on_forward(
+        t, sig, step=2, call=1, training=True
+    )  # during step 3's first micro-batch (of 2)
     assert t.train() == code
     assert signal.getsignal(sig) == before
     out = capfd.readouterr().out
@@ -60,12 +65,19 @@ def test_signal_mid_step_abandons_it_saves_and_resumes_bit_identically(tiny_pack
 
 def test_sigterm_during_eval_stops_the_eval_saves_and_exits_0(tiny_pack, tmp_path, capfd):
     t = make_trainer(tiny_pack, tmp_path, *STEPS, "--eval.interval", "2", "--eval.tokens", "1000")
-    signal_on_forward(t, signal.SIGTERM, step=2, call=1, training=False)  # the first eval micro-batch
+    signal_on_forward(
+        t, signal.SIGTERM, step=2, call=1, training=False
+    )  # the first eval micro-batch
     assert t.train() == 0 and t.state.step == 2
     out = capfd.readouterr().out
-    assert "received SIGTERM: stopping at the next micro-batch" in out and "stopped after step 2" in out
+    assert (
+        "received SIGTERM: stopping at the next micro-batch" in out
+        and "stopped after step 2" in out
+    )
     rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 2 and "eval_loss" not in rows[-1]  # the interrupted eval is not reported
+    assert (
+        rows[-1]["step"] == 2 and "eval_loss" not in rows[-1]
+    )  # the interrupted eval is not reported
     assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 2
 
 
@@ -74,22 +86,56 @@ def _reader(proc, lines):
         lines.append((time.monotonic(), line))
 
 
-@pytest.mark.parametrize("sig, code, checkpoints", [(signal.SIGTERM, 0, True), (signal.SIGINT, 130, True),
-                                                    (signal.SIGINT, 130, False)])
-def test_signal_is_acknowledged_within_a_second_from_the_command_line(tiny_pack, tmp_path, sig, code, checkpoints):
+@pytest.mark.parametrize(
+    "sig, code, checkpoints",
+    [(signal.SIGTERM, 0, True), (signal.SIGINT, 130, True), (signal.SIGINT, 130, False)],
+)
+def test_signal_is_acknowledged_within_a_second_from_the_command_line(
+    tiny_pack, tmp_path, sig, code, checkpoints
+):
     dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torchtitan_loom.train", "--data.path", str(tiny_pack), "--job.dump_folder", str(dump),
-           "--training.seq_len", "32", "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-           "--training.steps", "100000", "--eval.interval", "0", "--metrics.log_freq", "1",
-           "--metrics.enable_tensorboard", "false", "--checkpoint.enable", str(checkpoints).lower(),
-           "--checkpoint.interval", "1000000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchtitan_loom.train",
+        "--data.path",
+        str(tiny_pack),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        "--training.steps",
+        "100000",
+        "--eval.interval",
+        "0",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable",
+        str(checkpoints).lower(),
+        "--checkpoint.interval",
+        "1000000",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     lines = []
     threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
     try:
         deadline, metrics = time.monotonic() + 120, dump / "metrics.jsonl"
-        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        while time.monotonic() < deadline and not (
+            metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+        ):
             time.sleep(0.05)  # training is under way (3 steps logged)
         sent = time.monotonic()
         proc.send_signal(sig)
@@ -114,12 +160,19 @@ def test_an_unreachable_launcher_store_counts_as_the_launcher_gone():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_USE_AGENT_STORE": "True", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {
+        "TORCHELASTIC_RUN_ID": "x",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
     assert LauncherWatch.applies(env) and not LauncherWatch.applies({})
     gone = threading.Event()
     reasons = []
-    watch = LauncherWatch.start(env, poll_s=0.01, on_gone=lambda why: (reasons.append(why), gone.set()))
+    watch = LauncherWatch.start(
+        env, poll_s=0.01, on_gone=lambda why: (reasons.append(why), gone.set())
+    )
     try:
         assert gone.wait(60), "an unreachable store was never noticed"
     finally:
@@ -139,10 +192,26 @@ def test_ctrl_c_twice_exits_130_and_run_json_says_stopped(tiny_pack, tmp_path, c
 
             self.model.register_forward_pre_hook(hook)
 
-    argv = ["--data.path", str(tiny_pack), "--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
-            "--training.global_batch_size", "4", "--training.micro_batch_size", "2",
-            "--training.mixed_precision_param", "float32", "--eval.interval", "0",
-            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", *STEPS]
+    argv = [
+        "--data.path",
+        str(tiny_pack),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "4",
+        "--training.micro_batch_size",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        "--eval.interval",
+        "0",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable",
+        *STEPS,
+    ]
     assert launch.run(argv, TwiceInterrupted) == 130
     assert "interrupted (SIGINT): stopped without saving" in capfd.readouterr().err
     run_json = json.loads((tmp_path / "run.json").read_text())
@@ -178,4 +247,7 @@ def test_a_signal_during_a_save_does_not_save_that_step_twice(tiny_pack, tmp_pat
     assert t.train() == 0 and t.state.step == 2
     assert saved == [1, 2]  # step 2 was saved once; the stop that followed it found it saved
     out = capfd.readouterr().out
-    assert out.count("checkpoint step 2 saved") == 1 and "saved " + str(tmp_path / "checkpoint" / "step-2") in out
+    assert (
+        out.count("checkpoint step 2 saved") == 1
+        and "saved " + str(tmp_path / "checkpoint" / "step-2") in out
+    )

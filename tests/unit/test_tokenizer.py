@@ -14,7 +14,12 @@ from torchtitan_loom.components.data.tokenizer import (
     same_tokenizer_name,
 )
 
-TEXTS = ["the cat sat on the mat", "a dog ran to the park", "the quick brown fox", "héllo wörld"] * 20
+TEXTS = [
+    "the cat sat on the mat",
+    "a dog ran to the park",
+    "the quick brown fox",
+    "héllo wörld",
+] * 20
 
 
 def test_byte_tokenizer_ids_and_round_trip():
@@ -24,21 +29,23 @@ def test_byte_tokenizer_ids_and_round_trip():
     ids = tok.encode("hé!")
     assert ids == [104, 0xC3, 0xA9, 33]
     assert tok.encode_array("hé!").tolist() == ids and tok.encode_array("x").dtype == np.int64
-    assert tok.decode(ids + [256, 257]) == "hé!"   # specials dropped
+    assert tok.decode(ids + [256, 257]) == "hé!"  # specials dropped
     with pytest.raises(ValueError, match="fixed EOS"):
         build_tokenizer("byte", eos_token="</s>")
 
 
 def test_unknown_tokenizer_name_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="'gpt9'.*valid values are 'byte', a path to a tokenizer.json"):
+    with pytest.raises(
+        ValueError, match="'gpt9'.*valid values are 'byte', a path to a tokenizer.json"
+    ):
         build_tokenizer("gpt9")
     with pytest.raises(ValueError, match="no such file"):
-        build_tokenizer(tmp_path)   # a directory without tokenizer.json
+        build_tokenizer(tmp_path)  # a directory without tokenizer.json
 
 
 def test_missing_tokenizers_package_names_the_extra(tmp_path, monkeypatch):
     (tmp_path / "tokenizer.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "tokenizers", None)   # makes `import tokenizers` fail
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
     with pytest.raises(ImportError, match=r"pip install torchtitan_loom\[data\]"):
         build_tokenizer(tmp_path / "tokenizer.json")
 
@@ -56,8 +63,12 @@ def train_hf(tmp_path, specials=("<|endoftext|>", "<pad>")):
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(TEXTS, trainer)
     d = tmp_path / "mytok"
     d.mkdir()
@@ -69,10 +80,10 @@ def test_hf_tokenizer_round_trip_and_eos_guess(tmp_path):
     d = train_hf(tmp_path)
     tok = build_tokenizer(d)
     assert isinstance(tok, HFTokenizer)
-    assert tok.eos_id == 0 and tok.pad_id == 1             # specials come first in the trained vocab
+    assert tok.eos_id == 0 and tok.pad_id == 1  # specials come first in the trained vocab
     assert tok.vocab_size == HFTokenizer(d / "tokenizer.json").vocab_size <= 300
     ids = tok.encode("the cat sat on the park")
-    assert len(ids) < len("the cat sat on the park")   # merges were learnt
+    assert len(ids) < len("the cat sat on the park")  # merges were learnt
     assert tok.decode(ids) == "the cat sat on the park"
     assert tok.encode_array("the cat").tolist() == tok.encode("the cat")
     assert build_tokenizer(d, eos_token="<pad>").eos_id == 1
@@ -96,10 +107,18 @@ def test_hf_tokenizer_pack_reads_back(tmp_path):
         for t in TEXTS[:8]:
             w.add_document(tok.encode_array(t))
         w.finish(epochs=1, holdout_tokens=0)
-    pack = open_pack(tmp_path / "pack", seq_len=32, vocab_size=512, tokenizer_name=str(d / "tokenizer.json"))
+    pack = open_pack(
+        tmp_path / "pack", seq_len=32, vocab_size=512, tokenizer_name=str(d / "tokenizer.json")
+    )
     assert pack.eos_id == tok.eos_id
-    rows = next(iter(build_train_loader(tmp_path / "pack", 32, 512, global_batch_rows=2, dp_rank=0, dp_world=1)))
+    rows = next(
+        iter(
+            build_train_loader(
+                tmp_path / "pack", 32, 512, global_batch_rows=2, dp_rank=0, dp_world=1
+            )
+        )
+    )
     docs = []
     for inp, doc in zip(rows["input_ids"], rows["doc_ids"]):
         docs += [tok.decode(inp[doc == k].tolist()) for k in sorted(set(doc.tolist()) - {-1})]
-    assert sorted(docs) == sorted(TEXTS[:8])   # every document comes back intact
+    assert sorted(docs) == sorted(TEXTS[:8])  # every document comes back intact

@@ -21,10 +21,16 @@ def token_ce_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Ten
     Logits are upcast to float32 before the softmax; a batch with no valid label gives 0.
     """
     if logits_BSV.dim() != 3 or labels_BS.shape != logits_BSV.shape[:2]:
-        raise ValueError(f"token_ce_sum: expected logits [B, S, V] and labels [B, S], got "
-                         f"{tuple(logits_BSV.shape)} and {tuple(labels_BS.shape)}")
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+        raise ValueError(
+            f"token_ce_sum: expected logits [B, S, V] and labels [B, S], got "
+            f"{tuple(logits_BSV.shape)} and {tuple(labels_BS.shape)}"
+        )
+    return F.cross_entropy(
+        logits_BSV.flatten(0, 1).float(),
+        labels_BS.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
 def count_valid(labels_BS: torch.Tensor) -> torch.Tensor:

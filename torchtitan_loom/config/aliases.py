@@ -50,16 +50,28 @@ ALIASES: dict[str, Alias] = {
     "lr_scheduler.warmup_steps": Alias("lr_scheduler.warmup_ratio", per_training_step=True),
     "lr_scheduler.min_lr_factor": Alias("lr_scheduler.min_ratio"),
     "lr_scheduler.decay_type": Alias(
-        "lr_scheduler.kind", values={"linear": "wsd"},
-        refuse={v: "lr_scheduler.kind = wsd (linear decay over decay_ratio) or cosine (warmup + one cosine "
-                   "over every remaining step)" for v in ("sqrt", "cosine")}),
+        "lr_scheduler.kind",
+        values={"linear": "wsd"},
+        refuse={
+            v: "lr_scheduler.kind = wsd (linear decay over decay_ratio) or cosine (warmup + one cosine "
+            "over every remaining step)"
+            for v in ("sqrt", "cosine")
+        },
+    ),
     "activation_checkpoint.mode": Alias(
-        "activation_checkpoint.mode", values={"full": "block"},
-        refuse={"selective": "activation_checkpoint.mode = block (TorchTitan's full), loop or segment",
-                "memory_budget": "activation_checkpoint.mode = block (TorchTitan's full), loop or segment"}),
-    "quantize.linear.float8.enable_fsdp_float8_all_gather": Alias("float8.enable_fsdp_float8_all_gather"),
-    "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp":
-        Alias("float8.precompute_float8_dynamic_scale_for_fsdp"),
+        "activation_checkpoint.mode",
+        values={"full": "block"},
+        refuse={
+            "selective": "activation_checkpoint.mode = block (TorchTitan's full), loop or segment",
+            "memory_budget": "activation_checkpoint.mode = block (TorchTitan's full), loop or segment",
+        },
+    ),
+    "quantize.linear.float8.enable_fsdp_float8_all_gather": Alias(
+        "float8.enable_fsdp_float8_all_gather"
+    ),
+    "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": Alias(
+        "float8.precompute_float8_dynamic_scale_for_fsdp"
+    ),
     "quantize.linear.float8.recipe_name": Alias("float8.recipe"),
     "quantize.linear.float8.filter_fqns": Alias("float8.filter_fqns"),
     "quantize.linear.float8.emulate": Alias("float8.emulate"),
@@ -68,20 +80,20 @@ ALIASES: dict[str, Alias] = {
 # TorchTitan keys that mean nothing here → what to use instead (one line each).
 NO_MEANING: dict[str, str] = {
     "model.converters": "set float8.enable = true (and float8.experts for the routed experts) instead of "
-                        "converters = [\"float8\"]",
+    'converters = ["float8"]',
     "model.hf_assets_path": "the tokenizer is fixed when packing (python -m torchtitan_loom.tools.pack "
-                            "--tokenizer ...); data.tokenizer checks the pack's",
+    "--tokenizer ...); data.tokenizer checks the pack's",
     "model.tokenizer_path": "the tokenizer is fixed when packing (python -m torchtitan_loom.tools.pack "
-                            "--tokenizer ...); data.tokenizer checks the pack's",
+    "--tokenizer ...); data.tokenizer checks the pack's",
     "training.dataset": "pack the corpus (python -m torchtitan_loom.tools.pack --hf-dataset NAME ...) and "
-                        "set data.path; empty data.path = the bundled corpus",
+    "set data.path; empty data.path = the bundled corpus",
     "training.dataset_path": "pack it with python -m torchtitan_loom.tools.pack and set data.path",
     "parallelism.enable_async_tensor_parallel": "there is no tensor parallelism; scale with parallelism.dp_shard "
-                                                "(FSDP), dp_replicate and ep",
+    "(FSDP), dp_replicate and ep",
     "parallelism.pipeline_parallel_schedule": "there is no pipeline parallelism; scale with parallelism.dp_shard "
-                                              "(FSDP), dp_replicate and ep",
+    "(FSDP), dp_replicate and ep",
     "parallelism.expert_tensor_parallel_degree": "experts are split whole over parallelism.ep ranks; no expert "
-                                                 "tensor parallelism",
+    "tensor parallelism",
     "activation_checkpoint.selective_ac_option": "activation_checkpoint.mode = block, loop or segment",
     "compile.components": "compile.enable compiles every block (the loss is not compiled separately)",
     "metrics.disable_color_printing": "console lines are plain text (no colors to disable)",
@@ -113,12 +125,16 @@ def translate(dotted: str, value: Any) -> tuple[str, Any, bool]:
         return dotted, value, False
     if isinstance(value, str):
         if alias.refuse and value in alias.refuse:
-            raise AliasError(f"{dotted} = {value!r} (TorchTitan) has no counterpart here; use {alias.refuse[value]}")
+            raise AliasError(
+                f"{dotted} = {value!r} (TorchTitan) has no counterpart here; use {alias.refuse[value]}"
+            )
         if alias.values:
             value = alias.values.get(value, value)
     if alias.key in _ONLY_ONE and dotted != alias.key and str(value).strip() not in ("1",):
         what = _ONLY_ONE[alias.key]
-        raise AliasError(f"{dotted} = {value}: {what} parallelism is not implemented here; leave it at 1 and "
-                         f"scale with parallelism.data_parallel_shard_degree (FSDP), "
-                         f"data_parallel_replicate_degree and expert_parallel_degree")
+        raise AliasError(
+            f"{dotted} = {value}: {what} parallelism is not implemented here; leave it at 1 and "
+            f"scale with parallelism.data_parallel_shard_degree (FSDP), "
+            f"data_parallel_replicate_degree and expert_parallel_degree"
+        )
     return alias.key, value, alias.per_training_step

@@ -36,7 +36,9 @@ def folder_errors(cfg: Any) -> list[str]:
     errors = []
     problem = writable_dir_problem(cfg.job.dump_folder)
     if problem:
-        errors.append(f"job.dump_folder = '{cfg.job.dump_folder}': {problem}; choose a writable folder")
+        errors.append(
+            f"job.dump_folder = '{cfg.job.dump_folder}': {problem}; choose a writable folder"
+        )
     links = link_errors(cfg)
     return errors + ([links] if links else [])
 
@@ -52,8 +54,10 @@ def link_errors(cfg: Any) -> str | None:
         links += layout.planted_links(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
     if not links:
         return None
-    return (f"job.dump_folder = '{cfg.job.dump_folder}': symbolic links where the run writes: {', '.join(links)}; "
-            f"remove them (a run never writes, renames or removes through a link)")
+    return (
+        f"job.dump_folder = '{cfg.job.dump_folder}': symbolic links where the run writes: {', '.join(links)}; "
+        f"remove them (a run never writes, renames or removes through a link)"
+    )
 
 
 def bundled_errors(cfg: Any) -> list[str]:
@@ -66,15 +70,23 @@ def bundled_errors(cfg: Any) -> list[str]:
 
     errors = []
     if cfg.training.seq_len > sc.MAX_SEQ_LEN - 1:
-        errors.append(f"training.seq_len = {cfg.training.seq_len}: the bundled corpus (data.path empty) holds "
-                      f"records of {sc.MAX_SEQ_LEN} tokens, so seq_len must be ≤ {sc.MAX_SEQ_LEN - 1}; pass "
-                      f"--data.path with a pack of longer records (python -m torchtitan_loom.tools.pack)")
+        errors.append(
+            f"training.seq_len = {cfg.training.seq_len}: the bundled corpus (data.path empty) holds "
+            f"records of {sc.MAX_SEQ_LEN} tokens, so seq_len must be ≤ {sc.MAX_SEQ_LEN - 1}; pass "
+            f"--data.path with a pack of longer records (python -m torchtitan_loom.tools.pack)"
+        )
     root = cfg.data.cache_dir or str(default_cache_dir())
     if not os.path.isfile(os.path.join(root, sc.CORPUS_NAME, "metadata.json")):
         problem = writable_dir_problem(root)
         if problem:
-            key = "data.cache_dir" if cfg.data.cache_dir else "data.cache_dir ($TORCHTITAN_LOOM_CACHE)"
-            errors.append(f"{key} = '{root}': {problem}; the bundled corpus is built there on first use")
+            key = (
+                "data.cache_dir"
+                if cfg.data.cache_dir
+                else "data.cache_dir ($TORCHTITAN_LOOM_CACHE)"
+            )
+            errors.append(
+                f"{key} = '{root}': {problem}; the bundled corpus is built there on first use"
+            )
     return errors
 
 
@@ -87,10 +99,12 @@ def pack_errors(path: str, key: str, cfg: Any, args: Any) -> list[str]:
         info = meta["tokenizer_info"]
         top = max(int(meta.get("max_token_id", -1)), int(info["eos_token_id"]))
         if top >= args.vocab_size:
-            return [f"{key} = '{path}': the pack's token ids reach {top} (tokenizer {info.get('name_or_path')!r}, "
-                    f"{info['vocab_size']} ids) but model.flavor '{cfg.model.flavor}' has vocab_size "
-                    f"{args.vocab_size}; set --model.vocab_size (at least {top + 1}, a multiple of 256 by "
-                    f"LOOM_SPEC §8.2) or re-pack with a smaller tokenizer"]
+            return [
+                f"{key} = '{path}': the pack's token ids reach {top} (tokenizer {info.get('name_or_path')!r}, "
+                f"{info['vocab_size']} ids) but model.flavor '{cfg.model.flavor}' has vocab_size "
+                f"{args.vocab_size}; set --model.vocab_size (at least {top + 1}, a multiple of 256 by "
+                f"LOOM_SPEC §8.2) or re-pack with a smaller tokenizer"
+            ]
         open_pack(path, seq_len=cfg.training.seq_len, vocab_size=args.vocab_size)
     except PackError as exc:
         return [f"{key}: {exc}"]

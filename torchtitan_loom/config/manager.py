@@ -111,7 +111,11 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         items = value.split(",") if from_cli and isinstance(value, str) else value
         if not isinstance(items, list):
             raise bad
-        return [_coerce(key, elem, v.strip() if isinstance(v, str) else v, from_cli) for v in items if v != ""]
+        return [
+            _coerce(key, elem, v.strip() if isinstance(v, str) else v, from_cli)
+            for v in items
+            if v != ""
+        ]
     raise ConfigError(f"{key}: unsupported annotation {tp!r}")  # a schema bug, not a user error
 
 
@@ -122,17 +126,23 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     except AliasError as exc:
         raise ConfigError(str(exc)) from None
     if "." not in dotted:
-        raise ConfigError(f"'{dotted}': options are --section.key{_nearest(dotted, list(sections))}")
+        raise ConfigError(
+            f"'{dotted}': options are --section.key{_nearest(dotted, list(sections))}"
+        )
     sec, key = dotted.split(".", 1)
     if sec not in sections:
         raise ConfigError(f"unknown section '{sec}'{_nearest(sec, list(sections))}")
     fields = section_fields(sections[sec])
     key = key.replace("-", "_")
     if key not in fields and sec == "model":
-        raise ConfigError(f"model.{key}: not a key of model '{cfg.model.name}'"
-                          f"{_nearest(key, list(fields), prefix='model.')}")
+        raise ConfigError(
+            f"model.{key}: not a key of model '{cfg.model.name}'"
+            f"{_nearest(key, list(fields), prefix='model.')}"
+        )
     if key not in fields:
-        raise ConfigError(f"unknown key '{sec}.{key}'{_nearest(key, list(fields), prefix=sec + '.')}")
+        raise ConfigError(
+            f"unknown key '{sec}.{key}'{_nearest(key, list(fields), prefix=sec + '.')}"
+        )
     tp, f = fields[key]
     value = _coerce(f"{sec}.{key}", tp, value, from_cli)
     choices = f.metadata.get("choices")
@@ -201,7 +211,9 @@ def load_config(argv: list[str]) -> JobConfig:
     if config_file:
         for sec, table in _read_toml(config_file).items():
             if not isinstance(table, dict):
-                raise ConfigError(f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}")
+                raise ConfigError(
+                    f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}"
+                )
             sources += [(k, v, False) for k, v in _flatten(sec, table)]
     sources += [(k, v, True) for k, v in pairs]
     # [model]'s keys are the chosen model's: find the name first (the last one given wins).
@@ -230,14 +242,23 @@ def load_config(argv: list[str]) -> JobConfig:
 
 def help_text() -> str:
     """Every section and key with its type, default and doc (what --help prints)."""
-    lines = ["usage: run_train.sh [--job.config_file FILE] [--section.key VALUE ...]",
-             "Precedence: CLI > TOML > defaults. Booleans: --section.flag / --section.flag false.", ""]
+    lines = [
+        "usage: run_train.sh [--job.config_file FILE] [--section.key VALUE ...]",
+        "Precedence: CLI > TOML > defaults. Booleans: --section.flag / --section.flag false.",
+        "",
+    ]
     for sec, cls in section_types().items():
         lines.append(f"[{sec}]  {SECTION_DOCS.get(sec, '')}")
         for key, (tp, f) in section_fields(cls).items():
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            extra = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
-            lines.append(f"  --{sec}.{key}  {type_name(tp)} = {default!r}{extra}{_alias_note(f'{sec}.{key}')}")
+            extra = (
+                f" (one of: {', '.join(f.metadata['choices'])})"
+                if f.metadata.get("choices")
+                else ""
+            )
+            lines.append(
+                f"  --{sec}.{key}  {type_name(tp)} = {default!r}{extra}{_alias_note(f'{sec}.{key}')}"
+            )
             lines.append(f"      {f.metadata.get('doc', '')}")
         lines.append("")
     return "\n".join(lines)
@@ -245,11 +266,15 @@ def help_text() -> str:
 
 def _alias_note(key: str) -> str:
     """' (TorchTitan: --a.b, values x = y)' for a key with TorchTitan spellings or value translations."""
-    notes = [f"--{tt}" + (" (steps, → steps / training.steps)" if ALIASES[tt].per_training_step else "")
-             for tt in aliases_of(key)]
+    notes = [
+        f"--{tt}" + (" (steps, → steps / training.steps)" if ALIASES[tt].per_training_step else "")
+        for tt in aliases_of(key)
+    ]
     for tt, a in ALIASES.items():
         if a.key == key and a.values:
-            notes.append(", ".join(f"{tt.rsplit('.', 1)[1]} {v!r} = {o!r}" for v, o in a.values.items()))
+            notes.append(
+                ", ".join(f"{tt.rsplit('.', 1)[1]} {v!r} = {o!r}" for v, o in a.values.items())
+            )
     return f"  (TorchTitan: {'; '.join(notes)})" if notes else ""
 
 

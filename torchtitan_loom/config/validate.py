@@ -29,6 +29,7 @@ class Resolved(NamedTuple):
     model_args: Any
     dims: ParallelDims
 
+
 # Model-section keys that are not model-args overrides.
 _MODEL_META_KEYS = ("name", "flavor")
 
@@ -40,10 +41,15 @@ def resolve_model_args(cfg: JobConfig) -> Any:
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"model.name: {exc}") from None
     if cfg.model.flavor not in spec.model_args:
-        raise ConfigError(f"model.flavor: unknown flavor '{cfg.model.flavor}' of '{cfg.model.name}'; "
-                          f"valid: {', '.join(spec.model_args)}")
-    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k not in _MODEL_META_KEYS and v is not None}
+        raise ConfigError(
+            f"model.flavor: unknown flavor '{cfg.model.flavor}' of '{cfg.model.name}'; "
+            f"valid: {', '.join(spec.model_args)}"
+        )
+    overrides = {
+        k: v
+        for k, v in dataclasses.asdict(cfg.model).items()
+        if k not in _MODEL_META_KEYS and v is not None
+    }
     overrides["init_seed"] = cfg.training.seed
     args = dataclasses.replace(spec.model_args[cfg.model.flavor], **overrides)
     try:
@@ -56,10 +62,14 @@ def resolve_model_args(cfg: JobConfig) -> Any:
 def _pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
     meta = os.path.join(path, "metadata.json")
     if not os.path.isdir(path):
-        errors.append(f"{key}: no such directory '{path}' (a packed corpus; see python -m torchtitan_loom.tools.pack)")
+        errors.append(
+            f"{key}: no such directory '{path}' (a packed corpus; see python -m torchtitan_loom.tools.pack)"
+        )
         return None
     if not os.path.isfile(meta):
-        errors.append(f"{key}: '{path}' has no metadata.json; is it a pack written by torchtitan_loom.tools.pack?")
+        errors.append(
+            f"{key}: '{path}' has no metadata.json; is it a pack written by torchtitan_loom.tools.pack?"
+        )
         return None
     try:
         with open(meta) as fh:
@@ -83,18 +93,32 @@ def _number_errors(cfg: JobConfig) -> list[str]:
     need("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "must lie in [0, 1)")
     need("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "must lie in [0, 1)")
     need("optimizer.eps", o.eps, o.eps > 0, "must be a finite number > 0")
-    need("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be a finite number ≥ 0")
-    need("training.max_norm", cfg.training.max_norm, True, "must be a finite number (≤ 0 disables clipping)")
+    need(
+        "optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be a finite number ≥ 0"
+    )
+    need(
+        "training.max_norm",
+        cfg.training.max_norm,
+        True,
+        "must be a finite number (≤ 0 disables clipping)",
+    )
     for key in ("warmup_ratio", "decay_ratio", "min_ratio"):
         v = getattr(s, key)
         need(f"lr_scheduler.{key}", v, 0 <= v <= 1, "must lie in [0, 1]")
     if s.kind == "wsd" and s.warmup_ratio + s.decay_ratio > 1:
-        errors.append(f"lr_scheduler.warmup_ratio + decay_ratio = {s.warmup_ratio} + {s.decay_ratio}: must be ≤ 1 "
-                      f"(warmup and decay would overlap)")
+        errors.append(
+            f"lr_scheduler.warmup_ratio + decay_ratio = {s.warmup_ratio} + {s.decay_ratio}: must be ≤ 1 "
+            f"(warmup and decay would overlap)"
+        )
     need("spike_guard.ema", g.ema, 0 <= g.ema < 1, "must lie in [0, 1)")
     for key in ("delta", "rel", "ratio", "hard"):
         v = getattr(g, key)
-        need(f"spike_guard.{key}", v, v >= 0, "must be a finite number ≥ 0 (a threshold on the rise of the loss)")
+        need(
+            f"spike_guard.{key}",
+            v,
+            v >= 0,
+            "must be a finite number ≥ 0 (a threshold on the rise of the loss)",
+        )
     for key in ("warmup_steps", "max_consecutive_skips"):
         if getattr(g, key) < 0:
             errors.append(f"spike_guard.{key} = {getattr(g, key)}: must be ≥ 0")
@@ -116,10 +140,16 @@ def _vocab_errors(cfg: JobConfig, args: Any) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a missing or broken pack is reported by _pack_max_seq_len / open_pack
         if args.vocab_size < tok_vocab:
-            set_by = "model.vocab_size" if cfg.model.vocab_size is not None else f"the flavor '{cfg.model.flavor}'"
-            errors.append(f"model.vocab_size = {args.vocab_size} (from {set_by}) is smaller than the tokenizer of "
-                          f"{key}='{path}' ({tok_vocab:,} ids); set --model.vocab_size "
-                          f"{_round_up(tok_vocab, 256)} (its size rounded up to a multiple of 256)")
+            set_by = (
+                "model.vocab_size"
+                if cfg.model.vocab_size is not None
+                else f"the flavor '{cfg.model.flavor}'"
+            )
+            errors.append(
+                f"model.vocab_size = {args.vocab_size} (from {set_by}) is smaller than the tokenizer of "
+                f"{key}='{path}' ({tok_vocab:,} ids); set --model.vocab_size "
+                f"{_round_up(tok_vocab, 256)} (its size rounded up to a multiple of 256)"
+            )
     return errors
 
 
@@ -131,13 +161,17 @@ def _float8_errors(cfg: JobConfig) -> list[str]:
 
     plan, errors = float8_problems(cfg.float8, cfg.training.device)
     if cfg.float8.experts and cfg.parallelism.ep > 1:
-        errors.append(f"float8.experts = true with parallelism.ep = {cfg.parallelism.ep}: float8 routed experts "
-                      f"are not supported with expert parallelism yet; set float8.experts = false or ep = 1")
+        errors.append(
+            f"float8.experts = true with parallelism.ep = {cfg.parallelism.ep}: float8 routed experts "
+            f"are not supported with expert parallelism yet; set float8.experts = false or ep = 1"
+        )
     if plan is not None and plan.experts_kernel == "mxfp8_emulated" and cfg.compile.enable:
         # Measured (torch 2.13, torchao 0.18, CPU): inductor fails compiling its backward.
-        errors.append("compile.enable = true with emulated float8 experts (float8.emulate + float8.experts): "
-                      "torch.compile fails on torchao's emulated MXFP8 grouped GEMM; set compile.enable = false "
-                      "or float8.experts = false (emulated dense float8 compiles)")
+        errors.append(
+            "compile.enable = true with emulated float8 experts (float8.emulate + float8.experts): "
+            "torch.compile fails on torchao's emulated MXFP8 grouped GEMM; set compile.enable = false "
+            "or float8.experts = false (emulated dense float8 compiles)"
+        )
     return errors
 
 
@@ -150,15 +184,23 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
         if getattr(c, key) < 0:
             errors.append(f"checkpoint.{key} = {getattr(c, key)}: must be ≥ 0")
     if c.load_step == 0 or c.load_step < -1:
-        errors.append(f"checkpoint.load_step = {c.load_step}: must be -1 (the newest complete checkpoint) "
-                      f"or a saved step ≥ 1")
+        errors.append(
+            f"checkpoint.load_step = {c.load_step}: must be -1 (the newest complete checkpoint) "
+            f"or a saved step ≥ 1"
+        )
     if not c.folder or os.path.isabs(c.folder):
-        errors.append(f"checkpoint.folder = {c.folder!r}: must be a non-empty path relative to job.dump_folder")
+        errors.append(
+            f"checkpoint.folder = {c.folder!r}: must be a non-empty path relative to job.dump_folder"
+        )
     if not c.enable:
         for key, default in (("load_step", -1), ("initial_load_path", ""), ("exit_after_step", 0)):
             if getattr(c, key) != default:
-                errors.append(f"checkpoint.{key} = {getattr(c, key)!r} needs checkpoint.enable = true")
-    if errors or args is None or not c.enable or cfg.job.overwrite:  # overwrite moves the old checkpoints away
+                errors.append(
+                    f"checkpoint.{key} = {getattr(c, key)!r} needs checkpoint.enable = true"
+                )
+    if (
+        errors or args is None or not c.enable or cfg.job.overwrite
+    ):  # overwrite moves the old checkpoints away
         return errors
 
     def expected_shapes() -> dict[str, tuple[int, ...]]:
@@ -174,11 +216,17 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
     return config_errors(cfg, args, expected_shapes)
 
 
-def _parallel_dims(cfg: JobConfig, world_size: int, args: Any, errors: list[str]) -> ParallelDims | None:
+def _parallel_dims(
+    cfg: JobConfig, world_size: int, args: Any, errors: list[str]
+) -> ParallelDims | None:
     """The degrees (ParallelDims checks every divisibility rule, once), or None with the problems added."""
     try:
         spec = get_train_spec(cfg.model.name)
-        num_experts = spec.num_experts_fn(args) if spec.num_experts_fn is not None and args is not None else None
+        num_experts = (
+            spec.num_experts_fn(args)
+            if spec.num_experts_fn is not None and args is not None
+            else None
+        )
         return ParallelDims.from_config(cfg.parallelism, world_size, num_experts=num_experts)
     except ValueError as exc:
         errors.extend(str(exc).splitlines())
@@ -190,7 +238,9 @@ def parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) -> 
     (its TrainSpec's layout_errors_fn, e.g. how FSDP may split LOOM's expert rows)."""
     par, errors = cfg.parallelism, []
     if par.dry_run_world_size < 0:
-        errors.append(f"parallelism.dry_run_world_size = {par.dry_run_world_size}: must be ≥ 0 (0 = WORLD_SIZE)")
+        errors.append(
+            f"parallelism.dry_run_world_size = {par.dry_run_world_size}: must be ≥ 0 (0 = WORLD_SIZE)"
+        )
     if par.dry_run_world_size and not par.dry_run:
         errors.append("parallelism.dry_run_world_size needs parallelism.dry_run = true")
     if errors or args is None or dims is None:
@@ -227,7 +277,9 @@ def _profiling_errors(cfg: JobConfig) -> list[str]:
     for key in ("save_traces_folder", "save_memory_snapshot_folder"):
         value = getattr(p, key)
         if not value or os.path.isabs(value):
-            errors.append(f"profiling.{key} = {value!r}: must be a non-empty path relative to job.dump_folder")
+            errors.append(
+                f"profiling.{key} = {value!r}: must be a non-empty path relative to job.dump_folder"
+            )
     return errors
 
 
@@ -239,7 +291,9 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         if getattr(t, key) < 1:
             errors.append(f"training.{key} = {getattr(t, key)}: must be ≥ 1")
     if t.bp_segment_len < 0:
-        errors.append(f"training.bp_segment_len = {t.bp_segment_len}: must be ≥ 0 (0 = all loops in one segment)")
+        errors.append(
+            f"training.bp_segment_len = {t.bp_segment_len}: must be ≥ 0 (0 = all loops in one segment)"
+        )
     args = None
     try:
         args = resolve_model_args(cfg)
@@ -248,21 +302,33 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     dims = _parallel_dims(cfg, world_size, args, errors)
     if dims is not None:
         dp = dims.dp
-        if t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.global_batch_size % (dp * t.micro_batch_size):
-            errors.append(f"training.global_batch_size = {t.global_batch_size}: must be divisible by data-parallel "
-                          f"ranks × micro_batch_size = {dp} × {t.micro_batch_size}")
+        if (
+            t.global_batch_size >= 1
+            and t.micro_batch_size >= 1
+            and t.global_batch_size % (dp * t.micro_batch_size)
+        ):
+            errors.append(
+                f"training.global_batch_size = {t.global_batch_size}: must be divisible by data-parallel "
+                f"ranks × micro_batch_size = {dp} × {t.micro_batch_size}"
+            )
         eval_rows = cfg.eval.batch_size or t.global_batch_size
         if cfg.eval.batch_size < 0 or eval_rows % dp:
-            errors.append(f"eval.batch_size = {cfg.eval.batch_size}: must be ≥ 0 and its rows ({eval_rows}) "
-                          f"divisible by the {dp} data-parallel ranks")
+            errors.append(
+                f"eval.batch_size = {cfg.eval.batch_size}: must be ≥ 0 and its rows ({eval_rows}) "
+                f"divisible by the {dp} data-parallel ranks"
+            )
     if cfg.eval.interval < 0 or cfg.eval.tokens < 1:
         errors.append("eval.interval must be ≥ 0 and eval.tokens ≥ 1")
     if cfg.metrics.log_freq < 1:
         errors.append(f"metrics.log_freq = {cfg.metrics.log_freq}: must be ≥ 1")
     if not 0 <= cfg.metrics.log_rank < world_size:
-        errors.append(f"metrics.log_rank = {cfg.metrics.log_rank}: must be a rank in [0, {world_size})")
+        errors.append(
+            f"metrics.log_rank = {cfg.metrics.log_rank}: must be a rank in [0, {world_size})"
+        )
     if cfg.metrics.expert_load_every < 0:
-        errors.append(f"metrics.expert_load_every = {cfg.metrics.expert_load_every}: must be ≥ 0 (0 = eval steps only)")
+        errors.append(
+            f"metrics.expert_load_every = {cfg.metrics.expert_load_every}: must be ≥ 0 (0 = eval steps only)"
+        )
     errors += _profiling_errors(cfg)
     errors += _estimate_errors(cfg)
     errors += _number_errors(cfg)
@@ -270,10 +336,14 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         import torch
 
         if not torch.cuda.is_available():
-            errors.append("training.device = 'cuda': no CUDA device is visible; use 'cpu' or 'auto'")
+            errors.append(
+                "training.device = 'cuda': no CUDA device is visible; use 'cpu' or 'auto'"
+            )
     if args is not None and t.seq_len > args.max_seq_len:
-        errors.append(f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
-                      f"max_seq_len = {args.max_seq_len}")
+        errors.append(
+            f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
+            f"max_seq_len = {args.max_seq_len}"
+        )
     vocab_errors = _vocab_errors(cfg, args) if args is not None else []
     errors += vocab_errors
     if not cfg.parallelism.dry_run:  # the dry run lays out ranks; it reads no data
@@ -281,19 +351,27 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
             if path:
                 max_len = _pack_max_seq_len(path, key, errors)
                 if max_len is not None and t.seq_len > max_len - 1:
-                    errors.append(f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
-                                  f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1}")
-                elif max_len is not None and args is not None and not vocab_errors:  # one line per problem
+                    errors.append(
+                        f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
+                        f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1}"
+                    )
+                elif (
+                    max_len is not None and args is not None and not vocab_errors
+                ):  # one line per problem
                     errors += pack_errors(path, key, cfg, args)
         errors += bundled_errors(cfg)
         errors += folder_errors(cfg)
     spec = get_train_spec(cfg.model.name)
-    if args is not None and spec.config_errors_fn is not None:  # the model's own rules (its keys, its layout)
+    if (
+        args is not None and spec.config_errors_fn is not None
+    ):  # the model's own rules (its keys, its layout)
         errors += spec.config_errors_fn(cfg, args, dims)
     if cfg.metrics.enable_wandb:
         if importlib.util.find_spec("wandb") is None:
-            errors.append("metrics.enable_wandb = true: the wandb package is not installed; "
-                          "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false")
+            errors.append(
+                "metrics.enable_wandb = true: the wandb package is not installed; "
+                "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false"
+            )
     errors += _diagnostics_errors(cfg)
     if t.gc_freq < 0:
         errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
@@ -314,25 +392,37 @@ def _diagnostics_errors(cfg: JobConfig) -> list[str]:
     m, e = cfg.metrics, cfg.eval
     errors = []
     if m.diag_interval < 0:
-        errors.append(f"metrics.diag_interval = {m.diag_interval}: must be ≥ 0 (0 = no diagnostics)")
+        errors.append(
+            f"metrics.diag_interval = {m.diag_interval}: must be ≥ 0 (0 = no diagnostics)"
+        )
     for key in ("downstream_interval", "downstream_limit"):
         if getattr(e, key) < 0:
-            errors.append(f"eval.{key} = {getattr(e, key)}: must be ≥ 0 (0 = {'off' if 'interval' in key else 'all'})")
+            errors.append(
+                f"eval.{key} = {getattr(e, key)}: must be ≥ 0 (0 = {'off' if 'interval' in key else 'all'})"
+            )
     if e.downstream_batch_size < 1:
         errors.append(f"eval.downstream_batch_size = {e.downstream_batch_size}: must be ≥ 1")
     if e.downstream_interval <= 0 or errors:
         return errors
     if not e.downstream_tasks:
-        return ["eval.downstream_interval > 0 needs eval.downstream_tasks: lm-eval task names, e.g. "
-                "['arc_easy'], or the tasks of eval.downstream_tasks_dir"]
+        return [
+            "eval.downstream_interval > 0 needs eval.downstream_tasks: lm-eval task names, e.g. "
+            "['arc_easy'], or the tasks of eval.downstream_tasks_dir"
+        ]
     if e.downstream_tasks_dir and not os.path.isdir(e.downstream_tasks_dir):
         return [f"eval.downstream_tasks_dir = '{e.downstream_tasks_dir}': not a directory"]
     if e.downstream_only_tasks_dir and not e.downstream_tasks_dir:
         return ["eval.downstream_only_tasks_dir = true needs eval.downstream_tasks_dir"]
     if importlib.util.find_spec("lm_eval") is None:
-        return ["eval.downstream_interval > 0: the lm-eval package is not installed; pip install "
-                "'torchtitan_loom[eval]' or set eval.downstream_interval = 0"]
+        return [
+            "eval.downstream_interval > 0: the lm-eval package is not installed; pip install "
+            "'torchtitan_loom[eval]' or set eval.downstream_interval = 0"
+        ]
     from torchtitan_loom.components.evaluation.downstream import unknown_tasks
 
-    return [f"eval.downstream_tasks: {msg}" for msg in unknown_tasks(
-        e.downstream_tasks, e.downstream_tasks_dir or None, e.downstream_only_tasks_dir)]
+    return [
+        f"eval.downstream_tasks: {msg}"
+        for msg in unknown_tasks(
+            e.downstream_tasks, e.downstream_tasks_dir or None, e.downstream_only_tasks_dir
+        )
+    ]

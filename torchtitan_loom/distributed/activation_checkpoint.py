@@ -33,11 +33,13 @@ AC_MODES = ("none", "block", "loop", "segment")
 
 # Routing decisions: top-k expert choice and the stable sorts of the capacity plan (argsort
 # dispatches to sort.stable). Saving them costs [N, K] values and indices per MoE call.
-_ROUTING_OPS = frozenset({
-    torch.ops.aten.topk.default,
-    torch.ops.aten.sort.default,
-    torch.ops.aten.sort.stable,
-})
+_ROUTING_OPS = frozenset(
+    {
+        torch.ops.aten.topk.default,
+        torch.ops.aten.sort.default,
+        torch.ops.aten.sort.stable,
+    }
+)
 
 
 class _RecordRouting(TorchDispatchMode):
@@ -73,8 +75,10 @@ class _ReplayRouting(TorchDispatchMode):
         self.used[func] = i + 1
         outputs = self.saved.get(func, [])
         if i >= len(outputs):
-            raise RuntimeError(f"activation checkpoint: the recompute called {func} more often ({i + 1}) than "
-                               f"the forward ({len(outputs)}); the region is not replayable")
+            raise RuntimeError(
+                f"activation checkpoint: the recompute called {func} more often ({i + 1}) than "
+                f"the forward ({len(outputs)}); the region is not replayable"
+            )
         return outputs[i]
 
 
@@ -94,7 +98,9 @@ def checkpoint_region(fn: Callable[..., Any], *args: Any, save_routing: bool = T
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str, *, save_routing: bool = True) -> None:
+def apply_activation_checkpointing(
+    model: torch.nn.Module, mode: str, *, save_routing: bool = True
+) -> None:
     """Register the checkpoint wrapper of `mode` on the model's region seam (in place).
 
     ``save_routing=False`` (compiled blocks) recomputes the routing instead of saving it.
@@ -103,8 +109,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, *, save_ro
         raise ValueError(f"activation_checkpoint.mode = {mode!r}: valid: {', '.join(AC_MODES)}")
     wrappers = getattr(model, "region_wrappers", None)
     if wrappers is None:
-        raise TypeError(f"{type(model).__name__} has no region_wrappers seam; activation checkpointing "
-                        f"needs the LOOM model")
+        raise TypeError(
+            f"{type(model).__name__} has no region_wrappers seam; activation checkpointing "
+            f"needs the LOOM model"
+        )
     wrappers.clear()
     if mode != "none":
         wrappers[mode] = partial(checkpoint_region, save_routing=save_routing)

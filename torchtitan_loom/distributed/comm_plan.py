@@ -66,7 +66,9 @@ def shard_degree(unit: FsdpUnit, dims: ParallelDims) -> int:
 def replicated_numel(cost: ModelCost, dims: ParallelDims) -> int:
     """Parameters outside every FSDP unit (replicated over the data-parallel ranks under FSDP)."""
     ep = dims.ep if dims.ep_enabled else 1
-    in_units = sum(math.prod(s) * (ep if u.mesh == "efsdp" else 1) for u in cost.units for s in u.shapes)
+    in_units = sum(
+        math.prod(s) * (ep if u.mesh == "efsdp" else 1) for u in cost.units for s in u.shapes
+    )
     return cost.total_params - in_units
 
 
@@ -98,24 +100,69 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
                 else:
                     gathers, reductions = (2 * c if always else c) * micro, micro
                 if n > 1:
-                    out.append(Collective("all_gather", unit.name, group, n, dims.dp_shard, gathers, numel * pb))
-                    out.append(Collective("reduce_scatter", unit.name, group, n, dims.dp_shard, reductions,
-                                          numel * rb))
+                    out.append(
+                        Collective(
+                            "all_gather", unit.name, group, n, dims.dp_shard, gathers, numel * pb
+                        )
+                    )
+                    out.append(
+                        Collective(
+                            "reduce_scatter",
+                            unit.name,
+                            group,
+                            n,
+                            dims.dp_shard,
+                            reductions,
+                            numel * rb,
+                        )
+                    )
                 if r > 1:
-                    out.append(Collective("all_reduce", unit.name, "dp_replicate", r, world, reductions,
-                                          numel // n * rb))
+                    out.append(
+                        Collective(
+                            "all_reduce",
+                            unit.name,
+                            "dp_replicate",
+                            r,
+                            world,
+                            reductions,
+                            numel // n * rb,
+                        )
+                    )
             replicated = replicated_numel(cost, dims) - seg.idle_params
             if replicated > 0:
-                out.append(Collective("all_reduce", "replicated parameters", "dp", world, world, 1, replicated * rb))
+                out.append(
+                    Collective(
+                        "all_reduce",
+                        "replicated parameters",
+                        "dp",
+                        world,
+                        world,
+                        1,
+                        replicated * rb,
+                    )
+                )
         else:
-            out.append(Collective("all_reduce", "gradients", "dp", world, world, 1,
-                                  (cost.total_params - seg.idle_params) * rb))
+            out.append(
+                Collective(
+                    "all_reduce",
+                    "gradients",
+                    "dp",
+                    world,
+                    world,
+                    1,
+                    (cost.total_params - seg.idle_params) * rb,
+                )
+            )
         for what, calls, nbytes in seg.all_to_alls:
-            out.append(Collective("all_to_all", what, "ep", dims.ep, dims.ep, calls * micro, nbytes))
+            out.append(
+                Collective("all_to_all", what, "ep", dims.ep, dims.ep, calls * micro, nbytes)
+            )
         out.append(Collective("all_reduce", "step statistics", "dp", world, world, 1, 4 * 8))
     out.append(Collective("all_reduce", "valid tokens", "dp", world, world, 1, 8))
     if cost.expert_counts:
-        out.append(Collective("all_reduce", "expert counts", "dp", world, world, 1, cost.expert_counts * 8))
+        out.append(
+            Collective("all_reduce", "expert counts", "dp", world, world, 1, cost.expert_counts * 8)
+        )
     return out
 
 

@@ -19,18 +19,26 @@ from torch.distributed.tensor import DTensor
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import Sharding, get_train_spec
 
+
 def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
     """The dry-run report of `cfg` on `dims.world_size` ranks (builds nothing real)."""
     world_size = dims.world_size
     t = cfg.training
-    lines = [f"dry run: {cfg.model.name}/{cfg.model.flavor}, H={model_args.num_loops}, K={t.bp_segment_len}, "
-             f"world size {world_size}", dims.describe()]
+    lines = [
+        f"dry run: {cfg.model.name}/{cfg.model.flavor}, H={model_args.num_loops}, K={t.bp_segment_len}, "
+        f"world size {world_size}",
+        dims.describe(),
+    ]
     rows = t.global_batch_size // dims.dp
-    lines.append(f"batch: {t.global_batch_size} rows × {t.seq_len} tokens per step = {rows} rows per data-parallel "
-                 f"rank ({dims.dp} ranks) = {rows // t.micro_batch_size} micro-batches of {t.micro_batch_size}")
-    lines.append(f"activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}, "
-                 f"param dtype={t.mixed_precision_param}, reduce dtype={t.mixed_precision_reduce}, "
-                 f"reshard_after_forward={cfg.parallelism.fsdp_reshard_after_forward}")
+    lines.append(
+        f"batch: {t.global_batch_size} rows × {t.seq_len} tokens per step = {rows} rows per data-parallel "
+        f"rank ({dims.dp} ranks) = {rows // t.micro_batch_size} micro-batches of {t.micro_batch_size}"
+    )
+    lines.append(
+        f"activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}, "
+        f"param dtype={t.mixed_precision_param}, reduce dtype={t.mixed_precision_reduce}, "
+        f"reshard_after_forward={cfg.parallelism.fsdp_reshard_after_forward}"
+    )
     fake = world_size > 1 and not dist.is_initialized()
     if fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -64,7 +72,7 @@ def _shard_report(model: torch.nn.Module, sharding: Sharding) -> list[str]:
         placements = ", ".join(str(x) for x in p.placements) if isinstance(p, DTensor) else "plain"
         entry = f"{tuple(p.shape)} -> {tuple(local.shape)}  {placements}"
         unit = re.match(sharding.repeated_unit, name) if sharding.repeated_unit else None
-        key = name if unit is None else "{unit}." + name[unit.end():]
+        key = name if unit is None else "{unit}." + name[unit.end() :]
         if unit is not None:
             units.add(int(unit.group(1)))
         if seen.get(key) == entry:
@@ -73,5 +81,7 @@ def _shard_report(model: torch.nn.Module, sharding: Sharding) -> list[str]:
         lines.append(f"  {name}  {entry}")
     if len(units) > 1:
         unit_name = sharding.unit_name
-        lines.append(f"  ({unit_name}s {min(units) + 1}..{max(units)}: same as {unit_name} {min(units)})")
+        lines.append(
+            f"  ({unit_name}s {min(units) + 1}..{max(units)}: same as {unit_name} {min(units)})"
+        )
     return lines

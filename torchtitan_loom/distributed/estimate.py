@@ -81,8 +81,9 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
         "AdamW moments": 8.0 * local,
         "gathered parameters": float(gathered_bytes),
         "unsharded gradient accumulation": float(unsharded_grads),
-        f"activations of one micro-batch ({cfg.activation_checkpoint.mode})": float(max(s.activation_bytes
-                                                                                       for s in segs)),
+        f"activations of one micro-batch ({cfg.activation_checkpoint.mode})": float(
+            max(s.activation_bytes for s in segs)
+        ),
         "logits and their gradient": float(segs[0].logits_bytes),
         f"carries of {micro} micro-batches": float(micro * segs[0].carry_bytes),
     }
@@ -91,19 +92,33 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     flops = micro * sum(s.flops for s in segs)
     recompute = micro * sum(s.recompute_flops for s in segs)
     compute_s = (flops + recompute) / (hw.peak_tflops * 1e12 * hw.achievable_fraction)
-    overlapped = sum(seconds(c, hw) for c in collectives
-                     if c.kind in _OVERLAPPED or (c.kind == "all_reduce" and c.group == "dp_replicate"))
+    overlapped = sum(
+        seconds(c, hw)
+        for c in collectives
+        if c.kind in _OVERLAPPED or (c.kind == "all_reduce" and c.group == "dp_replicate")
+    )
     exposed = sum(seconds(c, hw) for c in collectives) - overlapped
     step_s = max(compute_s, overlapped) + exposed
-    return Estimate(memory, collectives, flops, recompute, compute_s, overlapped, exposed, step_s,
-                    100.0 * flops / (step_s * hw.peak_tflops * 1e12))
+    return Estimate(
+        memory,
+        collectives,
+        flops,
+        recompute,
+        compute_s,
+        overlapped,
+        exposed,
+        step_s,
+        100.0 * flops / (step_s * hw.peak_tflops * 1e12),
+    )
 
 
 def assumptions(hw: Any) -> str:
-    return (f"assumptions (keys under [estimate]): peak {hw.peak_tflops:g} TFLOP/s per GPU × "
-            f"{hw.achievable_fraction:g} achievable, {hw.intra_node_gbps:g} GB/s within a node of "
-            f"{hw.gpus_per_node} GPUs, {hw.inter_node_gbps:g} GB/s between nodes, {hw.latency_us:g} µs per "
-            f"collective, {hw.memory_gib:g} GiB per GPU")
+    return (
+        f"assumptions (keys under [estimate]): peak {hw.peak_tflops:g} TFLOP/s per GPU × "
+        f"{hw.achievable_fraction:g} achievable, {hw.intra_node_gbps:g} GB/s within a node of "
+        f"{hw.gpus_per_node} GPUs, {hw.inter_node_gbps:g} GB/s between nodes, {hw.latency_us:g} µs per "
+        f"collective, {hw.memory_gib:g} GiB per GPU"
+    )
 
 
 def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
@@ -112,31 +127,47 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
     t, hw = cfg.training, cfg.estimate
     n_seg = len(segments(model_args.num_loops, t.bp_segment_len))
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
-    lines = ["estimate per rank (a roofline, not a measurement)", "  " + assumptions(hw),
-             "  memory (GiB):"]
+    lines = [
+        "estimate per rank (a roofline, not a measurement)",
+        "  " + assumptions(hw),
+        "  memory (GiB):",
+    ]
     for part, nbytes in est.memory.items():
         if nbytes or part == "total":
             lines.append(f"    {part:<44} {nbytes / _GIB:8.2f}")
     sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch")
-    lines.append(f"  communication per step ({n_seg} segments × {micro} micro-batches, FSDP sync per {sync}):")
+    lines.append(
+        f"  communication per step ({n_seg} segments × {micro} micro-batches, FSDP sync per {sync}):"
+    )
     if not est.collectives:
         lines.append("    none (one rank)")
     else:
-        lines.append(f"    {'collective':<15} {'unit / purpose':<36} {'group':<26} {'per segment':>11} "
-                     f"{'MiB per call':>12} {'GiB per step':>12} {'ms per step':>11}")
+        lines.append(
+            f"    {'collective':<15} {'unit / purpose':<36} {'group':<26} {'per segment':>11} "
+            f"{'MiB per call':>12} {'GiB per step':>12} {'ms per step':>11}"
+        )
         for c in _folded(est.collectives):
             link = "node" if c.span <= hw.gpus_per_node else "network"
             per_seg = f"{c.calls / n_seg:g}" if c.calls % n_seg == 0 else "-"
-            lines.append(f"    {c.kind:<15} {c.what:<36} {f'{c.group} {c.size} ({link})':<26} {per_seg:>11} "
-                         f"{c.nbytes / _MIB:12.3f} {c.calls * c.nbytes / _GIB:12.3f} "
-                         f"{seconds(c, hw) * 1e3:11.2f}")
-        lines.append("    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
-                     if dims.ep_enabled else "")
-    lines.append(f"  FLOPs per step: {est.flops / 1e12:,.1f} TFLOP model + {est.recompute_flops / 1e12:,.1f} "
-                 f"TFLOP recompute ({cfg.activation_checkpoint.mode})")
-    lines.append(f"  step time: compute {est.compute_s:.2f} s, FSDP collectives {est.overlapped_s:.2f} s "
-                 f"(behind the compute), other collectives {est.exposed_s:.2f} s -> {est.step_s:.2f} s per step, "
-                 f"MFU {est.mfu:.1f}%, {t.global_batch_size * t.seq_len / est.step_s:,.0f} tokens/s")
+            lines.append(
+                f"    {c.kind:<15} {c.what:<36} {f'{c.group} {c.size} ({link})':<26} {per_seg:>11} "
+                f"{c.nbytes / _MIB:12.3f} {c.calls * c.nbytes / _GIB:12.3f} "
+                f"{seconds(c, hw) * 1e3:11.2f}"
+            )
+        lines.append(
+            "    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
+            if dims.ep_enabled
+            else ""
+        )
+    lines.append(
+        f"  FLOPs per step: {est.flops / 1e12:,.1f} TFLOP model + {est.recompute_flops / 1e12:,.1f} "
+        f"TFLOP recompute ({cfg.activation_checkpoint.mode})"
+    )
+    lines.append(
+        f"  step time: compute {est.compute_s:.2f} s, FSDP collectives {est.overlapped_s:.2f} s "
+        f"(behind the compute), other collectives {est.exposed_s:.2f} s -> {est.step_s:.2f} s per step, "
+        f"MFU {est.mfu:.1f}%, {t.global_batch_size * t.seq_len / est.step_s:,.0f} tokens/s"
+    )
     lines += recommend(cfg, model_args, dims.world_size, current=est)
     return [line for line in lines if line != ""]
 
@@ -150,7 +181,11 @@ def _folded(collectives: list[Collective]) -> list[Collective]:
         what = f"layers.{{l}}{match.group(2)}" if match else c.what
         key = (c.kind, what, c.group, c.nbytes)
         layers.setdefault(key, set()).add(match.group(1) if match else "")
-        rows[key] = rows[key]._replace(calls=rows[key].calls + c.calls) if key in rows else c._replace(what=what)
+        rows[key] = (
+            rows[key]._replace(calls=rows[key].calls + c.calls)
+            if key in rows
+            else c._replace(what=what)
+        )
     out = []
     for key, c in rows.items():
         n = len(layers[key])
@@ -160,7 +195,9 @@ def _folded(collectives: list[Collective]) -> list[Collective]:
 
 def candidate_layouts(cfg: Any, model_args: Any, world: int) -> list[tuple[Any, ParallelDims]]:
     """Every valid (dp_replicate, dp_shard, ep) of `world` ranks for this config, as configs + dims."""
-    spec = get_train_spec(cfg.model.name)  # the model's own rules through its TrainSpec, as validate.py asks them
+    spec = get_train_spec(
+        cfg.model.name
+    )  # the model's own rules through its TrainSpec, as validate.py asks them
     num_experts = spec.num_experts_fn(model_args) if spec.num_experts_fn is not None else None
     out = []
     for replicate in (r for r in range(1, world + 1) if world % r == 0):
@@ -170,7 +207,9 @@ def candidate_layouts(cfg: Any, model_args: Any, world: int) -> list[tuple[Any, 
             candidate.parallelism.dp_replicate, candidate.parallelism.dp_shard = replicate, shard
             candidate.parallelism.ep = ep
             try:
-                dims = ParallelDims.from_config(candidate.parallelism, world, num_experts=num_experts)
+                dims = ParallelDims.from_config(
+                    candidate.parallelism, world, num_experts=num_experts
+                )
             except ValueError:  # a degree rule (ParallelDims checks every one, once)
                 continue
             if spec.layout_errors_fn is None or not spec.layout_errors_fn(model_args, dims):
@@ -190,16 +229,25 @@ def recommend(cfg: Any, model_args: Any, world: int, current: Estimate | None = 
     ranked.sort(key=lambda r: (r[0], round(r[1], 3), r[3].memory["total"]))
     if not ranked:
         return []
-    lines = [f"  layouts of {world} ranks, fastest first (this batch geometry and activation_checkpoint mode):"]
+    lines = [
+        f"  layouts of {world} ranks, fastest first (this batch geometry and activation_checkpoint mode):"
+    ]
     for over, _, dims, est in ranked[:3]:
-        lines.append(f"    dp_replicate {dims.dp_replicate} × dp_shard {dims.dp_shard}, ep {dims.ep}: "
-                     f"{est.step_s:.2f} s per step, MFU {est.mfu:.1f}%, {est.memory['total'] / _GIB:.1f} GiB"
-                     + ("  (does not fit in estimate.memory_gib)" if over else ""))
+        lines.append(
+            f"    dp_replicate {dims.dp_replicate} × dp_shard {dims.dp_shard}, ep {dims.ep}: "
+            f"{est.step_s:.2f} s per step, MFU {est.mfu:.1f}%, {est.memory['total'] / _GIB:.1f} GiB"
+            + ("  (does not fit in estimate.memory_gib)" if over else "")
+        )
     best = ranked[0][2]
-    lines.append(f"  recommended: --parallelism.dp_replicate {best.dp_replicate} --parallelism.dp_shard "
-                 f"{best.dp_shard} --parallelism.ep {best.ep}"
-                 + ("  (nothing fits: use activation checkpointing or a smaller micro-batch)" if ranked[0][0]
-                    else ""))
+    lines.append(
+        f"  recommended: --parallelism.dp_replicate {best.dp_replicate} --parallelism.dp_shard "
+        f"{best.dp_shard} --parallelism.ep {best.ep}"
+        + (
+            "  (nothing fits: use activation checkpointing or a smaller micro-batch)"
+            if ranked[0][0]
+            else ""
+        )
+    )
     if current is not None and not math.isclose(current.step_s, ranked[0][1]):
         lines.append(f"  (this config's layout: {current.step_s:.2f} s per step)")
     return lines

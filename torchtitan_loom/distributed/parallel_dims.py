@@ -39,36 +39,55 @@ _ENABLED_BY = {
 
 
 def parallelism_problems(
-    *, dp_replicate: int, dp_shard: int, ep: int, tp: int = 1, cp: int = 1, pp: int = 1, world_size: int,
+    *,
+    dp_replicate: int,
+    dp_shard: int,
+    ep: int,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    world_size: int,
     num_experts: int | None = None,
 ) -> list[str]:
     """Every violated rule, one message each, naming the config key (empty list = valid)."""
     errors = []
     for key, value in (("tp", tp), ("cp", cp), ("pp", pp)):
         if value != 1:
-            errors.append(f"parallelism.{key} = {value}: {_UNSUPPORTED[key]} is not supported; leave it at 1")
+            errors.append(
+                f"parallelism.{key} = {value}: {_UNSUPPORTED[key]} is not supported; leave it at 1"
+            )
     if dp_replicate < 1:
         errors.append(f"parallelism.dp_replicate = {dp_replicate}: must be ≥ 1")
     if dp_shard == 0 or dp_shard < -1:
-        errors.append(f"parallelism.dp_shard = {dp_shard}: must be ≥ 1, or -1 for the remaining ranks")
+        errors.append(
+            f"parallelism.dp_shard = {dp_shard}: must be ≥ 1, or -1 for the remaining ranks"
+        )
     if ep < 1:
         errors.append(f"parallelism.ep = {ep}: must be ≥ 1")
     if errors:
         return errors
     if world_size % dp_replicate:
-        return [f"parallelism.dp_replicate = {dp_replicate}: must divide the world size {world_size} "
-                f"(dp_replicate × dp_shard = world size)"]
+        return [
+            f"parallelism.dp_replicate = {dp_replicate}: must divide the world size {world_size} "
+            f"(dp_replicate × dp_shard = world size)"
+        ]
     shard = world_size // dp_replicate if dp_shard == -1 else dp_shard
     if dp_replicate * shard != world_size:
-        errors.append(f"parallelism.dp_shard = {dp_shard}: dp_replicate × dp_shard = {dp_replicate} × {shard} "
-                      f"= {dp_replicate * shard} ranks, but the world size is {world_size}; use "
-                      f"{world_size // dp_replicate} or -1")
+        errors.append(
+            f"parallelism.dp_shard = {dp_shard}: dp_replicate × dp_shard = {dp_replicate} × {shard} "
+            f"= {dp_replicate * shard} ranks, but the world size is {world_size}; use "
+            f"{world_size // dp_replicate} or -1"
+        )
     elif shard % ep:
-        errors.append(f"parallelism.ep = {ep}: must divide dp_shard = {shard} (expert-parallel ranks are "
-                      f"carved from the FSDP ranks); valid: {_divisors(shard)}")
+        errors.append(
+            f"parallelism.ep = {ep}: must divide dp_shard = {shard} (expert-parallel ranks are "
+            f"carved from the FSDP ranks); valid: {_divisors(shard)}"
+        )
     if num_experts is not None and num_experts % ep:
-        errors.append(f"parallelism.ep = {ep}: must divide the {num_experts} routed experts "
-                      f"of the model; valid: {_divisors(num_experts)}")
+        errors.append(
+            f"parallelism.ep = {ep}: must divide the {num_experts} routed experts "
+            f"of the model; valid: {_divisors(num_experts)}"
+        )
     return errors
 
 
@@ -88,23 +107,49 @@ class ParallelDims:
 
     @classmethod
     def create(
-        cls, *, dp_replicate: int = 1, dp_shard: int = -1, ep: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
-        world_size: int, num_experts: int | None = None,
+        cls,
+        *,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        ep: int = 1,
+        tp: int = 1,
+        cp: int = 1,
+        pp: int = 1,
+        world_size: int,
+        num_experts: int | None = None,
     ) -> "ParallelDims":
         """Check the degrees (ValueError listing every problem) and resolve dp_shard = -1."""
-        problems = parallelism_problems(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, cp=cp, pp=pp,
-                                        world_size=world_size, num_experts=num_experts)
+        problems = parallelism_problems(
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            ep=ep,
+            tp=tp,
+            cp=cp,
+            pp=pp,
+            world_size=world_size,
+            num_experts=num_experts,
+        )
         if problems:
             raise ValueError("\n".join(problems))
         shard = world_size // dp_replicate if dp_shard == -1 else dp_shard
         return cls(dp_replicate=dp_replicate, dp_shard=shard, ep=ep, world_size=world_size)
 
     @classmethod
-    def from_config(cls, parallelism: Any, world_size: int, num_experts: int | None = None) -> "ParallelDims":
+    def from_config(
+        cls, parallelism: Any, world_size: int, num_experts: int | None = None
+    ) -> "ParallelDims":
         """From the ``[parallelism]`` config section."""
         p = parallelism
-        return cls.create(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, ep=p.ep, tp=p.tp, cp=p.cp, pp=p.pp,
-                          world_size=world_size, num_experts=num_experts)
+        return cls.create(
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            ep=p.ep,
+            tp=p.tp,
+            cp=p.cp,
+            pp=p.pp,
+            world_size=world_size,
+            num_experts=num_experts,
+        )
 
     # ------------------------------------------------------------------ degrees
     @property
@@ -132,8 +177,15 @@ class ParallelDims:
 
     def enabled(self, name: str) -> bool:
         """Whether mesh `name` exists for these degrees."""
-        sizes = {"dp": self.dp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                 "fsdp": self.dp_shard, "ep": self.ep, "dp_shard_mod_ep": self.ep, "efsdp": self.ep}
+        sizes = {
+            "dp": self.dp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "fsdp": self.dp_shard,
+            "ep": self.ep,
+            "dp_shard_mod_ep": self.ep,
+            "efsdp": self.ep,
+        }
         if name not in sizes:
             raise KeyError(f"unknown mesh {name!r}; valid: {', '.join(sizes)}")
         return sizes[name] > 1
@@ -142,10 +194,15 @@ class ParallelDims:
         """Every enabled mesh as ((dim name, size), ...), without building anything (dry run)."""
         r, s, m, e = self.dp_replicate, self.dp_shard, self.dp_shard_mod_ep, self.ep
         shapes = {
-            "dp": (("dp", self.dp),), "dp_replicate": (("dp_replicate", r),), "dp_shard": (("dp_shard", s),),
+            "dp": (("dp", self.dp),),
+            "dp_replicate": (("dp_replicate", r),),
+            "dp_shard": (("dp_shard", s),),
             "fsdp": (("dp_replicate", r), ("dp_shard", s)) if r > 1 else (("dp_shard", s),),
-            "ep": (("ep", e),), "dp_shard_mod_ep": (("dp_shard_mod_ep", m),),
-            "efsdp": (("dp_replicate", r), ("dp_shard_mod_ep", m)) if r > 1 else (("dp_shard_mod_ep", m),),
+            "ep": (("ep", e),),
+            "dp_shard_mod_ep": (("dp_shard_mod_ep", m),),
+            "efsdp": (("dp_replicate", r), ("dp_shard_mod_ep", m))
+            if r > 1
+            else (("dp_shard_mod_ep", m),),
         }
         return {name: dims for name, dims in shapes.items() if self.enabled(name)}
 
@@ -156,18 +213,28 @@ class ParallelDims:
             return
         from torch.distributed.device_mesh import init_device_mesh
 
-        dense = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                 mesh_dim_names=("dp_replicate", "dp_shard"))
-        meshes = {"dp": dense._flatten("dp"), "dp_replicate": dense["dp_replicate"],
-                  "dp_shard": dense["dp_shard"],
-                  "fsdp": dense if self.dp_replicate > 1 else dense["dp_shard"]}
+        dense = init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )
+        meshes = {
+            "dp": dense._flatten("dp"),
+            "dp_replicate": dense["dp_replicate"],
+            "dp_shard": dense["dp_shard"],
+            "fsdp": dense if self.dp_replicate > 1 else dense["dp_shard"],
+        }
         if self.ep > 1:
             # Split the FSDP axis into (dp_shard_mod_ep, ep): the same root mesh, so FSDP on
             # efsdp composes with the experts' Shard(0) over ep into one 2-D (or 3-D) layout.
             sparse = dense._unflatten(1, (self.dp_shard_mod_ep, self.ep), ("dp_shard_mod_ep", "ep"))
-            meshes.update(ep=sparse["ep"], dp_shard_mod_ep=sparse["dp_shard_mod_ep"],
-                          efsdp=sparse["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1
-                          else sparse["dp_shard_mod_ep"])
+            meshes.update(
+                ep=sparse["ep"],
+                dp_shard_mod_ep=sparse["dp_shard_mod_ep"],
+                efsdp=sparse["dp_replicate", "dp_shard_mod_ep"]
+                if self.dp_replicate > 1
+                else sparse["dp_shard_mod_ep"],
+            )
         self._meshes = {name: mesh for name, mesh in meshes.items() if self.enabled(name)}
 
     def get_mesh(self, name: str) -> Any:
@@ -176,8 +243,10 @@ class ParallelDims:
             what, how = _ENABLED_BY[name]
             raise ValueError(f"mesh {name!r} does not exist: {what} is not enabled (set {how})")
         if name not in self._meshes:
-            raise RuntimeError(f"mesh {name!r}: call ParallelDims.build_meshes(device_type) after the process "
-                               f"group is initialised")
+            raise RuntimeError(
+                f"mesh {name!r}: call ParallelDims.build_meshes(device_type) after the process "
+                f"group is initialised"
+            )
         return self._meshes[name]
 
     def get_optional_mesh(self, name: str) -> Any | None:
@@ -186,8 +255,14 @@ class ParallelDims:
 
     def describe(self) -> str:
         """One line per enabled mesh (dry run and the trainer's start-up log)."""
-        lines = [f"world {self.world_size} = dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard}"
-                 + (f" (dp_shard = dp_shard_mod_ep {self.dp_shard_mod_ep} × ep {self.ep})" if self.ep > 1 else "")]
+        lines = [
+            f"world {self.world_size} = dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard}"
+            + (
+                f" (dp_shard = dp_shard_mod_ep {self.dp_shard_mod_ep} × ep {self.ep})"
+                if self.ep > 1
+                else ""
+            )
+        ]
         for name, dims in self.mesh_shapes().items():
             lines.append(f"  mesh {name:<16} " + " × ".join(f"{d}={n}" for d, n in dims))
         if len(lines) == 1:

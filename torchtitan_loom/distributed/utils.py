@@ -71,8 +71,12 @@ def group_timeout_s(group: dist.ProcessGroup | None = None) -> float:
 
 def mesh_groups(parallel_dims) -> list[dist.ProcessGroup]:
     """The process group of every dimension of every mesh that ParallelDims built."""
-    return [mesh.get_group(i) for name in parallel_dims.mesh_shapes()
-            if (mesh := parallel_dims.get_optional_mesh(name)) is not None for i in range(mesh.ndim)]
+    return [
+        mesh.get_group(i)
+        for name in parallel_dims.mesh_shapes()
+        if (mesh := parallel_dims.get_optional_mesh(name)) is not None
+        for i in range(mesh.ndim)
+    ]
 
 
 def set_pg_timeouts(timeout_s: float, groups: list[dist.ProcessGroup]) -> list[float]:
@@ -143,13 +147,19 @@ def _copies(t: torch.Tensor, world: int) -> int:
     if not isinstance(t, DTensor):
         return world
     # Shard and FSDP's _StridedShard (EP + FSDP on one dim) both split; Replicate does not.
-    sharded = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
-                        if not (p.is_replicate() or p.is_partial()))
+    sharded = math.prod(
+        t.device_mesh.size(i)
+        for i, p in enumerate(t.placements)
+        if not (p.is_replicate() or p.is_partial())
+    )
     return world // sharded
 
 
-def reduce_gradients(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype,
-                     group: dist.ProcessGroup | None = None) -> None:
+def reduce_gradients(
+    params: list[torch.nn.Parameter],
+    reduce_dtype: torch.dtype,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Sum over the data-parallel ranks every gradient that FSDP does not reduce, in ``reduce_dtype``.
 
     Plain gradients (no FSDP: every rank holds the whole model) are summed over ``group`` (default:
@@ -174,7 +184,9 @@ def reduce_gradients(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype
         flat = torch.cat([g.reshape(-1).to(reduce_dtype) for g in grads])
         for g in groups:
             dist.all_reduce(flat, group=g)
-        torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        torch._foreach_copy_(
+            grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        )
 
 
 def grads_finite(params: list[torch.nn.Parameter]) -> bool:
@@ -190,7 +202,9 @@ def grad_norm_sq_pieces(grads: list[torch.Tensor], world: int) -> torch.Tensor:
     local = [_local(g) for g in grads]
     # fp64 accumulation: the total then rounds to the same fp32 value for any sharding.
     norms_G = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64))
-    copies_G = torch.tensor([_copies(g, world) for g in grads], dtype=torch.float64, device=norms_G.device)
+    copies_G = torch.tensor(
+        [_copies(g, world) for g in grads], dtype=torch.float64, device=norms_G.device
+    )
     return norms_G.square() / copies_G
 
 
@@ -222,8 +236,12 @@ class StepStatistics(NamedTuple):
     """``grad_norm_sq`` still on the device, for the clip (no second sync)."""
 
 
-def step_statistics(params: list[torch.nn.Parameter], loss_sum: torch.Tensor, stop_flag: torch.Tensor,
-                    n_valid_t: torch.Tensor) -> StepStatistics:
+def step_statistics(
+    params: list[torch.nn.Parameter],
+    loss_sum: torch.Tensor,
+    stop_flag: torch.Tensor,
+    n_valid_t: torch.Tensor,
+) -> StepStatistics:
     """The segment's ONE host sync: loss sum, gradient norm², non-finite flag and stop flag summed over
     all ranks by one small fp64 all-reduce, read together with the already reduced ``n_valid_t``.
 
@@ -247,8 +265,9 @@ def step_statistics(params: list[torch.nn.Parameter], loss_sum: torch.Tensor, st
     return StepStatistics(*host, grad_norm_sq_t=reduced[1])
 
 
-def clip_grads_with_total_norm(params: list[torch.nn.Parameter], norm_sq: torch.Tensor,
-                               max_norm: float) -> torch.Tensor:
+def clip_grads_with_total_norm(
+    params: list[torch.nn.Parameter], norm_sq: torch.Tensor, max_norm: float
+) -> torch.Tensor:
     """Clip in place with a global norm² already reduced (step_statistics); returns the fp32 norm
     (0-d, on the device). No collective and no host sync."""
     total = norm_sq.sqrt().float().reshape(())

@@ -67,7 +67,9 @@ def _token_text(pack_tokenizer: str, vocab_ids: list[int]) -> list[str]:
 
 
 @torch.no_grad()
-def evaluate(model: Any, loader: Any, device: torch.device, samples: int, sample_tokens: int) -> dict[str, Any]:
+def evaluate(
+    model: Any, loader: Any, device: torch.device, samples: int, sample_tokens: int
+) -> dict[str, Any]:
     """Loss after every loop, RoutingStats, and the routed ids of the first `samples` documents."""
     H = model.num_loops
     if model.routing is None:
@@ -81,8 +83,15 @@ def evaluate(model: Any, loader: Any, device: torch.device, samples: int, sample
         mb = {k: v.to(device) for k, v in batch.items()}
         carry, topk_per_loop = None, []
         for loop in range(1, H + 1):
-            out = model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=loop, loop_end=loop,
-                        carry=carry, return_topk=True)
+            out = model(
+                mb["input_ids"],
+                mb["positions"],
+                mb["doc_ids"],
+                loop_start=loop,
+                loop_end=loop,
+                carry=carry,
+                return_topk=True,
+            )
             carry = out.carry
             ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double().cpu()
             if routing is None:  # top-k from the ids' own shape
@@ -94,14 +103,19 @@ def evaluate(model: Any, loader: Any, device: torch.device, samples: int, sample
                 topk_per_loop.append(out.topk_LTBSK[:, 0].cpu())
         n_tok += int(count_valid(mb["labels"]))
         if len(docs) < samples:
-            docs += _sample_docs(batch, torch.stack(topk_per_loop, dim=1), samples - len(docs), sample_tokens)
+            docs += _sample_docs(
+                batch, torch.stack(topk_per_loop, dim=1), samples - len(docs), sample_tokens
+            )
     if n_tok == 0:
-        raise AnalyzeError("the held-out data has no valid tokens; pass --data with a pack that has a holdout")
+        raise AnalyzeError(
+            "the held-out data has no valid tokens; pass --data with a pack that has a holdout"
+        )
     return {"losses": (ce_H / n_tok).tolist(), "routing": routing, "docs": docs, "tokens": n_tok}
 
 
-def _sample_docs(batch: dict[str, torch.Tensor], topk_LHBSK: torch.Tensor, count: int,
-                 max_tokens: int) -> list[dict[str, Any]]:
+def _sample_docs(
+    batch: dict[str, torch.Tensor], topk_LHBSK: torch.Tensor, count: int, max_tokens: int
+) -> list[dict[str, Any]]:
     """The first `count` documents of the batch with ≥ 8 tokens: their token ids and ids [L, H, S, K]."""
     docs = []
     for row in range(batch["doc_ids"].shape[0]):
@@ -111,94 +125,180 @@ def _sample_docs(batch: dict[str, torch.Tensor], topk_LHBSK: torch.Tensor, count
                 continue
             cols = (doc_row == doc).nonzero().flatten()[:max_tokens]
             if cols.numel() >= 8:
-                docs.append({"row": row, "tokens": batch["input_ids"][row, cols].tolist(),
-                             "topk_LHSK": topk_LHBSK[:, :, row, cols].numpy()})
+                docs.append(
+                    {
+                        "row": row,
+                        "tokens": batch["input_ids"][row, cols].tolist(),
+                        "topk_LHSK": topk_LHBSK[:, :, row, cols].numpy(),
+                    }
+                )
     return docs
 
 
-def write_report(result: dict[str, Any], info: dict[str, Any], ckpt: str, data: str, out: str,
-                 tokenizer: str, layer_for_docs: int) -> str:
+def write_report(
+    result: dict[str, Any],
+    info: dict[str, Any],
+    ckpt: str,
+    data: str,
+    out: str,
+    tokenizer: str,
+    layer_for_docs: int,
+) -> str:
     from torchtitan_loom.components.observability import routing_plots as plots
 
     os.makedirs(out, exist_ok=True)
     routing: RoutingStats = result["routing"]
     losses, H, E = result["losses"], routing.H, routing.E
     step = info.get("step")
-    lines = ["# LOOM routing and loop analysis", "",
-             f"- checkpoint: `{ckpt}`" + (f" (step {step})" if step is not None else ""),
-             f"- model: {info.get('name')}/{info.get('flavor')}: L = {routing.L} layers, H = {H} loops, "
-             f"E = {E} routed experts, top-k = {routing.K}",
-             f"- held-out data: `{data}`, {result['tokens']:,} tokens with a target", ""]
+    lines = [
+        "# LOOM routing and loop analysis",
+        "",
+        f"- checkpoint: `{ckpt}`" + (f" (step {step})" if step is not None else ""),
+        f"- model: {info.get('name')}/{info.get('flavor')}: L = {routing.L} layers, H = {H} loops, "
+        f"E = {E} routed experts, top-k = {routing.K}",
+        f"- held-out data: `{data}`, {result['tokens']:,} tokens with a target",
+        "",
+    ]
 
-    plots.save_figure(plots.loss_curve_figure(losses, "Held-out loss after each loop (early exit)"),
-                      os.path.join(out, "loss_per_loop.png"))
-    lines += ["## Held-out loss after every loop", "",
-              "Running only the first t loops and applying the head (early exit). Lower is better.", "",
-              "| loop | " + " | ".join(str(t + 1) for t in range(H)) + " |",
-              "|---|" + "---|" * H,
-              "| loss | " + " | ".join(f"{v:.4f}" for v in losses) + " |", "",
-              "![loss per loop](loss_per_loop.png)", ""]
+    plots.save_figure(
+        plots.loss_curve_figure(losses, "Held-out loss after each loop (early exit)"),
+        os.path.join(out, "loss_per_loop.png"),
+    )
+    lines += [
+        "## Held-out loss after every loop",
+        "",
+        "Running only the first t loops and applying the head (early exit). Lower is better.",
+        "",
+        "| loop | " + " | ".join(str(t + 1) for t in range(H)) + " |",
+        "|---|" + "---|" * H,
+        "| loss | " + " | ".join(f"{v:.4f}" for v in losses) + " |",
+        "",
+        "![loss per loop](loss_per_loop.png)",
+        "",
+    ]
 
     rows, s = routing.per_layer(), routing.summary()
-    lines += ["## Routing diversity per layer", "",
-              f"Over the held-out tokens (padding excluded). *distinct*: different experts a token visits "
-              f"over the {H} loops (between k = {routing.K} and {min(E, H * routing.K)}); *overlap*: share of "
-              f"a token's top-k kept from loop t to t+1, mean over t; *entropy*: load entropy / log E (1 = "
-              f"uniform), mean over loops; *max/mean*: hottest expert's load ÷ mean load, mean over loops; "
-              f"*dead*: experts no token chose in any loop; *dead/loop*: experts unchosen in a loop, mean over loops.", "",
-              "| layer | distinct | overlap | entropy | max/mean | dead | dead/loop |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Routing diversity per layer",
+        "",
+        f"Over the held-out tokens (padding excluded). *distinct*: different experts a token visits "
+        f"over the {H} loops (between k = {routing.K} and {min(E, H * routing.K)}); *overlap*: share of "
+        f"a token's top-k kept from loop t to t+1, mean over t; *entropy*: load entropy / log E (1 = "
+        f"uniform), mean over loops; *max/mean*: hottest expert's load ÷ mean load, mean over loops; "
+        f"*dead*: experts no token chose in any loop; *dead/loop*: experts unchosen in a loop, mean over loops.",
+        "",
+        "| layer | distinct | overlap | entropy | max/mean | dead | dead/loop |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
     def fmt(r: dict[str, float]) -> str:
-        return (f"{r['distinct_experts']:.2f} | {r['overlap']:.3f} | {r['load_entropy']:.3f} | "
-                f"{r['load_max_mean']:.2f} | {r['dead_experts']:g} | {r['dead_experts_per_loop']:.2f}")
+        return (
+            f"{r['distinct_experts']:.2f} | {r['overlap']:.3f} | {r['load_entropy']:.3f} | "
+            f"{r['load_max_mean']:.2f} | {r['dead_experts']:g} | {r['dead_experts_per_loop']:.2f}"
+        )
 
     for layer, r in enumerate(rows):
         lines.append(f"| {layer} | {fmt(r)} |")
-    lines.append("| **mean** | " + fmt({k[len('routing_'):]: v for k, v in s.items()
-                                       if k.startswith("routing_") and "_loop_" not in k}) + " |")
-    lines += ["", "## Per loop (mean over layers)", "",
-              "| loop | overlap with next | load entropy | max/mean | stream RMS | cos with next |",
-              "|---|---|---|---|---|---|"]
+    lines.append(
+        "| **mean** | "
+        + fmt(
+            {
+                k[len("routing_") :]: v
+                for k, v in s.items()
+                if k.startswith("routing_") and "_loop_" not in k
+            }
+        )
+        + " |"
+    )
+    lines += [
+        "",
+        "## Per loop (mean over layers)",
+        "",
+        "| loop | overlap with next | load entropy | max/mean | stream RMS | cos with next |",
+        "|---|---|---|---|---|---|",
+    ]
     for t in range(1, H + 1):
-        overlap, cos = ((f"{s[f'routing_overlap_loop_{t}']:.3f}", f"{s[f'stream_cos_loop_{t}']:.3f}") if t < H
-                        else ("–", "–"))
-        lines.append(f"| {t} | {overlap} | {s[f'routing_load_entropy_loop_{t}']:.3f} | "
-                     f"{s[f'routing_load_max_mean_loop_{t}']:.2f} | {s[f'stream_rms_loop_{t}']:.3f} | {cos} |")
-    lines += ["", "The stream is RMS-normalised at the end of every loop, so its RMS stays ≈ 1 by construction; "
-              "the cosine shows how much a loop still changes the token's representation.", ""]
+        overlap, cos = (
+            (f"{s[f'routing_overlap_loop_{t}']:.3f}", f"{s[f'stream_cos_loop_{t}']:.3f}")
+            if t < H
+            else ("–", "–")
+        )
+        lines.append(
+            f"| {t} | {overlap} | {s[f'routing_load_entropy_loop_{t}']:.3f} | "
+            f"{s[f'routing_load_max_mean_loop_{t}']:.2f} | {s[f'stream_rms_loop_{t}']:.3f} | {cos} |"
+        )
+    lines += [
+        "",
+        "The stream is RMS-normalised at the end of every loop, so its RMS stays ≈ 1 by construction; "
+        "the cosine shows how much a loop still changes the token's representation.",
+        "",
+    ]
 
-    lines += ["## Expert load per layer", "",
-              "Each row is a loop, each column a routed expert; colour = how often the expert is in a token's "
-              "top-k, divided by the uniform share (1 = balanced, 0 = never chosen).", ""]
+    lines += [
+        "## Expert load per layer",
+        "",
+        "Each row is a loop, each column a routed expert; colour = how often the expert is in a token's "
+        "top-k, divided by the uniform share (1 = balanced, 0 = never chosen).",
+        "",
+    ]
     share_LHE = routing.load_share_LHE().cpu().numpy()
     vmax = plots.share_vmax(share_LHE)  # one colour scale for all layers, so they compare
     for layer in range(routing.L):
         name = f"load_layer_{layer}.png"
-        plots.save_figure(plots.heatmap_figure(share_LHE[layer], f"Expert load, layer {layer} (held-out tokens)",
-                                               vmax=vmax), os.path.join(out, name))
+        plots.save_figure(
+            plots.heatmap_figure(
+                share_LHE[layer], f"Expert load, layer {layer} (held-out tokens)", vmax=vmax
+            ),
+            os.path.join(out, name),
+        )
         lines += [f"![expert load, layer {layer}]({name})", ""]
 
-    lines += ["## Routing of sample documents", "",
-              f"Layer {layer_for_docs}. Columns are the document's tokens (input text below each); each band "
-              f"of rows is one loop and holds the {E} experts top to bottom; a black cell = the token visits "
-              f"that expert in that loop.", ""]
+    lines += [
+        "## Routing of sample documents",
+        "",
+        f"Layer {layer_for_docs}. Columns are the document's tokens (input text below each); each band "
+        f"of rows is one loop and holds the {E} experts top to bottom; a black cell = the token visits "
+        f"that expert in that loop.",
+        "",
+    ]
     for i, doc in enumerate(result["docs"]):
         labels = _token_text(tokenizer, doc["tokens"])
         name = f"doc_{i}.png"
         title = f"Sample document {i}: experts visited per loop (layer {layer_for_docs})"
-        plots.save_figure(plots.routing_picture_figure(doc["topk_LHSK"][layer_for_docs], labels, E, title),
-                          os.path.join(out, name))
-        distinct = np.mean([len(set(doc["topk_LHSK"][layer_for_docs][:, s_].reshape(-1).tolist()))
-                            for s_ in range(len(labels))])
-        lines += [f"**Document {i}** ({len(labels)} tokens; {distinct:.2f} distinct experts per token in "
-                  f"layer {layer_for_docs}): `{''.join(labels)[:120]}`", "", f"![document {i}]({name})", ""]
+        plots.save_figure(
+            plots.routing_picture_figure(doc["topk_LHSK"][layer_for_docs], labels, E, title),
+            os.path.join(out, name),
+        )
+        distinct = np.mean(
+            [
+                len(set(doc["topk_LHSK"][layer_for_docs][:, s_].reshape(-1).tolist()))
+                for s_ in range(len(labels))
+            ]
+        )
+        lines += [
+            f"**Document {i}** ({len(labels)} tokens; {distinct:.2f} distinct experts per token in "
+            f"layer {layer_for_docs}): `{''.join(labels)[:120]}`",
+            "",
+            f"![document {i}]({name})",
+            "",
+        ]
     path = os.path.join(out, "report.md")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
     return path
 
 
-def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int | None, batch_rows: int,
-            samples: int, sample_tokens: int, layer: int | None) -> str:
+def analyze(
+    ckpt_arg: str,
+    data: str | None,
+    tokens: int,
+    out: str,
+    seq_len: int | None,
+    batch_rows: int,
+    samples: int,
+    sample_tokens: int,
+    layer: int | None,
+) -> str:
     from torchtitan_loom.components.checkpoint.layout import read_json
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError, open_pack
@@ -206,7 +306,9 @@ def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int
     from torchtitan_loom.tools.export import ExportError, load_checkpoint_model
 
     if not have_matplotlib():
-        raise AnalyzeError("the report's figures need matplotlib: pip install 'torchtitan_loom[viz]'")
+        raise AnalyzeError(
+            "the report's figures need matplotlib: pip install 'torchtitan_loom[viz]'"
+        )
     try:
         model, info, ckpt = load_checkpoint_model(ckpt_arg)
     except (ExportError, OSError) as exc:
@@ -223,8 +325,15 @@ def analyze(ckpt_arg: str, data: str | None, tokens: int, out: str, seq_len: int
         raise AnalyzeError(f"--layer {layer}: the model has routed layers 0..{n_layers - 1}")
     try:
         pack = open_pack(data, seq_len=seq_len, vocab_size=a.vocab_size)
-        loader = build_eval_loader(data, seq_len=seq_len, vocab_size=a.vocab_size, batch_rows=batch_rows,
-                                   dp_rank=0, dp_world=1, max_tokens=tokens)
+        loader = build_eval_loader(
+            data,
+            seq_len=seq_len,
+            vocab_size=a.vocab_size,
+            batch_rows=batch_rows,
+            dp_rank=0,
+            dp_world=1,
+            max_tokens=tokens,
+        )
     except (PackError, ValueError, OSError) as exc:
         raise AnalyzeError(f"--data {data}: {exc}") from None
     result = evaluate(model, loader, torch.device("cpu"), samples, sample_tokens)
@@ -254,27 +363,58 @@ def _metrics_path(ckpt: str, run: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0, or 2 with one ``analyze error:`` line."""
-    parser = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.analyze",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="checkpoint directory (step-N), checkpoint folder or run dump folder")
-    parser.add_argument("--data", default=None, help="packed corpus whose holdout epoch is read "
-                                                     "(default: the run's data.path, else the bundled corpus)")
-    parser.add_argument("--tokens", type=int, default=20_000, help="held-out tokens to read (default 20000)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default ./{DEFAULT_OUT})")
-    parser.add_argument("--seq-len", type=int, default=None, help="row length (default: the run's training.seq_len)")
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan_loom.tools.analyze", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "ckpt", help="checkpoint directory (step-N), checkpoint folder or run dump folder"
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="packed corpus whose holdout epoch is read "
+        "(default: the run's data.path, else the bundled corpus)",
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=20_000, help="held-out tokens to read (default 20000)"
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"output directory (default ./{DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="row length (default: the run's training.seq_len)"
+    )
     parser.add_argument("--batch-rows", type=int, default=8, help="rows per forward (default 8)")
-    parser.add_argument("--samples", type=int, default=3, help="documents with a routing picture (default 3)")
-    parser.add_argument("--sample-tokens", type=int, default=40, help="tokens shown per document (default 40)")
-    parser.add_argument("--layer", type=int, default=None, help="layer of the document pictures (default L // 2)")
+    parser.add_argument(
+        "--samples", type=int, default=3, help="documents with a routing picture (default 3)"
+    )
+    parser.add_argument(
+        "--sample-tokens", type=int, default=40, help="tokens shown per document (default 40)"
+    )
+    parser.add_argument(
+        "--layer", type=int, default=None, help="layer of the document pictures (default L // 2)"
+    )
     ns = parser.parse_args(argv)
     for key in ("tokens", "batch_rows", "sample_tokens"):
         if getattr(ns, key) < 1:
-            print(f"analyze error: --{key.replace('_', '-')} {getattr(ns, key)}: must be ≥ 1", file=sys.stderr)
+            print(
+                f"analyze error: --{key.replace('_', '-')} {getattr(ns, key)}: must be ≥ 1",
+                file=sys.stderr,
+            )
             return 2
     try:
         with torch.no_grad():  # scoped: main() may run inside another program (tests do)
-            path = analyze(ns.ckpt, ns.data, ns.tokens, ns.out, ns.seq_len, ns.batch_rows, max(ns.samples, 0),
-                           ns.sample_tokens, ns.layer)
+            path = analyze(
+                ns.ckpt,
+                ns.data,
+                ns.tokens,
+                ns.out,
+                ns.seq_len,
+                ns.batch_rows,
+                max(ns.samples, 0),
+                ns.sample_tokens,
+                ns.layer,
+            )
     except AnalyzeError as exc:
         print(f"analyze error: {exc}", file=sys.stderr)
         return 2

@@ -20,8 +20,13 @@ import numpy as np
 PANELS = 4
 _BRANCH_KEY = re.compile(r"^diag/([^/]+)/([^/]+)/layer_(\d+)/loop_(\d+)$")
 _GRAD_KEY = re.compile(r"^diag/grad_norm/(.+)/segment_(\d+)$")
-TITLES = {"norm": "mean token L2 norm", "var": "element variance", "erank": "effective rank (64 rows)",
-          "top_sv": "top singular value share", "cos": "mean pairwise cosine"}
+TITLES = {
+    "norm": "mean token L2 norm",
+    "var": "element variance",
+    "erank": "effective rank (64 rows)",
+    "top_sv": "top singular value share",
+    "cos": "mean pairwise cosine",
+}
 
 
 def read_diagnostics(metrics_path: str) -> dict[str, Any]:
@@ -41,8 +46,10 @@ def read_diagnostics(metrics_path: str) -> dict[str, Any]:
     for step, diag in sorted(rows.items()):
         cells: dict[tuple[str, str], dict[tuple[int, int], float]] = {}
         for key, value in diag.items():
-            if (m := _BRANCH_KEY.match(key)):
-                cells.setdefault((m[1], m[2]), {})[(int(m[3]), int(m[4]) - 1)] = math.nan if value is None else value
+            if m := _BRANCH_KEY.match(key):
+                cells.setdefault((m[1], m[2]), {})[(int(m[3]), int(m[4]) - 1)] = (
+                    math.nan if value is None else value
+                )
             elif (m := _GRAD_KEY.match(key)) and value is not None:
                 grad.setdefault(step, {})[f"{m[1]} (segment {m[2]})"] = value
         for name, by_cell in cells.items():
@@ -67,7 +74,10 @@ def _figure(width_in: float, height_in: float):
 def stat_figure(by_step: dict[int, np.ndarray], title: str):
     """Up to PANELS layer × loop heatmaps, first to last diagnostic step, one colour scale."""
     steps = sorted(by_step)
-    shown = [steps[round(i * (len(steps) - 1) / max(PANELS - 1, 1))] for i in range(min(PANELS, len(steps)))]
+    shown = [
+        steps[round(i * (len(steps) - 1) / max(PANELS - 1, 1))]
+        for i in range(min(PANELS, len(steps)))
+    ]
     shown = sorted(set(shown))
     grids = [by_step[s] for s in shown]
     finite = np.concatenate([g[np.isfinite(g)] for g in grids]) if grids else np.array([])
@@ -76,14 +86,18 @@ def stat_figure(by_step: dict[int, np.ndarray], title: str):
     axes = [fig.add_subplot(1, len(shown), i + 1) for i in range(len(shown))]
     image = None
     for ax, step, grid_LH in zip(axes, shown, grids):
-        image = ax.imshow(grid_LH, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax, interpolation="nearest")
+        image = ax.imshow(
+            grid_LH, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax, interpolation="nearest"
+        )
         ax.set_title(f"step {step}", fontsize=9)
         ax.set_xlabel("loop")
         ax.set_xticks(range(grid_LH.shape[1]), [str(t + 1) for t in range(grid_LH.shape[1])])
         ax.set_yticks(range(grid_LH.shape[0]))
     axes[0].set_ylabel("layer")
     fig.suptitle(title, fontsize=10)
-    fig.subplots_adjust(top=0.8, bottom=0.17, left=0.06, right=0.9)  # room for the titles and axis labels
+    fig.subplots_adjust(
+        top=0.8, bottom=0.17, left=0.06, right=0.9
+    )  # room for the titles and axis labels
     fig.colorbar(image, ax=axes, label=title.split(": ", 1)[-1])
     return fig
 
@@ -95,7 +109,12 @@ def grad_figure(grad: dict[int, dict[str, float]]):
     grid_GT = np.array([[grad[s].get(n, math.nan) for s in steps] for n in names])
     fig = _figure(max(4.0, 0.5 * len(steps) + 3.0), max(2.5, 0.25 * len(names) + 1.2))
     ax = fig.add_subplot(1, 1, 1)
-    image = ax.imshow(np.log10(np.clip(grid_GT, 1e-12, None)), aspect="auto", cmap="viridis", interpolation="nearest")
+    image = ax.imshow(
+        np.log10(np.clip(grid_GT, 1e-12, None)),
+        aspect="auto",
+        cmap="viridis",
+        interpolation="nearest",
+    )
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7, rotation=90)
     ax.set_xlabel("step")
@@ -112,9 +131,13 @@ def report_section(metrics_path: str, out: str) -> list[str]:
     data = read_diagnostics(metrics_path)
     if not data["branch"] and not data["grad"]:
         return []
-    lines = ["## Branch diagnostics over training", "",
-             f"From `{metrics_path}` (metrics.diag_interval). Each panel is one diagnostic step; rows are "
-             "layers, columns loops. Definitions: docs/inside_the_loops.md.", ""]
+    lines = [
+        "## Branch diagnostics over training",
+        "",
+        f"From `{metrics_path}` (metrics.diag_interval). Each panel is one diagnostic step; rows are "
+        "layers, columns loops. Definitions: docs/inside_the_loops.md.",
+        "",
+    ]
     for (branch, stat), by_step in sorted(data["branch"].items()):
         name = f"diag_{branch}_{stat}.png"
         fig = stat_figure(by_step, f"{branch} output: {TITLES.get(stat, stat)}")

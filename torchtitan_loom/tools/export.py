@@ -35,7 +35,12 @@ from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
 from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
-from torchtitan_loom.tools.export_format import ExportError, find_checkpoint, model_spec, read_export
+from torchtitan_loom.tools.export_format import (
+    ExportError,
+    find_checkpoint,
+    model_spec,
+    read_export,
+)
 from torchtitan_loom.tools.hf_export import export_hf
 from torchtitan_loom.tools.loading import LoadError, load, load_tokenizer
 
@@ -48,7 +53,9 @@ def _buffer_names(spec: Any, args: Any) -> set[str]:
     return {name for name, _ in model.named_buffers()}
 
 
-def cast_for_export(sd: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: set[str]) -> dict[str, torch.Tensor]:
+def cast_for_export(
+    sd: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: set[str]
+) -> dict[str, torch.Tensor]:
     """Floating tensors to ``dtype`` except ``keep_fp32``; contiguous and unshared (safetensors' rule)."""
     out = {}
     for name, t in sd.items():
@@ -75,8 +82,10 @@ def check_out(out: str, force: bool) -> None:
         raise ExportError(f"{out}: exists and is not a directory; choose an output folder")
     present = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if present and not force:
-        raise ExportError(f"{out} already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
-                          f"pass --force to overwrite the export there, or choose a new folder")
+        raise ExportError(
+            f"{out} already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
+            f"pass --force to overwrite the export there, or choose a new folder"
+        )
 
 
 def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str:
@@ -88,7 +97,9 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
     ckpt = find_checkpoint(ckpt)
     info = read_model_args(ckpt)
     if info is None:
-        raise ExportError(f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be exported")
+        raise ExportError(
+            f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be exported"
+        )
     spec, args = model_spec(info)
     tensors = cast_for_export(_checkpoint_model(ckpt), DTYPES[dtype], _buffer_names(spec, args))
     os.makedirs(out, exist_ok=True)
@@ -110,9 +121,18 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
         if os.path.exists(tmp):
             os.remove(tmp)
     meta = layout.read_json(os.path.join(ckpt, "meta.json")) or {}
-    layout.write_json(os.path.join(out, MODEL_ARGS_FILE),
-                      {"name": info["name"], "flavor": info.get("flavor"), "args": dataclasses.asdict(args),
-                       "dtype": dtype, "step": meta.get("step"), "source": os.path.abspath(ckpt), "file": name})
+    layout.write_json(
+        os.path.join(out, MODEL_ARGS_FILE),
+        {
+            "name": info["name"],
+            "flavor": info.get("flavor"),
+            "args": dataclasses.asdict(args),
+            "dtype": dtype,
+            "step": meta.get("step"),
+            "source": os.path.abspath(ckpt),
+            "file": name,
+        },
+    )
     if os.path.isfile(os.path.join(ckpt, "config.toml")):
         with open(os.path.join(ckpt, "config.toml"), "rb") as fh:
             safe_files.atomic_write(os.path.join(out, "config.toml"), fh.read())
@@ -138,11 +158,15 @@ def verify(ckpt: str, out: str) -> int:
     for k in sorted(expected.keys() & exported.keys()):
         a, b = expected[k], exported[k]
         if a.dtype != b.dtype or a.shape != b.shape:
-            problems.append(f"{k}: export {b.dtype} {list(b.shape)}, checkpoint {a.dtype} {list(a.shape)}")
+            problems.append(
+                f"{k}: export {b.dtype} {list(b.shape)}, checkpoint {a.dtype} {list(a.shape)}"
+            )
         elif not torch.equal(_bits(a), _bits(b)):
             problems.append(f"{k}: values differ")
     if problems:
-        raise ExportError(f"verification of {out} against {ckpt} failed:\n  " + "\n  ".join(problems[:20]))
+        raise ExportError(
+            f"verification of {out} against {ckpt} failed:\n  " + "\n  ".join(problems[:20])
+        )
     return len(expected)
 
 
@@ -159,13 +183,17 @@ def load_exported_model(out: str, device: str | torch.device = "cpu") -> nn.Modu
     return model.eval()
 
 
-def load_checkpoint_model(ckpt: str, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any], str]:
+def load_checkpoint_model(
+    ckpt: str, device: str | torch.device = "cpu"
+) -> tuple[nn.Module, dict[str, Any], str]:
     """(model in eval mode, model_args.json payload, checkpoint directory) straight from a DCP
     checkpoint (``ckpt`` as for ``export``), without a process group."""
     ckpt = find_checkpoint(ckpt)
     info = read_model_args(ckpt)
     if info is None:
-        raise ExportError(f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be read")
+        raise ExportError(
+            f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be read"
+        )
     spec, args = model_spec(info)
     with torch.device("meta"):
         model = spec.model_cls(args)
@@ -178,17 +206,32 @@ def load_checkpoint_model(ckpt: str, device: str | torch.device = "cpu") -> tupl
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0, or 2 with one ``export error:`` message."""
-    parser = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.export",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="checkpoint directory (step-N), checkpoint folder or run dump folder")
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan_loom.tools.export", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "ckpt", help="checkpoint directory (step-N), checkpoint folder or run dump folder"
+    )
     parser.add_argument("out", help="output directory")
-    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="parameter dtype of the export")
-    parser.add_argument("--verify", action="store_true", help="re-read the export and compare it bit for bit")
-    parser.add_argument("--force", action="store_true", help="overwrite the files of an existing export in OUT "
-                                                             "(without it, OUT must be absent or empty)")
-    parser.add_argument("--format", default="safetensors", choices=("safetensors", "hf"),
-                        help="safetensors: model file + model_args.json; hf: a transformers folder "
-                             "(AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True))")
+    parser.add_argument(
+        "--dtype", default="fp32", choices=tuple(DTYPES), help="parameter dtype of the export"
+    )
+    parser.add_argument(
+        "--verify", action="store_true", help="re-read the export and compare it bit for bit"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite the files of an existing export in OUT "
+        "(without it, OUT must be absent or empty)",
+    )
+    parser.add_argument(
+        "--format",
+        default="safetensors",
+        choices=("safetensors", "hf"),
+        help="safetensors: model file + model_args.json; hf: a transformers folder "
+        "(AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True))",
+    )
     ns = parser.parse_args(argv)
     if ns.format == "hf":
         return _main_hf(ns)
@@ -216,7 +259,9 @@ def _main_hf(ns: argparse.Namespace) -> int:
         check_out(ns.out, ns.force)
         loaded = load(ns.ckpt, need_tokenizer=False)
         try:
-            loaded.tokenizer = load_tokenizer(loaded.pack_path, None, loaded.args.vocab_size, loaded.checkpoint)
+            loaded.tokenizer = load_tokenizer(
+                loaded.pack_path, None, loaded.args.vocab_size, loaded.checkpoint
+            )
         except LoadError as exc:
             print(f"export: no tokenizer files ({exc})", file=sys.stderr)
         files = export_hf(loaded, ns.out, DTYPES[ns.dtype])
@@ -224,10 +269,15 @@ def _main_hf(ns: argparse.Namespace) -> int:
         print(f"export error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:
-        print(f"export error: --format hf needs safetensors ({exc}); pip install 'torchtitan_loom[hf]'", file=sys.stderr)
+        print(
+            f"export error: --format hf needs safetensors ({exc}); pip install 'torchtitan_loom[hf]'",
+            file=sys.stderr,
+        )
         return 2
-    print(f"exported {loaded.checkpoint} (step {loaded.step}) → {ns.out} as a Hugging Face folder "
-          f"({ns.dtype}): {', '.join(files)}")
+    print(
+        f"exported {loaded.checkpoint} (step {loaded.step}) → {ns.out} as a Hugging Face folder "
+        f"({ns.dtype}): {', '.join(files)}"
+    )
     return 0
 
 

@@ -25,14 +25,18 @@ def find_checkpoint(path: str) -> str:
     matching their checksums (integrity.py)."""
     if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
         if os.path.isfile(os.path.join(path, "meta.json")) and not layout.is_complete(path):
-            raise ExportError(f"{path}: incomplete checkpoint (no {layout.MARKER} marker: its save did not finish)")
+            raise ExportError(
+                f"{path}: incomplete checkpoint (no {layout.MARKER} marker: its save did not finish)"
+            )
         return _verified(path)
     for root in (path, os.path.join(path, "checkpoint")):
         newest = layout.scan(root).newest() if os.path.isdir(root) else None
         if newest is not None:
             return _verified(newest.path)
-    raise ExportError(f"{path}: not a checkpoint directory (no .metadata) and no complete step-N checkpoint "
-                      f"under it or under {os.path.join(path, 'checkpoint')}")
+    raise ExportError(
+        f"{path}: not a checkpoint directory (no .metadata) and no complete step-N checkpoint "
+        f"under it or under {os.path.join(path, 'checkpoint')}"
+    )
 
 
 def model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
@@ -64,13 +68,21 @@ def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 def _export_file(out: str, name: Any) -> str:
     """The model file an export's model_args.json names: a plain file name inside ``out``."""
-    if (not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name
-            or "\\" in name):
-        raise ExportError(f"{os.path.join(out, MODEL_ARGS_FILE)}: \"file\" is {name!r}; it must name a file "
-                          f"inside {out} (model.safetensors or model.pt)")
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or os.path.basename(name) != name
+        or "\\" in name
+    ):
+        raise ExportError(
+            f'{os.path.join(out, MODEL_ARGS_FILE)}: "file" is {name!r}; it must name a file '
+            f"inside {out} (model.safetensors or model.pt)"
+        )
     path = os.path.join(out, name)
     if os.path.islink(path) and os.path.dirname(os.path.realpath(path)) != os.path.realpath(out):
-        raise ExportError(f"{path}: a symbolic link out of {out}; an export's model file must be inside it")
+        raise ExportError(
+            f"{path}: a symbolic link out of {out}; an export's model file must be inside it"
+        )
     return path
 
 

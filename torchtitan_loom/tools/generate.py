@@ -20,24 +20,43 @@ from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_loom.tools.generate", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("ckpt", help="run folder, step-N checkpoint directory or export folder")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample (stops at EOS or max_seq_len)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="tokens to sample (stops at EOS or max_seq_len)",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: smallest set with this much mass; 1 = off")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus: smallest set with this much mass; 1 = off",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--loops", type=int, default=None, help="stop after loop H' (1..H); default H")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
-    p.add_argument("--tokenizer", default=None, help="override the pack's tokenizer (must match it)")
+    p.add_argument(
+        "--tokenizer", default=None, help="override the pack's tokenizer (must match it)"
+    )
     return p
 
 
 def run(ns: argparse.Namespace) -> str:
     """The generated continuation (without the prompt)."""
-    cfg = SamplingConfig(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
-                         top_p=ns.top_p, seed=ns.seed)
+    cfg = SamplingConfig(
+        max_new_tokens=ns.max_new_tokens,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        seed=ns.seed,
+    )
     problems = cfg.problems()
     if problems:
         raise LoadError(problems[0])
@@ -50,8 +69,10 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError("--prompt is empty: give at least one token of text")
     max_len = loaded.args.max_seq_len
     if len(ids) >= max_len:
-        raise LoadError(f"--prompt is {len(ids)} tokens; the model takes at most max_seq_len={max_len} "
-                        f"positions, so a prompt may have at most {max_len - 1}")
+        raise LoadError(
+            f"--prompt is {len(ids)} tokens; the model takes at most max_seq_len={max_len} "
+            f"positions, so a prompt may have at most {max_len - 1}"
+        )
     prompt_BS = torch.tensor([ids], dtype=torch.long, device=ns.device)
     new_BS = generate(loaded.model, prompt_BS, cfg, loops=loops, eos_id=loaded.tokenizer.eos_id)
     new = [t for t in new_BS[0].tolist() if t != loaded.tokenizer.eos_id]

@@ -44,9 +44,15 @@ class HoldoutResult:
         return abs(self.recomputed - self.logged)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "step": self.step, "logged_eval_loss": self.logged,
-                "recomputed_eval_loss": self.recomputed, "gap": self.gap, "threshold": self.threshold,
-                "tokens": self.tokens}
+        return {
+            "mode": self.mode,
+            "step": self.step,
+            "logged_eval_loss": self.logged,
+            "recomputed_eval_loss": self.recomputed,
+            "gap": self.gap,
+            "threshold": self.threshold,
+            "tokens": self.tokens,
+        }
 
 
 def logged_eval_loss(metrics_path: str, step: int) -> float | None:
@@ -82,20 +88,31 @@ def metrics_file(loaded: Loaded) -> str | None:
 
 
 @torch.no_grad()
-def recompute_eval_loss(loaded: Loaded, device: torch.device, rank: int = 0, world: int = 1) -> tuple[float, int]:
+def recompute_eval_loss(
+    loaded: Loaded, device: torch.device, rank: int = 0, world: int = 1
+) -> tuple[float, int]:
     """(held-out loss after all H loops, valid tokens) as the trainer's eval measured it."""
     from torchtitan_loom.components.data import PackError, build_eval_loader
 
     cfg = loaded.config
     t = cfg.training
     with torch.device("meta"):
-        trained = type(loaded.model)(portable_args(get_train_spec(loaded.name), loaded.args, decoding=False))
+        trained = type(loaded.model)(
+            portable_args(get_train_spec(loaded.name), loaded.args, decoding=False)
+        )
     trained.load_state_dict(loaded.model.state_dict(), assign=True)  # shares the tensors
     rows = cfg.eval.batch_size or t.global_batch_size
     try:
-        loader = build_eval_loader(loaded.pack_path, seq_len=t.seq_len, vocab_size=loaded.args.vocab_size,
-                                   batch_rows=rows, dp_rank=rank, dp_world=world,
-                                   val_path=cfg.data.val_path or None, max_tokens=cfg.eval.tokens)
+        loader = build_eval_loader(
+            loaded.pack_path,
+            seq_len=t.seq_len,
+            vocab_size=loaded.args.vocab_size,
+            batch_rows=rows,
+            dp_rank=rank,
+            dp_world=world,
+            val_path=cfg.data.val_path or None,
+            max_tokens=cfg.eval.tokens,
+        )
     except (PackError, ValueError) as exc:
         raise LoadError(f"holdout check: {exc}") from None
     ce = torch.zeros(1, dtype=torch.float64, device=device)
@@ -103,7 +120,7 @@ def recompute_eval_loss(loaded: Loaded, device: torch.device, rank: int = 0, wor
     mb = t.micro_batch_size
     for batch in loader:
         for i in range(0, batch["input_ids"].shape[0], mb):
-            m = {k: v[i:i + mb].to(device) for k, v in batch.items()}
+            m = {k: v[i : i + mb].to(device) for k, v in batch.items()}
             out = trained(m["input_ids"], m["positions"], m["doc_ids"])
             ce += token_ce_sum(out.logits_BSV, m["labels"]).double()
             n_tok += count_valid(m["labels"])
@@ -112,27 +129,34 @@ def recompute_eval_loss(loaded: Loaded, device: torch.device, rank: int = 0, wor
     return (ce / n_tok.clamp(min=1)).item(), int(n_tok.item())
 
 
-def check(loaded: Loaded, mode: str, threshold: float, device: torch.device, rank: int = 0,
-          world: int = 1) -> HoldoutResult:
+def check(
+    loaded: Loaded, mode: str, threshold: float, device: torch.device, rank: int = 0, world: int = 1
+) -> HoldoutResult:
     """Run the check; raises LoadError when ``mode == "on"`` and it fails (or cannot run)."""
     result = HoldoutResult(mode, loaded.step, None, None, threshold)
     if mode == "off":
         return result
     if loaded.config is None or loaded.pack_path is None:
         if mode == "on":
-            raise LoadError(f"holdout check: {loaded.checkpoint} has no config.toml, so the run's holdout is "
-                            "unknown; pass --holdout-check off")
+            raise LoadError(
+                f"holdout check: {loaded.checkpoint} has no config.toml, so the run's holdout is "
+                "unknown; pass --holdout-check off"
+            )
         return result
     metrics = metrics_file(loaded)
     if metrics is not None and loaded.step is not None:
         result.logged = logged_eval_loss(metrics, loaded.step)
     if result.logged is None and mode == "on":
         where = metrics or "metrics.jsonl (not found)"
-        raise LoadError(f"holdout check: no eval_loss logged at step {loaded.step} in {where}; evaluate at the "
-                        "checkpoint steps (eval.interval), or pass --holdout-check record|off")
+        raise LoadError(
+            f"holdout check: no eval_loss logged at step {loaded.step} in {where}; evaluate at the "
+            "checkpoint steps (eval.interval), or pass --holdout-check record|off"
+        )
     result.recomputed, result.tokens = recompute_eval_loss(loaded, device, rank, world)
     if mode == "on" and result.gap > threshold:
-        raise LoadError(f"holdout check failed: recomputed eval loss {result.recomputed:.5f} vs {result.logged:.5f} "
-                        f"logged at step {loaded.step} (gap {result.gap:.5f} > --holdout-threshold {threshold}); "
-                        "the weights, tokenizer/pack or code differ from the run's")
+        raise LoadError(
+            f"holdout check failed: recomputed eval loss {result.recomputed:.5f} vs {result.logged:.5f} "
+            f"logged at step {loaded.step} (gap {result.gap:.5f} > --holdout-threshold {threshold}); "
+            "the weights, tokenizer/pack or code differ from the run's"
+        )
     return result

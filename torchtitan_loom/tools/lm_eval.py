@@ -34,21 +34,46 @@ DEFAULT_THRESHOLD = 0.005
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.lm_eval", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_loom.tools.lm_eval", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("ckpt", help="run folder, step-N checkpoint directory or export folder")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--limit", type=int, default=None, help="at most N documents per task")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (scores do not depend on it)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="sequences per forward (scores do not depend on it)",
+    )
     p.add_argument("--loops", type=int, default=None, help="score after loop H' (1..H); default H")
-    p.add_argument("--param-dtype", default="fp32", choices=tuple(PARAM_DTYPES), help="parameter dtype while scoring")
-    p.add_argument("--holdout-check", default="on", choices=MODES, help="compare the recomputed held-out loss "
-                   "with the logged one: on = refuse on a gap, record = only record it, off = skip")
-    p.add_argument("--holdout-threshold", type=float, default=DEFAULT_THRESHOLD, help="largest allowed gap")
+    p.add_argument(
+        "--param-dtype",
+        default="fp32",
+        choices=tuple(PARAM_DTYPES),
+        help="parameter dtype while scoring",
+    )
+    p.add_argument(
+        "--holdout-check",
+        default="on",
+        choices=MODES,
+        help="compare the recomputed held-out loss "
+        "with the logged one: on = refuse on a gap, record = only record it, off = skip",
+    )
+    p.add_argument(
+        "--holdout-threshold", type=float, default=DEFAULT_THRESHOLD, help="largest allowed gap"
+    )
     p.add_argument("--tasks-dir", default=None, help="extra directory of lm-eval task YAML files")
-    p.add_argument("--only-tasks-dir", action="store_true", help="index only --tasks-dir (skips lm-eval's own "
-                   "~15k task configs, which take ~30 s to index)")
+    p.add_argument(
+        "--only-tasks-dir",
+        action="store_true",
+        help="index only --tasks-dir (skips lm-eval's own "
+        "~15k task configs, which take ~30 s to index)",
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
-    p.add_argument("--tokenizer", default=None, help="override the pack's tokenizer (must match it)")
+    p.add_argument(
+        "--tokenizer", default=None, help="override the pack's tokenizer (must match it)"
+    )
     p.add_argument("--out", default=None, help="results root; default <CKPT>/eval_results")
     return p
 
@@ -56,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _commit() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -81,7 +108,11 @@ def summary_table(results: dict[str, Any]) -> str:
     lines = ["| task | metric | value | stderr |", "|---|---|---|---|"]
     for task, metrics in sorted(results.items()):
         for key, value in sorted(metrics.items()):
-            if not isinstance(value, (int, float)) or "_stderr" in key or key in ("alias", "sample_len"):
+            if (
+                not isinstance(value, (int, float))
+                or "_stderr" in key
+                or key in ("alias", "sample_len")
+            ):
                 continue
             metric = key.split(",")[0]
             err = metrics.get(key.replace(metric, metric + "_stderr", 1))
@@ -93,11 +124,20 @@ def summary_table(results: dict[str, Any]) -> str:
 def _samples(samples: dict[str, list[dict]] | None) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for task, rows in (samples or {}).items():
-        out[task] = [{"doc_id": r["doc_id"], "target": r["target"],
-                      "resps": [[list(x) if isinstance(x, tuple) else x for x in resp] for resp in r["filtered_resps"]]
-                      if r["filtered_resps"] and isinstance(r["filtered_resps"][0], (list, tuple))
-                      else r["filtered_resps"],
-                      **{m: r[m] for m in r.get("metrics", []) if m in r}} for r in rows]
+        out[task] = [
+            {
+                "doc_id": r["doc_id"],
+                "target": r["target"],
+                "resps": [
+                    [list(x) if isinstance(x, tuple) else x for x in resp]
+                    for resp in r["filtered_resps"]
+                ]
+                if r["filtered_resps"] and isinstance(r["filtered_resps"][0], (list, tuple))
+                else r["filtered_resps"],
+                **{m: r[m] for m in r.get("metrics", []) if m in r},
+            }
+            for r in rows
+        ]
     return out
 
 
@@ -120,7 +160,9 @@ def write_results(root: str, payload: dict[str, Any]) -> str:
 
 def run(ns: argparse.Namespace) -> str | None:
     """Check, score, write; returns the results folder on rank 0 (None on other ranks)."""
-    if int(os.environ.get("RANK", "0")) == 0:  # importing lm-eval and loading the model are slow and silent
+    if (
+        int(os.environ.get("RANK", "0")) == 0
+    ):  # importing lm-eval and loading the model are slow and silent
         print(f"lm_eval: loading lm-eval, then the checkpoint {ns.ckpt} ...", flush=True)
     try:
         import lm_eval  # noqa: F401
@@ -146,28 +188,53 @@ def run(ns: argparse.Namespace) -> str | None:
     loaded = load(ns.ckpt, device=str(info.device), tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.args.num_loops)
     tm = _task_manager(ns, tasks)
-    holdout = check(loaded, ns.holdout_check, ns.holdout_threshold, info.device, info.rank, info.world_size)
+    holdout = check(
+        loaded, ns.holdout_check, ns.holdout_threshold, info.device, info.rank, info.world_size
+    )
     if info.rank == 0 and holdout.recomputed is not None:
         logged = "none logged" if holdout.logged is None else f"logged {holdout.logged:.5f}"
-        print(f"holdout check ({holdout.mode}): recomputed eval loss {holdout.recomputed:.5f}, {logged}")
+        print(
+            f"holdout check ({holdout.mode}): recomputed eval loss {holdout.recomputed:.5f}, {logged}"
+        )
     model = loaded.model
     if ns.param_dtype != "fp32":
         saved = [m.expert_bias.clone() for m in model.moe_layers()]
         model.to(PARAM_DTYPES[ns.param_dtype])
-        for m, bias in zip(model.moe_layers(), saved):  # the expert bias decides routing: it stays fp32
+        for m, bias in zip(
+            model.moe_layers(), saved
+        ):  # the expert bias decides routing: it stays fp32
             m.expert_bias = bias
     lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
-    res = simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=ns.limit, log_samples=True,
-                          bootstrap_iters=1000)
+    res = simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=tm,
+        limit=ns.limit,
+        log_samples=True,
+        bootstrap_iters=1000,
+    )
     if info.rank != 0:
         return None
     payload = {
-        "checkpoint": os.path.abspath(loaded.checkpoint), "step": loaded.step, "commit": _commit(),
-        "model": {"name": loaded.name, "flavor": loaded.flavor, "args": dataclasses.asdict(loaded.args)},
+        "checkpoint": os.path.abspath(loaded.checkpoint),
+        "step": loaded.step,
+        "commit": _commit(),
+        "model": {
+            "name": loaded.name,
+            "flavor": loaded.flavor,
+            "args": dataclasses.asdict(loaded.args),
+        },
         "config": None if loaded.config is None else dataclasses.asdict(loaded.config),
-        "scoring": {"tasks": tasks, "limit": ns.limit, "batch_size": ns.batch_size, "loops": loops,
-                    "param_dtype": ns.param_dtype, "capacity": "off", "world_size": info.world_size,
-                    "lm_eval_version": getattr(lm_eval, "__version__", None)},
+        "scoring": {
+            "tasks": tasks,
+            "limit": ns.limit,
+            "batch_size": ns.batch_size,
+            "loops": loops,
+            "param_dtype": ns.param_dtype,
+            "capacity": "off",
+            "world_size": info.world_size,
+            "lm_eval_version": getattr(lm_eval, "__version__", None),
+        },
         "holdout": holdout.as_dict(),
         "results": res["results"],
         "samples": _samples(res.get("samples")),

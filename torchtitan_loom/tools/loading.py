@@ -26,7 +26,12 @@ from torchtitan_loom.components.data import pack_tokenizer as pack_tok
 from torchtitan_loom.components.data.pack_tokenizer import TokenizerError
 from torchtitan_loom.components.data.tokenizer import Tokenizer
 from torchtitan_loom.protocols import get_train_spec, portable_args
-from torchtitan_loom.tools.export_format import ExportError, find_checkpoint, model_spec, read_export
+from torchtitan_loom.tools.export_format import (
+    ExportError,
+    find_checkpoint,
+    model_spec,
+    read_export,
+)
 
 
 class LoadError(ValueError):
@@ -56,8 +61,10 @@ def is_export_dir(path: str) -> bool:
 def resolve_checkpoint(path: str) -> str:
     """The export folder or the complete DCP directory that ``path`` names (LoadError otherwise)."""
     if not os.path.exists(path):
-        raise LoadError(f"checkpoint {path}: no such file or directory; pass a run folder, a step-N "
-                        "checkpoint directory or an export folder")
+        raise LoadError(
+            f"checkpoint {path}: no such file or directory; pass a run folder, a step-N "
+            "checkpoint directory or an export folder"
+        )
     if is_export_dir(path):
         return path
     try:
@@ -77,8 +84,10 @@ def _build(spec: Any, args: Any, tensors: dict[str, torch.Tensor], device: str) 
     tensors = {k: v.float() if torch.is_floating_point(v) else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
-        raise LoadError(f"checkpoint tensors do not fit the model: missing {sorted(missing)[:4]}, "
-                        f"unexpected {sorted(unexpected)[:4]}")
+        raise LoadError(
+            f"checkpoint tensors do not fit the model: missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]}"
+        )
     return model.eval()
 
 
@@ -91,7 +100,9 @@ def _read_config(directory: str) -> Any | None:
     try:
         return load_config(["--job.config_file", path])
     except ConfigError:
-        return None  # a config of another version: the model still loads, the holdout check cannot run
+        return (
+            None  # a config of another version: the model still loads, the holdout check cannot run
+        )
 
 
 def _pack_path(config: Any | None) -> Path | None:
@@ -104,7 +115,9 @@ def _pack_path(config: Any | None) -> Path | None:
     return bundled_corpus_path(config.data.cache_dir or None)
 
 
-def load_tokenizer(pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None) -> Tokenizer:
+def load_tokenizer(
+    pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None
+) -> Tokenizer:
     """The pack's tokenizer, or ``override`` when it matches the pack (components/data/tokenizer.py)."""
     try:
         return pack_tok.pack_tokenizer(pack, override, model_vocab, export_dir)
@@ -120,7 +133,9 @@ def recorded_tokenizer(pack: Path, recorded: str) -> str:
         raise LoadError(str(exc)) from None
 
 
-def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_tokenizer: bool = True) -> Loaded:
+def load(
+    path: str, device: str = "cpu", tokenizer: str | None = None, need_tokenizer: bool = True
+) -> Loaded:
     """Resolve ``path``, rebuild the model in fp32 with capacity off, find config, pack and tokenizer."""
     from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
 
@@ -136,7 +151,9 @@ def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_toke
     else:
         info = read_model_args(ckpt)
         if info is None:
-            raise LoadError(f"checkpoint {ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom load")
+            raise LoadError(
+                f"checkpoint {ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom load"
+            )
         try:
             tensors = load_full(ckpt, prefix="model.")
         except CheckpointError as exc:  # a refused pickle (safe_read.py)
@@ -151,8 +168,17 @@ def load(path: str, device: str = "cpu", tokenizer: str | None = None, need_toke
     except Exception as exc:  # noqa: BLE001 - a missing or broken pack only matters for the tokenizer
         raise LoadError(f"the checkpoint's training pack cannot be opened: {exc}") from None
     tok = load_tokenizer(pack, tokenizer, args.vocab_size, export_dir) if need_tokenizer else None
-    return Loaded(model=model, args=args, checkpoint=ckpt, step=step, config=config, pack_path=pack,
-                  tokenizer=tok, flavor=info.get("flavor"), name=info["name"])
+    return Loaded(
+        model=model,
+        args=args,
+        checkpoint=ckpt,
+        step=step,
+        config=config,
+        pack_path=pack,
+        tokenizer=tok,
+        flavor=info.get("flavor"),
+        name=info["name"],
+    )
 
 
 def check_loops(loops: int | None, num_loops: int) -> int:

@@ -9,17 +9,28 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan_loom.components.data.synthetic_corpus import SEED, TARGET_BYTES, generate_documents, write_bundled_pack
+from torchtitan_loom.components.data.synthetic_corpus import (
+    SEED,
+    TARGET_BYTES,
+    generate_documents,
+    write_bundled_pack,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_loom.tools.synthetic_corpus",
-                                description="Generate the bundled synthetic corpus.")
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_loom.tools.synthetic_corpus",
+        description="Generate the bundled synthetic corpus.",
+    )
     p.add_argument("--out", type=Path, help="write the pack to this directory (must not exist)")
     p.add_argument("--sample", type=int, default=0, help="print this many documents to stdout")
     p.add_argument("--seed", type=int, default=SEED, help=f"generator seed (default {SEED})")
-    p.add_argument("--target-bytes", type=int, default=TARGET_BYTES,
-                   help=f"approximate corpus size in bytes of text (default {TARGET_BYTES})")
+    p.add_argument(
+        "--target-bytes",
+        type=int,
+        default=TARGET_BYTES,
+        help=f"approximate corpus size in bytes of text (default {TARGET_BYTES})",
+    )
     args = p.parse_args(argv)
     if args.sample:
         for i, doc in zip(range(args.sample), generate_documents(args.seed, args.target_bytes)):

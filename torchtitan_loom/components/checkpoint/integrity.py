@@ -54,8 +54,13 @@ def _files(root: str) -> list[str]:
 
 def write_checksums(root: str) -> dict[str, Any]:
     """Checksum every file of the (finished, not yet committed) checkpoint at ``root``."""
-    files = {rel: {"size": os.path.getsize(os.path.join(root, rel)),
-                   "crc32": f"{crc32_file(os.path.join(root, rel)):08x}"} for rel in _files(root)}
+    files = {
+        rel: {
+            "size": os.path.getsize(os.path.join(root, rel)),
+            "crc32": f"{crc32_file(os.path.join(root, rel)):08x}",
+        }
+        for rel in _files(root)
+    }
     payload = {"algorithm": "crc32", "files": files}
     from torchtitan_loom.components.runtime.safe_files import atomic_write
 
@@ -68,7 +73,10 @@ def _marker(root: str) -> tuple[dict | None, str | None]:
         with open(os.path.join(root, MARKER)) as fh:
             marker = json.load(fh)
     except (OSError, ValueError) as exc:
-        return None, f"{os.path.join(root, MARKER)}: unreadable completion marker ({type(exc).__name__})"
+        return (
+            None,
+            f"{os.path.join(root, MARKER)}: unreadable completion marker ({type(exc).__name__})",
+        )
     if not isinstance(marker, dict):
         return None, f"{os.path.join(root, MARKER)}: completion marker is not a JSON object"
     return marker, None
@@ -76,8 +84,11 @@ def _marker(root: str) -> tuple[dict | None, str | None]:
 
 def _is_format_1(root: str, marker: dict) -> bool:
     """Written before checksums existed (the one format loaded unverified)."""
-    return ("format" not in marker and not marker.get("checksums")
-            and not os.path.lexists(os.path.join(root, CHECKSUMS)))
+    return (
+        "format" not in marker
+        and not marker.get("checksums")
+        and not os.path.lexists(os.path.join(root, CHECKSUMS))
+    )
 
 
 def unverified_note(root: str) -> str | None:
@@ -97,11 +108,15 @@ def verify(root: str, quick: bool = False) -> str | None:
         return None  # before checksums: loaded unverified (unverified_note warns)
     fmt = marker.get("format", 2)  # markers of format 2 written before the field existed have none
     if not isinstance(fmt, int) or isinstance(fmt, bool) or not 2 <= fmt <= FORMAT:
-        return (f"{os.path.join(root, MARKER)}: checkpoint format {fmt!r} is not one this version reads "
-                f"(1..{FORMAT}; a newer torchtitan_loom wrote it?)")
+        return (
+            f"{os.path.join(root, MARKER)}: checkpoint format {fmt!r} is not one this version reads "
+            f"(1..{FORMAT}; a newer torchtitan_loom wrote it?)"
+        )
     if not marker.get("checksums"):
-        return (f"{os.path.join(root, MARKER)}: a format-{fmt} checkpoint whose marker names no checksum list; "
-                f"refused (only format-1 checkpoints, written before checksums existed, load unverified)")
+        return (
+            f"{os.path.join(root, MARKER)}: a format-{fmt} checkpoint whose marker names no checksum list; "
+            f"refused (only format-1 checkpoints, written before checksums existed, load unverified)"
+        )
     sums_path = os.path.join(root, CHECKSUMS)
     try:
         with open(sums_path) as fh:
@@ -132,7 +147,9 @@ def nonfinite_names(tensors: dict[str, Any], limit: int = 3) -> list[str]:
     """Names of (at most ``limit``) floating tensors holding a NaN or ±inf, this rank's pieces."""
     import torch  # torch-free above: validation and the export tool's checksum path stay light
 
-    floats = [_local(t) for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floats = [
+        _local(t) for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
     if not floats:
         return []
     # One device-side reduction and one host read for the common all-finite case, not one per tensor.
@@ -141,7 +158,11 @@ def nonfinite_names(tensors: dict[str, Any], limit: int = 3) -> list[str]:
         return []
     bad = []
     for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(_local(t)).all()):
+        if (
+            isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and not bool(torch.isfinite(_local(t)).all())
+        ):
             bad.append(name)
             if len(bad) >= limit:
                 break

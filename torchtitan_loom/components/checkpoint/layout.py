@@ -95,7 +95,9 @@ def temp_dir(root: str, step: int, kind: str) -> str:
 
 def is_complete(path: str) -> bool:
     """True when DCP's metadata and the completion marker are both there."""
-    return os.path.isfile(os.path.join(path, MARKER)) and os.path.isfile(os.path.join(path, DCP_METADATA))
+    return os.path.isfile(os.path.join(path, MARKER)) and os.path.isfile(
+        os.path.join(path, DCP_METADATA)
+    )
 
 
 def scan(root: str) -> Scan:
@@ -129,8 +131,10 @@ def incomplete_warning(entries: list[Entry]) -> str | None:
     if not entries:
         return None
     names = ", ".join(e.path for e in entries)
-    return (f"skipping incomplete checkpoint directories (no {MARKER} marker: a save that did not "
-            f"finish): {names}")
+    return (
+        f"skipping incomplete checkpoint directories (no {MARKER} marker: a save that did not "
+        f"finish): {names}"
+    )
 
 
 def read_json(path: str) -> dict | None:
@@ -179,7 +183,10 @@ def commit(tmp: str, final: str, marker: dict, checksum: bool = True) -> None:
     """
     if checksum:
         integrity.write_checksums(tmp)
-    write_json(os.path.join(tmp, MARKER), dict(marker, checksums=integrity.CHECKSUMS, format=integrity.FORMAT))
+    write_json(
+        os.path.join(tmp, MARKER),
+        dict(marker, checksums=integrity.CHECKSUMS, format=integrity.FORMAT),
+    )
     _fsync_dir(tmp)
     owner = os.path.dirname(final)
     safe_files.real_dir(tmp, owner)
@@ -212,7 +219,9 @@ def clone(src: str, tmp: str, final: str, marker: dict) -> None:
     commit(tmp, final, marker, checksum=not os.path.isfile(os.path.join(src, integrity.CHECKSUMS)))
 
 
-def prune(root: str, keep_latest_k: int, snapshot_keep: int, keep_paths: set[str] = frozenset()) -> list[str]:
+def prune(
+    root: str, keep_latest_k: int, snapshot_keep: int, keep_paths: set[str] = frozenset()
+) -> list[str]:
     """Delete old complete checkpoints beyond the keep counts (0 keeps all) and torn temporaries
     older than the newest complete checkpoint. The newest complete checkpoint and ``keep_paths``
     are never deleted. Returns the deleted paths."""
@@ -226,8 +235,11 @@ def prune(root: str, keep_latest_k: int, snapshot_keep: int, keep_paths: set[str
         if keep > 0:
             doomed += [e.path for e in entries[:-keep] if e.path not in protect]
     if newest is not None:
-        doomed += [e.path for e in found.incomplete
-                   if os.path.basename(e.path).startswith(TMP_PREFIX) and e.step < newest.step]
+        doomed += [
+            e.path
+            for e in found.incomplete
+            if os.path.basename(e.path).startswith(TMP_PREFIX) and e.step < newest.step
+        ]
     deleted = []
     for path in doomed:  # links are never in a scan; only what was really removed is reported
         try:
@@ -274,7 +286,8 @@ def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
         f"`meta.json`, `{integrity.CHECKSUMS}` (CRC-32 per file, verified before a load) and the `{MARKER}`",
         "marker written after every rank finished.",
         "",
-        f"Newest complete: `{index['latest']}`" + (f"; final: `{index['final']}`" if index["final"] else ""),
+        f"Newest complete: `{index['latest']}`"
+        + (f"; final: `{index['final']}`" if index["final"] else ""),
         "",
         "| step | kind | path |",
         "|---|---|---|",
@@ -292,7 +305,9 @@ def mark_keep(path: str) -> None:
     except FileExistsError:  # already kept (a link there is refused by create_new)
         return
     with os.fdopen(fd, "w") as fh:
-        fh.write("kept: the newest checkpoint saved before the first skipped step of a divergence\n")
+        fh.write(
+            "kept: the newest checkpoint saved before the first skipped step of a divergence\n"
+        )
 
 
 def abandon_newer(root: str, step: int) -> list[str]:
@@ -301,10 +316,16 @@ def abandon_newer(root: str, step: int) -> list[str]:
     otherwise overwrite them. Returns the moved paths relative to ``root``."""
     found = scan(root)
     moved = []
-    for e in found.complete + [e for e in found.incomplete if _STEP_RE.match(os.path.basename(e.path))]:
+    for e in found.complete + [
+        e for e in found.incomplete if _STEP_RE.match(os.path.basename(e.path))
+    ]:
         if e.step <= step:
             continue
-        base = os.path.join(root, ABANDONED, SNAPSHOT_DIR) if e.kind == "snapshot" else os.path.join(root, ABANDONED)
+        base = (
+            os.path.join(root, ABANDONED, SNAPSHOT_DIR)
+            if e.kind == "snapshot"
+            else os.path.join(root, ABANDONED)
+        )
         os.makedirs(base, exist_ok=True)
         safe_files.real_dir(base, root)  # abandoned/ (or its snapshots/) planted as a link: refused
         dest, k = os.path.join(base, step_name(e.step)), 1
@@ -332,7 +353,7 @@ def dir_bytes(path: str) -> int:
 
 
 def explain_write_failure(path: str, exc: BaseException, needed_bytes: int) -> str | None:
-    """"no space left on <path> (...)" when a failed write of a checkpoint of about
+    """ "no space left on <path> (...)" when a failed write of a checkpoint of about
     ``needed_bytes`` ran out of disk (or quota), else None.
 
     torch's writers lose the errno ("unexpected pos ..."), so after looking through the exception
@@ -354,6 +375,8 @@ def explain_write_failure(path: str, exc: BaseException, needed_bytes: int) -> s
     written = dir_bytes(path)
     # Short of room for the whole checkpoint, or (the write failed at its very end) next to nothing free.
     if (needed_bytes and free + written < needed_bytes) or free < _NEARLY_FULL_BYTES:
-        return (f"no space left on {path} (the checkpoint needs about {needed_bytes / 2**20:.1f} MiB, "
-                f"{(free + written) / 2**20:.1f} MiB were available)")
+        return (
+            f"no space left on {path} (the checkpoint needs about {needed_bytes / 2**20:.1f} MiB, "
+            f"{(free + written) / 2**20:.1f} MiB were available)"
+        )
     return None

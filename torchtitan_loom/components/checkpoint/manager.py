@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.api import (
+    CheckpointException,
+)  # a BaseException, not an Exception
 
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
@@ -71,10 +73,24 @@ class CheckpointManager:
         total_steps: ``training.steps`` (the step whose checkpoint index.json calls "final").
     """
 
-    def __init__(self, cfg: Any, *, dump_folder: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 states: dict[str, Any], model_args: Any, model_name: str, flavor: str, config_toml: str,
-                 total_steps: int, device: torch.device, rank: int = 0, world_size: int = 1,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        dump_folder: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        states: dict[str, Any],
+        model_args: Any,
+        model_name: str,
+        flavor: str,
+        config_toml: str,
+        total_steps: int,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.cfg, self.enabled = cfg, bool(cfg.enable)
         self.root = resolve.checkpoint_root(dump_folder, cfg.folder)
         self.model, self.optimizer, self.states = model, optimizer, dict(states)
@@ -82,10 +98,14 @@ class CheckpointManager:
         self.config_toml, self.total_steps = config_toml, total_steps
         self.device, self.rank, self.world_size = torch.device(device), rank, world_size
         self._log = log
-        self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self._distributed = (
+            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        )
         self._pending: _Pending | None = None
         self.loaded_total_steps: int | None = None
-        self._saved: dict[str, int] = {}  # kind → the step last saved (or in flight) by this process
+        self._saved: dict[
+            str, int
+        ] = {}  # kind → the step last saved (or in flight) by this process
         self._pg = None
         self._async = self.enabled and cfg.async_mode != "disabled"
         if self._async and self._distributed:
@@ -95,8 +115,14 @@ class CheckpointManager:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = self.device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                       use_async_staging=False, use_non_blocking_copy=cuda))
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=cuda,
+                )
+            )
 
     # ------------------------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
@@ -105,13 +131,20 @@ class CheckpointManager:
 
     def _policy(self) -> dict[str, Any]:
         c = self.cfg
-        return {"interval": c.interval, "keep_latest_k": c.keep_latest_k, "snapshot_interval": c.snapshot_interval,
-                "snapshot_keep": c.snapshot_keep, "async_mode": c.async_mode}
+        return {
+            "interval": c.interval,
+            "keep_latest_k": c.keep_latest_k,
+            "snapshot_interval": c.snapshot_interval,
+            "snapshot_keep": c.snapshot_keep,
+            "async_mode": c.async_mode,
+        }
 
     def _collect(self) -> dict[str, Any]:
         """The state to save (tensors alias live ones; DCP or its stager copies them)."""
-        sd: dict[str, Any] = {"model": ckstate.model_state(self.model),
-                              "optimizer": ckstate.optimizer_state(self.model, self.optimizer)}
+        sd: dict[str, Any] = {
+            "model": ckstate.model_state(self.model),
+            "optimizer": ckstate.optimizer_state(self.model, self.optimizer),
+        }
         for name, obj in self.states.items():
             sd[name] = obj.state_dict()
         sd["rng"] = ckstate.rng_state(self.device)
@@ -120,14 +153,25 @@ class CheckpointManager:
     def _write_sidecars(self, tmp: str, step: int) -> None:
         """Rank 0: the human/tool-readable files next to the DCP data."""
         safe_files.atomic_write(os.path.join(tmp, "config.toml"), self.config_toml)
-        layout.write_json(os.path.join(tmp, resolve.MODEL_ARGS_FILE),
-                          {"name": self.model_name, "flavor": self.flavor,
-                           "args": dataclasses.asdict(self.model_args)})
+        layout.write_json(
+            os.path.join(tmp, resolve.MODEL_ARGS_FILE),
+            {
+                "name": self.model_name,
+                "flavor": self.flavor,
+                "args": dataclasses.asdict(self.model_args),
+            },
+        )
         ts = self.states.get("train_state")
-        layout.write_json(os.path.join(tmp, "meta.json"),
-                          {"step": step, "world_size": self.world_size, "torch": torch.__version__,
-                           "total_steps": self.total_steps,
-                           "train_state": ts.state_dict() if ts is not None else None})
+        layout.write_json(
+            os.path.join(tmp, "meta.json"),
+            {
+                "step": step,
+                "world_size": self.world_size,
+                "torch": torch.__version__,
+                "total_steps": self.total_steps,
+                "train_state": ts.state_dict() if ts is not None else None,
+            },
+        )
 
     # ---------------------------------------------------------------------------------- save path
     def after_step(self, step: int, *, last: bool = False, stopping: bool = False) -> str | None:
@@ -139,8 +183,13 @@ class CheckpointManager:
         self._poll()
         c = self.cfg
         # One save per step: a stop that follows this step's save (a signal during it) saves nothing more.
-        periodic = bool(last or stopping or step % c.interval == 0) and self._saved.get("periodic") != step
-        snapshot = bool(c.snapshot_interval and step % c.snapshot_interval == 0) and self._saved.get("snapshot") != step
+        periodic = (
+            bool(last or stopping or step % c.interval == 0) and self._saved.get("periodic") != step
+        )
+        snapshot = (
+            bool(c.snapshot_interval and step % c.snapshot_interval == 0)
+            and self._saved.get("snapshot") != step
+        )
         if periodic or snapshot:
             self.save(step, periodic=periodic, snapshot=snapshot)
         if not stopping:
@@ -161,8 +210,13 @@ class CheckpointManager:
         tmp = layout.temp_dir(self.root, step, kind)
         try:
             self._save(step, kind, tmp, periodic, snapshot)
-            self._saved.update({k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on})
-        except (Exception, CheckpointException) as exc:  # any write failure: clean up, say why, keep the rest
+            self._saved.update(
+                {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
+            )
+        except (
+            Exception,
+            CheckpointException,
+        ) as exc:  # any write failure: clean up, say why, keep the rest
             self._pending = None
             self._failed(step, tmp, exc)
 
@@ -187,8 +241,10 @@ class CheckpointManager:
                 pass  # a link or an unremovable directory: a .tmp- name is never loaded
         if reason is None:
             raise exc
-        raise ckstate.CheckpointSaveError(f"checkpoint step {step} not saved: {reason}; the previous "
-                                          f"checkpoints in {self.root} are untouched") from None
+        raise ckstate.CheckpointSaveError(
+            f"checkpoint step {step} not saved: {reason}; the previous "
+            f"checkpoints in {self.root} are untouched"
+        ) from None
 
     def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
         if self.rank == 0:
@@ -201,8 +257,13 @@ class CheckpointManager:
         no_dist = not self._distributed
         if self._async:
             with ckstate.single_process_quiet():
-                future = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._pg, no_dist=no_dist,
-                                        async_stager=self.stager)
+                future = dcp.async_save(
+                    sd,
+                    checkpoint_id=tmp,
+                    process_group=self._pg,
+                    no_dist=no_dist,
+                    async_stager=self.stager,
+                )
             if not isinstance(future, Future):  # AsyncSaveResponse: make staging finish now too
                 future.staging_completion.result()
                 future = future.upload_completion
@@ -217,15 +278,24 @@ class CheckpointManager:
 
     def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
         """Rank 0: marker + rename, the snapshot copy, pruning, index."""
-        marker = {"step": step, "kind": kind, "world_size": self.world_size,
-                  "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        marker = {
+            "step": step,
+            "kind": kind,
+            "world_size": self.world_size,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         final = layout.final_dir(self.root, step, kind)
         layout.commit(layout.temp_dir(self.root, step, kind), final, marker)
         where = [final]
         if snapshot_too:
             snap = layout.final_dir(self.root, step, "snapshot")
             os.makedirs(os.path.dirname(snap), exist_ok=True)
-            layout.clone(final, layout.temp_dir(self.root, step, "snapshot"), snap, dict(marker, kind="snapshot"))
+            layout.clone(
+                final,
+                layout.temp_dir(self.root, step, "snapshot"),
+                snap,
+                dict(marker, kind="snapshot"),
+            )
             where.append(snap)
         c = self.cfg
         deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)  # KEEP-marked ones stay
@@ -273,13 +343,16 @@ class CheckpointManager:
             self.stager = None
 
     # ---------------------------------------------------------------------------------- load path
-    def _decide(self, exclude: frozenset[str]) -> tuple[Any, list[layout.Entry], list[str], str | None]:
+    def _decide(
+        self, exclude: frozenset[str]
+    ) -> tuple[Any, list[layout.Entry], list[str], str | None]:
         """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or error."""
         payload: list[Any] = [None]
         if self.rank == 0:
             try:
-                choice, found, skipped = resolve.choose(self.root, self.cfg.load_step, self.cfg.initial_load_path,
-                                                        exclude=exclude)
+                choice, found, skipped = resolve.choose(
+                    self.root, self.cfg.load_step, self.cfg.initial_load_path, exclude=exclude
+                )
                 payload = [(choice, found.incomplete, skipped, None)]
             except ValueError as exc:
                 payload = [(None, [], [], str(exc))]
@@ -315,36 +388,55 @@ class CheckpointManager:
                 break
             if self.cfg.load_step >= 0 or choice.model_only:
                 key = "initial_load_path" if choice.model_only else "load_step"
-                raise ckstate.CheckpointError(f"checkpoint.{key}: {choice.path} holds non-finite weights "
-                                              f"({', '.join(bad)}); refused")
+                raise ckstate.CheckpointError(
+                    f"checkpoint.{key}: {choice.path} holds non-finite weights "
+                    f"({', '.join(bad)}); refused"
+                )
             exclude.add(choice.path)
         if step is not None and self.rank == 0:
             moved = layout.abandon_newer(self.root, step)
             if moved:
-                self._log(f"moved the checkpoints newer than step {step} ({', '.join(moved)}) to "
-                          f"{os.path.join(self.root, layout.ABANDONED)}: kept, never loaded or overwritten")
+                self._log(
+                    f"moved the checkpoints newer than step {step} ({', '.join(moved)}) to "
+                    f"{os.path.join(self.root, layout.ABANDONED)}: kept, never loaded or overwritten"
+                )
         return step
 
     def _load_choice(self, choice: resolve.LoadChoice) -> int | None:
         started = time.perf_counter()
         meta = ckstate.read_metadata(choice.path)
-        lines = resolve.compat_errors(choice.path, self.model_name, self.flavor, self.model_args,
-                                      ckstate.model_shapes(self.model), resume=not choice.model_only)
+        lines = resolve.compat_errors(
+            choice.path,
+            self.model_name,
+            self.flavor,
+            self.model_args,
+            ckstate.model_shapes(self.model),
+            resume=not choice.model_only,
+        )
         if lines:
-            raise ckstate.CheckpointError(resolve.explain(choice.path, choice.step, lines,
-                                                          resume=not choice.model_only))
+            raise ckstate.CheckpointError(
+                resolve.explain(choice.path, choice.step, lines, resume=not choice.model_only)
+            )
         if choice.model_only:
             self._load_model_only(choice.path)
-            self._log(f"warm start: model weights from {choice.path} (optimizer, schedule, data and step "
-                      f"start fresh) in {time.perf_counter() - started:.1f} s")
+            self._log(
+                f"warm start: model weights from {choice.path} (optimizer, schedule, data and step "
+                f"start fresh) in {time.perf_counter() - started:.1f} s"
+            )
             return None
         self._load_full(choice.path, meta)
         saved = layout.read_json(os.path.join(choice.path, "meta.json")) or {}
-        self.loaded_total_steps = saved.get("total_steps")  # training.steps of the run that saved it
+        self.loaded_total_steps = saved.get(
+            "total_steps"
+        )  # training.steps of the run that saved it
         ws = saved.get("world_size")
-        moved = f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
-        self._log(f"resumed from {choice.path} (step {choice.step}{moved}) "
-                  f"in {time.perf_counter() - started:.1f} s")
+        moved = (
+            f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
+        )
+        self._log(
+            f"resumed from {choice.path} (step {choice.step}{moved}) "
+            f"in {time.perf_counter() - started:.1f} s"
+        )
         return choice.step
 
     def _load_model_only(self, path: str) -> None:
@@ -358,8 +450,11 @@ class CheckpointManager:
         sd: dict[str, Any] = {"model": ckstate.model_state(self.model), "optimizer": opt.template()}
         for name, obj in self.states.items():
             # Keys a newer version added are left at their defaults (load_state_dict handles them).
-            tmpl = {k: v for k, v in obj.state_dict().items()
-                    if f"{name}.{k}" in keys or any(x.startswith(f"{name}.{k}.") for x in keys)}
+            tmpl = {
+                k: v
+                for k, v in obj.state_dict().items()
+                if f"{name}.{k}" in keys or any(x.startswith(f"{name}.{k}.") for x in keys)
+            }
             if not tmpl:
                 raise ckstate.CheckpointError(f"checkpoint {path} holds no '{name}' state")
             sd[name] = tmpl
@@ -370,7 +465,12 @@ class CheckpointManager:
         for name, obj in self.states.items():
             try:
                 obj.load_state_dict(sd[name])
-            except (ValueError, KeyError) as exc:  # e.g. the data loader refuses another global batch size
-                raise ckstate.CheckpointError(f"checkpoint {path}: cannot restore '{name}': {exc}") from None
+            except (
+                ValueError,
+                KeyError,
+            ) as exc:  # e.g. the data loader refuses another global batch size
+                raise ckstate.CheckpointError(
+                    f"checkpoint {path}: cannot restore '{name}': {exc}"
+                ) from None
         # The trainer loads right before its loop, so nothing after this can advance the stream.
         ckstate.set_rng_state(sd["rng"], self.device)

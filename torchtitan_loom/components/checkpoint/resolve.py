@@ -34,8 +34,14 @@ def checkpoint_root(dump_folder: str, folder: str) -> str:
     return os.path.join(dump_folder, folder)
 
 
-def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "full",
-           exclude: frozenset[str] = frozenset()) -> tuple[LoadChoice | None, layout.Scan, list[str]]:
+def choose(
+    root: str,
+    load_step: int,
+    initial_load_path: str,
+    *,
+    verify: str = "full",
+    exclude: frozenset[str] = frozenset(),
+) -> tuple[LoadChoice | None, layout.Scan, list[str]]:
     """The checkpoint to load (or None), the scan it came from, and one warning line per newer
     complete checkpoint that was skipped because it failed verification (checkpoint_problem;
     ``verify`` = "full", "quick" or "none") or is in ``exclude`` (refused after loading), plus one
@@ -57,31 +63,49 @@ def choose(root: str, load_step: int, initial_load_path: str, *, verify: str = "
             have = ", ".join(str(e.step) for e in found.complete) or "none"
             torn = [e.path for e in found.incomplete if e.step == load_step]
             extra = f" ({torn[0]} is incomplete)" if torn else ""
-            raise ValueError(f"checkpoint.load_step = {load_step}: no complete checkpoint of that step in "
-                             f"{root}{extra}; complete steps: {have}")
+            raise ValueError(
+                f"checkpoint.load_step = {load_step}: no complete checkpoint of that step in "
+                f"{root}{extra}; complete steps: {have}"
+            )
         bad = problem(entry)
         if bad:
-            raise ValueError(f"checkpoint.load_step = {load_step}: checkpoint is corrupt: {bad}; choose "
-                             f"another step or -1 (the newest checkpoint that verifies)")
-        return LoadChoice(entry.path, entry.step, model_only=False), found, _notes(entry.path, [], verify)
+            raise ValueError(
+                f"checkpoint.load_step = {load_step}: checkpoint is corrupt: {bad}; choose "
+                f"another step or -1 (the newest checkpoint that verifies)"
+            )
+        return (
+            LoadChoice(entry.path, entry.step, model_only=False),
+            found,
+            _notes(entry.path, [], verify),
+        )
     skipped: list[str] = []
     for entry in reversed(found.complete):
         bad = problem(entry)
         if bad is None:
-            return LoadChoice(entry.path, entry.step, model_only=False), found, _notes(entry.path, skipped, verify)
+            return (
+                LoadChoice(entry.path, entry.step, model_only=False),
+                found,
+                _notes(entry.path, skipped, verify),
+            )
         newest_bad = newest_bad if skipped else bad
         skipped.append(f"skipping corrupt checkpoint {entry.path}: {bad}")
-    if skipped:  # the run has a history that no checkpoint can continue: never start over on top of it
+    if (
+        skipped
+    ):  # the run has a history that no checkpoint can continue: never start over on top of it
         names = ", ".join(os.path.relpath(e.path, root) for e in found.complete)
-        raise ValueError(f"every complete checkpoint in {root} is damaged ({names}; the newest: "
-                         f"{newest_bad}): refusing to start over on top of them. Repair or move "
-                         f"them, or pass --job.overwrite true to start a new run (the old files move to "
-                         f"replaced-<run_id>/)")
+        raise ValueError(
+            f"every complete checkpoint in {root} is damaged ({names}; the newest: "
+            f"{newest_bad}): refusing to start over on top of them. Repair or move "
+            f"them, or pass --job.overwrite true to start a new run (the old files move to "
+            f"replaced-<run_id>/)"
+        )
     if initial_load_path:
         path = warm_start_dir(initial_load_path)
         bad = None if verify == "none" else checkpoint_problem(path, quick=verify == "quick")
         if bad:
-            raise ValueError(f"checkpoint.initial_load_path = '{initial_load_path}': checkpoint is corrupt: {bad}")
+            raise ValueError(
+                f"checkpoint.initial_load_path = '{initial_load_path}': checkpoint is corrupt: {bad}"
+            )
         return LoadChoice(path, None, model_only=True), found, _notes(path, skipped, verify)
     return None, found, skipped
 
@@ -97,7 +121,9 @@ def checkpoint_problem(path: str, quick: bool = False) -> str | None:
     data (safe_read.py), else one line naming the file that fails."""
     bad = integrity.verify(path, quick=quick)
     if bad is None and os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
-        from torchtitan_loom.components.checkpoint import safe_read  # torch-side; only with a checkpoint
+        from torchtitan_loom.components.checkpoint import (
+            safe_read,
+        )  # torch-side; only with a checkpoint
 
         bad = safe_read.metadata_problem(path)
     return bad
@@ -108,13 +134,17 @@ def warm_start_dir(path: str) -> str:
     if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
         marker_expected = os.path.isfile(os.path.join(path, "meta.json"))
         if marker_expected and not layout.is_complete(path):
-            raise ValueError(f"checkpoint.initial_load_path = '{path}': incomplete checkpoint (no "
-                             f"{layout.MARKER} marker: its save did not finish)")
+            raise ValueError(
+                f"checkpoint.initial_load_path = '{path}': incomplete checkpoint (no "
+                f"{layout.MARKER} marker: its save did not finish)"
+            )
         return path
     newest = layout.scan(path).newest() if os.path.isdir(path) else None
     if newest is None:
-        raise ValueError(f"checkpoint.initial_load_path = '{path}': not a DCP checkpoint directory (no "
-                         f".metadata) and no complete step-N checkpoint inside")
+        raise ValueError(
+            f"checkpoint.initial_load_path = '{path}': not a DCP checkpoint directory (no "
+            f".metadata) and no complete step-N checkpoint inside"
+        )
     return newest.path
 
 
@@ -123,15 +153,24 @@ def read_model_args(path: str) -> dict[str, Any] | None:
     return layout.read_json(os.path.join(path, MODEL_ARGS_FILE))
 
 
-def compat_errors(path: str, model_name: str, flavor: str, args: Any, expected_shapes: dict[str, tuple[int, ...]],
-                  *, resume: bool) -> list[str]:
+def compat_errors(
+    path: str,
+    model_name: str,
+    flavor: str,
+    args: Any,
+    expected_shapes: dict[str, tuple[int, ...]],
+    *,
+    resume: bool,
+) -> list[str]:
     """Lines describing why the checkpoint at ``path`` cannot be loaded into this model ([] = fits).
 
     Shapes always have to match. A resume also needs the same model args, apart from the few that
     may change mid-run (state.RESUMABLE_ARG_CHANGES and the spec's relaunch_tunable); a model-only
     warm start needs only shapes.
     """
-    from torchtitan_loom.components.checkpoint import state  # torch-heavy; only when a checkpoint exists
+    from torchtitan_loom.components.checkpoint import (
+        state,
+    )  # torch-heavy; only when a checkpoint exists
 
     lines: list[str] = []
     saved = read_model_args(path)
@@ -141,8 +180,13 @@ def compat_errors(path: str, model_name: str, flavor: str, args: Any, expected_s
         if saved.get("flavor") != flavor:
             lines.append(f"model.flavor: checkpoint {saved.get('flavor')!r}, config {flavor!r}")
         may_change = state.RESUMABLE_ARG_CHANGES + get_train_spec(model_name).relaunch_tunable
-        lines += ["model." + d for d in state.args_differences(saved.get("args", {}), args, ignore=may_change)]
-    shapes = state.shape_mismatches(expected_shapes, state.tensor_shapes(state.read_metadata(path), "model."))
+        lines += [
+            "model." + d
+            for d in state.args_differences(saved.get("args", {}), args, ignore=may_change)
+        ]
+    shapes = state.shape_mismatches(
+        expected_shapes, state.tensor_shapes(state.read_metadata(path), "model.")
+    )
     if shapes:
         lines.append(f"{len(shapes)} model tensors differ:")
         lines += ["  " + s for s in shapes[:_MAX_LINES]]
@@ -154,11 +198,17 @@ def compat_errors(path: str, model_name: str, flavor: str, args: Any, expected_s
 def explain(path: str, step: int | None, lines: list[str], *, resume: bool) -> str:
     """The full error message for ``compat_errors`` lines."""
     what = f"step {step}" if step is not None else "warm start"
-    hint = ("resume with the checkpoint's model settings, or start a new run in another job.dump_folder "
-            "(checkpoint.initial_load_path warm-starts a model whose tensor shapes match)"
-            if resume else "checkpoint.initial_load_path needs a checkpoint of a model with the same tensor shapes")
-    return "\n".join([f"checkpoint {path} ({what}) does not fit the configured model:"] +
-                     ["  " + s for s in lines] + [hint])
+    hint = (
+        "resume with the checkpoint's model settings, or start a new run in another job.dump_folder "
+        "(checkpoint.initial_load_path warm-starts a model whose tensor shapes match)"
+        if resume
+        else "checkpoint.initial_load_path needs a checkpoint of a model with the same tensor shapes"
+    )
+    return "\n".join(
+        [f"checkpoint {path} ({what}) does not fit the configured model:"]
+        + ["  " + s for s in lines]
+        + [hint]
+    )
 
 
 def config_errors(cfg: Any, args: Any, expected_shapes_fn) -> list[str]:
@@ -179,8 +229,14 @@ def config_errors(cfg: Any, args: Any, expected_shapes_fn) -> list[str]:
     if choice is None:
         return []
     try:
-        lines = compat_errors(choice.path, cfg.model.name, cfg.model.flavor, args, expected_shapes_fn(),
-                              resume=not choice.model_only)
+        lines = compat_errors(
+            choice.path,
+            cfg.model.name,
+            cfg.model.flavor,
+            args,
+            expected_shapes_fn(),
+            resume=not choice.model_only,
+        )
     except Exception as exc:  # a corrupt .metadata can raise anything unpickling does
         return [f"checkpoint {choice.path}: unreadable DCP metadata ({type(exc).__name__}: {exc})"]
     return [explain(choice.path, choice.step, lines, resume=not choice.model_only)] if lines else []

@@ -32,13 +32,25 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 METADATA = ".metadata"
 # What DCP's own .metadata pickles name; each is safe to construct from any arguments.
 _ALLOWED = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "StorageMeta", "ChunkStorageMetadata", "MetadataIndex",
-                                              "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
-                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "StorageMeta",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch": {"Size"},  # dtypes, layouts and memory formats: checked by type in find_class
     "torch.serialization": {"_get_layout"},  # a lookup in torch's own layouts by name
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+    "pathlib": {
+        "PosixPath",
+        "WindowsPath",
+        "PurePosixPath",
+        "PureWindowsPath",
+    },  # StorageMeta.checkpoint_id
     "collections": {"OrderedDict"},
 }
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
@@ -58,21 +70,27 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        raise UnsafeCheckpoint(f"{self.path}: refused: it asks for {module}.{name}, which is not one of DCP's "
-                               f"metadata types (a checkpoint holds data only, never code)")
+        raise UnsafeCheckpoint(
+            f"{self.path}: refused: it asks for {module}.{name}, which is not one of DCP's "
+            f"metadata types (a checkpoint holds data only, never code)"
+        )
 
 
 def _check_fields(md: Any, path: str) -> None:
     """Every field has the type DCP writes, and every data file is a plain name in the directory."""
 
     def bad(what: str) -> UnsafeCheckpoint:
-        return UnsafeCheckpoint(f"{path}: refused: {what} (not a file written by torch.distributed.checkpoint)")
+        return UnsafeCheckpoint(
+            f"{path}: refused: {what} (not a file written by torch.distributed.checkpoint)"
+        )
 
     if not isinstance(md, dcp_meta.Metadata):
         raise bad(f"holds a {type(md).__name__}, not DCP Metadata")
     if not isinstance(md.state_dict_metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, (dcp_meta.TensorStorageMetadata, dcp_meta.BytesStorageMetadata))
-            for k, v in md.state_dict_metadata.items()):
+        isinstance(k, str)
+        and isinstance(v, (dcp_meta.TensorStorageMetadata, dcp_meta.BytesStorageMetadata))
+        for k, v in md.state_dict_metadata.items()
+    ):
         raise bad("an entry of state_dict_metadata is not tensor or bytes metadata")
     if not isinstance(md.storage_data, dict):
         raise bad("storage_data is not a mapping")
@@ -80,7 +98,12 @@ def _check_fields(md: Any, path: str) -> None:
         if not isinstance(key, dcp_meta.MetadataIndex) or not isinstance(info, _StorageInfo):
             raise bad("an entry of storage_data is not a MetadataIndex → _StorageInfo pair")
         rel = info.relative_path
-        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", "..") or "\\" in rel:
+        if (
+            not isinstance(rel, str)
+            or os.path.basename(rel) != rel
+            or rel in ("", ".", "..")
+            or "\\" in rel
+        ):
             raise bad(f"data file {rel!r} is not a plain file name inside the checkpoint directory")
 
 
@@ -93,7 +116,9 @@ def read_metadata_file(path: str) -> dcp_meta.Metadata:
         except UnsafeCheckpoint:
             raise
         except Exception as exc:  # a damaged pickle raises anything unpickling does
-            raise UnsafeCheckpoint(f"{file}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from None
+            raise UnsafeCheckpoint(
+                f"{file}: unreadable DCP metadata ({type(exc).__name__}: {exc})"
+            ) from None
     _check_fields(md, file)
     return md
 
@@ -132,7 +157,9 @@ class SafePlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn!r} refused: not plain data ({first})") from None
+            raise UnsafeCheckpoint(
+                f"entry {read_item.dest_index.fqn!r} refused: not plain data ({first})"
+            ) from None
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -146,7 +173,9 @@ def _refusal(exc: BaseException) -> UnsafeCheckpoint | None:
         return exc
     if isinstance(exc, CheckpointException):
         for err in getattr(exc, "failures", {}).values():
-            err = err[0] if isinstance(err, tuple) and err else err  # (exception, traceback) per rank
+            err = (
+                err[0] if isinstance(err, tuple) and err else err
+            )  # (exception, traceback) per rank
             found = _refusal(err) if isinstance(err, BaseException) else None
             if found is not None:
                 return found
@@ -158,7 +187,9 @@ def load(state_dict: dict[str, Any], path: str, no_dist: bool) -> None:
     """``dcp.load`` of ``path`` into ``state_dict`` in place, through SafeReader and SafePlanner.
     Raises UnsafeCheckpoint (one line naming the checkpoint) when a file is not plain data."""
     try:
-        dcp.load(state_dict, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
+        dcp.load(
+            state_dict, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist
+        )
     except (Exception, CheckpointException) as exc:
         refused = _refusal(exc)
         if refused is None:

@@ -51,7 +51,9 @@ def single_process_quiet():
     """Silence DCP's warning that a save/load without a process group is single-process: that is
     exactly what a one-process run or the export tool means."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to (save|load) in a single process.*"
+        )
         yield
 
 
@@ -78,15 +80,21 @@ class OptimizerLoad:
     DCP fills it, then ``apply(filled)``.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_keys: set[str], prefix: str):
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_keys: set[str], prefix: str
+    ):
         self.model, self.optimizer = model, optimizer
-        self.full = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)  # every param has state
+        self.full = get_optimizer_state_dict(
+            model, optimizer, options=OPTIM_OPTIONS
+        )  # every param has state
         self.missing = {k for k in self.full if prefix + k not in saved_keys}
         bad = sorted(k for k in self.missing if not k.startswith("state."))
         if bad:
-            raise CheckpointError(f"optimizer entries missing from the checkpoint: {', '.join(bad[:8])}"
-                                  f"{' ...' if len(bad) > 8 else ''} (a different optimizer or parameter set?)")
-        self.stateless = sorted({k[len("state."):].rsplit(".", 1)[0] for k in self.missing})
+            raise CheckpointError(
+                f"optimizer entries missing from the checkpoint: {', '.join(bad[:8])}"
+                f"{' ...' if len(bad) > 8 else ''} (a different optimizer or parameter set?)"
+            )
+        self.stateless = sorted({k[len("state.") :].rsplit(".", 1)[0] for k in self.missing})
 
     def template(self) -> dict[str, Any]:
         """The flattened state for DCP to fill: only keys the checkpoint has."""
@@ -98,7 +106,9 @@ class OptimizerLoad:
         merged.update(loaded)
         set_optimizer_state_dict(self.model, self.optimizer, merged, options=OPTIM_OPTIONS)
         if self.stateless:
-            by_name = dict(self.model.named_parameters())  # names are canonical (no wrapper prefixes)
+            by_name = dict(
+                self.model.named_parameters()
+            )  # names are canonical (no wrapper prefixes)
             for fqn in self.stateless:
                 self.optimizer.state.pop(by_name[fqn], None)
 
@@ -154,11 +164,16 @@ def dcp_load(sd: dict[str, Any], path: str, no_dist: bool) -> None:
 
 def tensor_shapes(meta: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
     """{name without prefix: global shape} of the tensors stored under ``prefix``."""
-    return {k[len(prefix):]: tuple(v.size) for k, v in meta.items()
-            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    return {
+        k[len(prefix) :]: tuple(v.size)
+        for k, v in meta.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
 
 
-def shape_mismatches(expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> list[str]:
+def shape_mismatches(
+    expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]
+) -> list[str]:
     """One line per tensor that is missing, unexpected or shaped differently."""
     lines = []
     for name in sorted(expected.keys() | saved.keys()):
@@ -174,11 +189,16 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model_state(model).items() if isinstance(v, torch.Tensor)}
 
 
-def args_differences(saved: dict[str, Any], current: Any, ignore: tuple[str, ...] = ()) -> list[str]:
+def args_differences(
+    saved: dict[str, Any], current: Any, ignore: tuple[str, ...] = ()
+) -> list[str]:
     """'field: checkpoint X, config Y' for every model arg that differs (``ignore`` skipped)."""
     mine = dataclasses.asdict(current)
-    return [f"{k}: checkpoint {saved.get(k)!r}, config {mine.get(k)!r}"
-            for k in sorted(mine.keys() | saved.keys()) if k not in ignore and saved.get(k) != mine.get(k)]
+    return [
+        f"{k}: checkpoint {saved.get(k)!r}, config {mine.get(k)!r}"
+        for k in sorted(mine.keys() | saved.keys())
+        if k not in ignore and saved.get(k) != mine.get(k)
+    ]
 
 
 def load_full(path: str, prefix: str = "") -> dict[str, Any]:
@@ -196,4 +216,4 @@ def load_full(path: str, prefix: str = "") -> dict[str, Any]:
     if not sd:
         raise CheckpointError(f"{path}: no entries under {prefix!r} in this checkpoint")
     dcp_load(sd, path, no_dist=True)
-    return {k[len(prefix):]: v for k, v in sd.items()}
+    return {k[len(prefix) :]: v for k, v in sd.items()}

@@ -25,8 +25,12 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "torchtitan_loom"
 
 
-def ensure_built(final: Path, build: Callable[[Path], object], verify: Callable[[Path], bool],
-                 log: Callable[[str], None] | None = None) -> Path:
+def ensure_built(
+    final: Path,
+    build: Callable[[Path], object],
+    verify: Callable[[Path], bool],
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """Return `final` once it exists and verifies, building it with `build(final)` if needed.
 
     `build` must write atomically and raise FileExistsError if `final` appeared meanwhile.
@@ -50,12 +54,16 @@ def ensure_built(final: Path, build: Callable[[Path], object], verify: Callable[
     if log is not None:
         log(f"bundled corpus ready in {time.perf_counter() - started:.1f} s")
     if not verify(final):
-        raise PackError(f"pack {str(final)!r}: the bundled corpus was built but does not verify; "
-                        "delete the directory and retry")
+        raise PackError(
+            f"pack {str(final)!r}: the bundled corpus was built but does not verify; "
+            "delete the directory and retry"
+        )
     return final
 
 
-def bundled_corpus_path(cache_dir: str | Path | None = None, log: Callable[[str], None] | None = None) -> Path:
+def bundled_corpus_path(
+    cache_dir: str | Path | None = None, log: Callable[[str], None] | None = None
+) -> Path:
     """Directory of the bundled synthetic corpus (byte tokenizer, records of 257 tokens, so the
     model trains at seq_len 256), built on first use under `cache_dir`."""
     from torchtitan_loom.components.data import synthetic_corpus as sc
@@ -65,7 +73,9 @@ def bundled_corpus_path(cache_dir: str | Path | None = None, log: Callable[[str]
 
     def verify(path: Path) -> bool:
         try:
-            pack = open_pack(path, seq_len=sc.MAX_SEQ_LEN - 1, vocab_size=258, tokenizer_name="byte")
+            pack = open_pack(
+                path, seq_len=sc.MAX_SEQ_LEN - 1, vocab_size=258, tokenizer_name="byte"
+            )
         except (PackError, OSError):
             return False
         return pack.metadata.get("corpus") == sc.CORPUS_NAME

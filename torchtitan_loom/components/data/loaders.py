@@ -19,7 +19,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader as _BaseLoader
-except ImportError:  # e.g. a GPU image without torchdata: the position below is the whole state anyway
+except (
+    ImportError
+):  # e.g. a GPU image without torchdata: the position below is the whole state anyway
     from torch.utils.data import DataLoader as _BaseLoader
 
 from torchtitan_loom.components.data.pack_format import Pack, PackError, open_pack
@@ -28,10 +30,14 @@ from torchtitan_loom.components.data.rows import RowLayout, assemble_rows, layou
 
 def _check_ranks(batch_rows: int, dp_rank: int, dp_world: int, name: str) -> None:
     if dp_world < 1 or not 0 <= dp_rank < dp_world:
-        raise ValueError(f"dp_rank {dp_rank} / dp_world {dp_world}: need dp_world ≥ 1 and 0 ≤ dp_rank < dp_world")
+        raise ValueError(
+            f"dp_rank {dp_rank} / dp_world {dp_world}: need dp_world ≥ 1 and 0 ≤ dp_rank < dp_world"
+        )
     if batch_rows < 1 or batch_rows % dp_world:
-        raise ValueError(f"{name} {batch_rows} must be a positive multiple of the data-parallel world "
-                         f"size {dp_world} (each rank takes {name} / dp_world rows)")
+        raise ValueError(
+            f"{name} {batch_rows} must be a positive multiple of the data-parallel world "
+            f"size {dp_world} (each rank takes {name} / dp_world rows)"
+        )
 
 
 class GlobalBatchStream(IterableDataset):
@@ -41,7 +47,9 @@ class GlobalBatchStream(IterableDataset):
     them back in order); every worker computes the same positions.
     """
 
-    def __init__(self, pack: Pack, seq_len: int, global_batch_rows: int, dp_rank: int, dp_world: int):
+    def __init__(
+        self, pack: Pack, seq_len: int, global_batch_rows: int, dp_rank: int, dp_world: int
+    ):
         self.pack = pack
         self.seq_len = seq_len
         self.global_batch_rows = global_batch_rows
@@ -61,13 +69,17 @@ class GlobalBatchStream(IterableDataset):
                 raise PackError(
                     f"pack {str(self.pack.path)!r}: epoch_{ordering} packs into {self._layout.num_rows} "
                     f"rows of {self.seq_len + 1} tokens, fewer than global_batch_rows "
-                    f"{self.global_batch_rows}; use a smaller global batch or a larger corpus")
+                    f"{self.global_batch_rows}; use a smaller global batch or a larger corpus"
+                )
         return self._layout
 
     def resolve(self, epoch: int, cursor: int) -> tuple[int, int]:
         """Position of the next global batch: rolls over when fewer than G rows are left."""
         orderings = self.pack.training_epochs
-        if cursor + self.global_batch_rows > self.layout(orderings[epoch % len(orderings)]).num_rows:
+        if (
+            cursor + self.global_batch_rows
+            > self.layout(orderings[epoch % len(orderings)]).num_rows
+        ):
             epoch, cursor = epoch + 1, 0
             self.layout(orderings[epoch % len(orderings)])  # validates the new pass has ≥ G rows
         return epoch, cursor
@@ -93,7 +105,9 @@ class GlobalBatchStream(IterableDataset):
             step += 1
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()  # workers rebuild layouts themselves instead of unpickling them
+        state = (
+            self.__dict__.copy()
+        )  # workers rebuild layouts themselves instead of unpickling them
         state["_layout_key"], state["_layout"] = None, None
         return state
 
@@ -112,7 +126,9 @@ class TrainLoader(_BaseLoader):
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             # Its own generator: starting an iterator draws a worker base seed, which must not
             # advance torch's global RNG (checkpointed; a resumed run starts a new iterator).
-            super().__init__(stream, batch_size=None, num_workers=num_workers, generator=torch.Generator())
+            super().__init__(
+                stream, batch_size=None, num_workers=num_workers, generator=torch.Generator()
+            )
         self._position = (0, 0)
 
     def __iter__(self):
@@ -124,34 +140,50 @@ class TrainLoader(_BaseLoader):
     def state_dict(self) -> dict:
         """{"epoch", "cursor", "global_batch_rows", "seq_len"}: the same on every rank and any W."""
         ds = self.dataset
-        return {"epoch": self._position[0], "cursor": self._position[1],
-                "global_batch_rows": ds.global_batch_rows, "seq_len": ds.seq_len}
+        return {
+            "epoch": self._position[0],
+            "cursor": self._position[1],
+            "global_batch_rows": ds.global_batch_rows,
+            "seq_len": ds.seq_len,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume at a saved position; the global batch size and seq_len must match the save."""
         ds = self.dataset
         missing = [k for k in ("epoch", "cursor") if k not in state_dict]
         if missing:
-            raise ValueError(f"data loader state lacks {missing}; expected keys epoch, cursor, "
-                             f"global_batch_rows, seq_len (got {sorted(state_dict)})")
+            raise ValueError(
+                f"data loader state lacks {missing}; expected keys epoch, cursor, "
+                f"global_batch_rows, seq_len (got {sorted(state_dict)})"
+            )
         for key, mine in (("global_batch_rows", ds.global_batch_rows), ("seq_len", ds.seq_len)):
             saved = state_dict.get(key, mine)
             if int(saved) != mine:
                 raise ValueError(
                     f"data loader state was saved with {key}={int(saved)} but this run uses {key}={mine}; "
                     "the saved data position is only meaningful for the same global batch rows and seq_len "
-                    "(restore them, or start the data from scratch by not loading this state)")
+                    "(restore them, or start the data from scratch by not loading this state)"
+                )
         self._position = (int(state_dict["epoch"]), int(state_dict["cursor"]))
 
 
-def build_train_loader(path: str | Path, seq_len: int, vocab_size: int, global_batch_rows: int,
-                       dp_rank: int, dp_world: int, tokenizer_name: str | None = None,
-                       num_workers: int = 0) -> TrainLoader:
+def build_train_loader(
+    path: str | Path,
+    seq_len: int,
+    vocab_size: int,
+    global_batch_rows: int,
+    dp_rank: int,
+    dp_world: int,
+    tokenizer_name: str | None = None,
+    num_workers: int = 0,
+) -> TrainLoader:
     """Training loader: yields this rank's [G/W, S] slice of each global batch, forever."""
     _check_ranks(global_batch_rows, dp_rank, dp_world, "global_batch_rows")
     pack = open_pack(path, seq_len=seq_len, vocab_size=vocab_size, tokenizer_name=tokenizer_name)
     stream = GlobalBatchStream(pack, seq_len, global_batch_rows, dp_rank, dp_world)
-    stream.layout(pack.training_epochs[0])  # fail now, not at the first step, if the pack is too small
+    stream.layout(
+        pack.training_epochs[0]
+    )  # fail now, not at the first step, if the pack is too small
     return TrainLoader(stream, num_workers=num_workers)
 
 
@@ -164,8 +196,16 @@ class EvalLoader:
     all ranks) reaches `max_tokens`.
     """
 
-    def __init__(self, pack: Pack, epoch: int, seq_len: int, batch_rows: int, dp_rank: int,
-                 dp_world: int, max_tokens: int | None = None):
+    def __init__(
+        self,
+        pack: Pack,
+        epoch: int,
+        seq_len: int,
+        batch_rows: int,
+        dp_rank: int,
+        dp_world: int,
+        max_tokens: int | None = None,
+    ):
         self.pack, self.epoch = pack, epoch
         self.batch_rows, self.dp_rank, self.dp_world = batch_rows, dp_rank, dp_world
         self.max_tokens = max_tokens
@@ -175,7 +215,7 @@ class EvalLoader:
         seen = 0
         for lo in range(0, self.layout.num_rows, batch_rows):
             self._num_batches += 1
-            seen += int(label_counts[lo:lo + batch_rows].sum())
+            seen += int(label_counts[lo : lo + batch_rows].sum())
             if max_tokens is not None and seen >= max_tokens:
                 break
         self.num_label_tokens = seen  # global valid labels over the batches this loader yields
@@ -191,21 +231,35 @@ class EvalLoader:
             yield assemble_rows(self.pack.tokens, self.layout, lo, hi, num_rows=per_rank)
 
 
-def build_eval_loader(path: str | Path, seq_len: int, vocab_size: int, batch_rows: int, dp_rank: int,
-                      dp_world: int, val_path: str | Path | None = None, max_tokens: int | None = None,
-                      tokenizer_name: str | None = None) -> EvalLoader:
+def build_eval_loader(
+    path: str | Path,
+    seq_len: int,
+    vocab_size: int,
+    batch_rows: int,
+    dp_rank: int,
+    dp_world: int,
+    val_path: str | Path | None = None,
+    max_tokens: int | None = None,
+    tokenizer_name: str | None = None,
+) -> EvalLoader:
     """Eval loader over the holdout epoch of `path`, or over epoch_0 of `val_path` when given."""
     _check_ranks(batch_rows, dp_rank, dp_world, "batch_rows")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens {max_tokens}: must be ≥ 1, or None to read the whole holdout")
     if val_path is not None:
-        pack = open_pack(val_path, seq_len=seq_len, vocab_size=vocab_size, tokenizer_name=tokenizer_name)
+        pack = open_pack(
+            val_path, seq_len=seq_len, vocab_size=vocab_size, tokenizer_name=tokenizer_name
+        )
         epoch = 0 if 0 in pack.epoch_dirs else min(pack.epoch_dirs)
     else:
-        pack = open_pack(path, seq_len=seq_len, vocab_size=vocab_size, tokenizer_name=tokenizer_name)
+        pack = open_pack(
+            path, seq_len=seq_len, vocab_size=vocab_size, tokenizer_name=tokenizer_name
+        )
         if pack.holdout_epoch is None:
-            raise PackError(f"pack {str(path)!r} has no holdout epoch (metadata holdout_epoch is null, or no "
-                            "epoch_9 in a reference pack); pass a separate val_path pack, or re-pack with "
-                            "--holdout-tokens > 0")
+            raise PackError(
+                f"pack {str(path)!r} has no holdout epoch (metadata holdout_epoch is null, or no "
+                "epoch_9 in a reference pack); pass a separate val_path pack, or re-pack with "
+                "--holdout-tokens > 0"
+            )
         epoch = pack.holdout_epoch
     return EvalLoader(pack, epoch, seq_len, batch_rows, dp_rank, dp_world, max_tokens=max_tokens)

@@ -21,25 +21,36 @@ import numpy as np
 from torchtitan_loom.components.data.pack_format import token_dtype
 
 FORMAT_VERSION = 1
-HOLDOUT_MAX_RECORD_FRACTION = 0.1  # as the reference packer: the holdout never takes >10% of records
+HOLDOUT_MAX_RECORD_FRACTION = (
+    0.1  # as the reference packer: the holdout never takes >10% of records
+)
 _COPY_BLOCK = 1 << 24  # tokens per block when moving the raw stream into tokens.npy
 
 
 class PackWriter:
     """Incremental pack writer. Use as a context manager so a failure removes the temp dir:
 
-        with PackWriter(out, tokenizer_info, max_seq_len=1024) as w:
-            for ids in docs: w.add_document(ids)
-            w.finish(epochs=9, holdout_tokens=20_000_000, seed=0)
+    with PackWriter(out, tokenizer_info, max_seq_len=1024) as w:
+        for ids in docs: w.add_document(ids)
+        w.finish(epochs=9, holdout_tokens=20_000_000, seed=0)
     """
 
-    def __init__(self, out: str | Path, tokenizer_info: dict, max_seq_len: int,
-                 extra_metadata: dict | None = None):
+    def __init__(
+        self,
+        out: str | Path,
+        tokenizer_info: dict,
+        max_seq_len: int,
+        extra_metadata: dict | None = None,
+    ):
         if max_seq_len < 2:
-            raise ValueError(f"max_seq_len {max_seq_len}: records need at least 2 tokens (one input, one label)")
+            raise ValueError(
+                f"max_seq_len {max_seq_len}: records need at least 2 tokens (one input, one label)"
+            )
         for key in ("vocab_size", "name_or_path", "eos_token_id"):
             if key not in tokenizer_info:
-                raise ValueError(f"tokenizer_info lacks {key!r}; it needs vocab_size, name_or_path, eos_token_id")
+                raise ValueError(
+                    f"tokenizer_info lacks {key!r}; it needs vocab_size, name_or_path, eos_token_id"
+                )
         self.out = Path(out)
         self.tokenizer_info = dict(tokenizer_info)
         self.max_seq_len = int(max_seq_len)
@@ -66,8 +77,10 @@ class PackWriter:
         ids = np.asarray(ids)
         vocab = int(self.tokenizer_info["vocab_size"])
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(f"document {self.num_documents}: token ids must lie in 0..{vocab - 1} "
-                             f"(the tokenizer's vocab_size), got {int(ids.min())}..{int(ids.max())}")
+            raise ValueError(
+                f"document {self.num_documents}: token ids must lie in 0..{vocab - 1} "
+                f"(the tokenizer's vocab_size), got {int(ids.min())}..{int(ids.max())}"
+            )
         eos = int(self.tokenizer_info["eos_token_id"])
         doc = np.empty(len(ids) + 1, dtype=self.dtype)
         doc[:-1] = ids
@@ -84,7 +97,9 @@ class PackWriter:
         self.num_documents += 1
         self.total_tokens += kept
 
-    def finish(self, epochs: int, holdout_tokens: int, seed: int = 0, replace: bool = False) -> Path:
+    def finish(
+        self, epochs: int, holdout_tokens: int, seed: int = 0, replace: bool = False
+    ) -> Path:
         """Write orderings, holdout and metadata, then rename the temp dir to `out`.
 
         Raises FileExistsError if `out` exists and `replace` is False (the temp dir is removed).
@@ -96,15 +111,19 @@ class PackWriter:
         n = len(lens)
         if n < 2 and holdout_tokens > 0 or n < 1:
             self.abort()
-            raise ValueError(f"the corpus gave {n} record(s) ({self.total_tokens} tokens): too few "
-                             "for training orderings plus a holdout; add documents or set holdout tokens to 0")
+            raise ValueError(
+                f"the corpus gave {n} record(s) ({self.total_tokens} tokens): too few "
+                "for training orderings plus a holdout; add documents or set holdout tokens to 0"
+            )
         starts = np.zeros(n, np.int64)
         np.cumsum(lens[:-1], out=starts[1:])
         n_hold = _holdout_records(lens, holdout_tokens)
         n_train = n - n_hold
         rng = np.random.default_rng(seed)
         for k in range(epochs):
-            perm = rng.permutation(n_train)  # drawn one after another from one generator, as the reference
+            perm = rng.permutation(
+                n_train
+            )  # drawn one after another from one generator, as the reference
             _write_epoch(self.tmp / f"epoch_{k}", starts[perm], lens[perm])
         holdout_epoch = epochs if n_hold else None
         if n_hold:
@@ -131,12 +150,15 @@ class PackWriter:
 
     def _write_tokens(self) -> None:
         raw = self.tmp / "tokens.bin"
-        out = np.lib.format.open_memmap(self.tmp / "tokens.npy", mode="w+", dtype=self.dtype,
-                                        shape=(self.total_tokens,))
+        out = np.lib.format.open_memmap(
+            self.tmp / "tokens.npy", mode="w+", dtype=self.dtype, shape=(self.total_tokens,)
+        )
         with open(raw, "rb") as f:
             for lo in range(0, self.total_tokens, _COPY_BLOCK):
-                block = np.fromfile(f, dtype=self.dtype, count=min(_COPY_BLOCK, self.total_tokens - lo))
-                out[lo:lo + len(block)] = block
+                block = np.fromfile(
+                    f, dtype=self.dtype, count=min(_COPY_BLOCK, self.total_tokens - lo)
+                )
+                out[lo : lo + len(block)] = block
         out.flush()
         del out
         raw.unlink()
@@ -145,7 +167,9 @@ class PackWriter:
         if self.out.exists():
             if not replace:
                 self.abort()
-                raise FileExistsError(f"output {str(self.out)!r} already exists (pass --force to replace it)")
+                raise FileExistsError(
+                    f"output {str(self.out)!r} already exists (pass --force to replace it)"
+                )
             shutil.rmtree(self.out)
         try:
             os.rename(self.tmp, self.out)

@@ -28,9 +28,9 @@ class RowLayout:
     """Pieces of one epoch and how they fall into rows: row r = pieces [row_first[r], row_first[r+1])."""
 
     piece_start_P: np.ndarray  # int64 offset of each piece in the token stream
-    piece_len_P: np.ndarray    # int64 tokens per piece (2..C)
-    row_first: np.ndarray      # int64 [R+1]
-    row_len: int               # C
+    piece_len_P: np.ndarray  # int64 tokens per piece (2..C)
+    row_first: np.ndarray  # int64 [R+1]
+    row_len: int  # C
 
     @property
     def num_rows(self) -> int:
@@ -43,7 +43,9 @@ class RowLayout:
         return np.add.reduceat(self.piece_len_P - 1, self.row_first[:-1])
 
 
-def split_records(doc_start: np.ndarray, doc_len: np.ndarray, row_len: int) -> tuple[np.ndarray, np.ndarray]:
+def split_records(
+    doc_start: np.ndarray, doc_len: np.ndarray, row_len: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Records → pieces of ≤ row_len tokens, in order; pieces of < 2 tokens dropped."""
     start, length = doc_start.astype(np.int64), doc_len.astype(np.int64)
     if len(length) and int(length.max()) > row_len:
@@ -74,7 +76,9 @@ def next_fit_row_starts(piece_len: np.ndarray, row_len: int) -> np.ndarray:
         return np.zeros(1, np.int64)
     cum = np.zeros(P + 1, np.int64)
     np.cumsum(piece_len, out=cum[1:])
-    nxt = np.searchsorted(cum, cum[:-1] + row_len, side="right") - 1  # > j since each piece ≤ row_len
+    nxt = (
+        np.searchsorted(cum, cum[:-1] + row_len, side="right") - 1
+    )  # > j since each piece ≤ row_len
     on_chain = np.zeros(P + 1, bool)
     b_start = np.arange(0, P, _BLOCK, dtype=np.int64)
     b_end = np.minimum(b_start + _BLOCK, P)
@@ -102,7 +106,7 @@ def next_fit_row_starts(piece_len: np.ndarray, row_len: int) -> np.ndarray:
         while j < e and not on_chain[j]:
             walked.append(j)
             j = int(nxt[j])
-        on_chain[s:min(j, e)] = False
+        on_chain[s : min(j, e)] = False
         on_chain[walked] = True
         entry = j if j >= e else int(b_exit[b])
     return np.append(np.flatnonzero(on_chain[:P]), P).astype(np.int64)
@@ -114,8 +118,9 @@ def layout_rows(doc_start: np.ndarray, doc_len: np.ndarray, row_len: int) -> Row
     return RowLayout(start_P, len_P, next_fit_row_starts(len_P, row_len), row_len)
 
 
-def assemble_rows(tokens: np.ndarray, layout: RowLayout, row_lo: int, row_hi: int,
-                  num_rows: int | None = None) -> dict[str, torch.Tensor]:
+def assemble_rows(
+    tokens: np.ndarray, layout: RowLayout, row_lo: int, row_hi: int, num_rows: int | None = None
+) -> dict[str, torch.Tensor]:
     """Batch dict for rows [row_lo, row_hi) of `layout`, padded with empty rows to `num_rows`.
 
     Returns int64 tensors [B, S]: input_ids, labels (-100 = ignore), positions, doc_ids
@@ -128,12 +133,12 @@ def assemble_rows(tokens: np.ndarray, layout: RowLayout, row_lo: int, row_hi: in
     doc_BC = np.full((B, C), PAD_DOC_ID, np.int64)
     p_lo, p_hi = int(layout.row_first[row_lo]), int(layout.row_first[row_hi])
     if p_hi > p_lo:
-        first = layout.row_first[row_lo:row_hi + 1] - p_lo
+        first = layout.row_first[row_lo : row_hi + 1] - p_lo
         len_p = layout.piece_len_P[p_lo:p_hi]
         n_in_row = np.diff(first)
         row_of_p = np.repeat(np.arange(row_hi - row_lo), n_in_row)
-        cum_p = np.cumsum(len_p) - len_p                 # piece offset in the gathered stream
-        slot_p = cum_p - cum_p[first[:-1]][row_of_p]     # piece offset inside its row
+        cum_p = np.cumsum(len_p) - len_p  # piece offset in the gathered stream
+        slot_p = cum_p - cum_p[first[:-1]][row_of_p]  # piece offset inside its row
         idx_p = np.arange(len(len_p)) - first[:-1][row_of_p]  # piece index inside its row
         T = int(len_p.sum())
         within_T = np.arange(T) - np.repeat(cum_p, len_p)

@@ -17,17 +17,61 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 CORPUS_NAME = "bundled-v1"  # bump when the generator or its settings change
-MAX_SEQ_LEN = 257           # record length; model sequence length S = 256
+MAX_SEQ_LEN = 257  # record length; model sequence length S = 256
 TARGET_BYTES = 4_000_000
 HOLDOUT_FRACTION = 0.02
 TRAINING_ORDERINGS = 3
 SEED = 0
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-SYLLABLES = ("ka", "lo", "mi", "ren", "tos", "va", "pel", "dun", "shi", "gor", "ba", "ne",
-             "qua", "fi", "mor", "zed", "lu", "tan", "ri", "bo", "sem", "cra", "vi", "dol")
-NAMES = ("Ada", "Bram", "Cleo", "Dev", "Esme", "Finn", "Gala", "Hugo", "Iris", "Joss", "Kira",
-         "Lev", "Mira", "Noor", "Otto", "Pia", "Quin", "Rosa", "Sami", "Tova")
+SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tos",
+    "va",
+    "pel",
+    "dun",
+    "shi",
+    "gor",
+    "ba",
+    "ne",
+    "qua",
+    "fi",
+    "mor",
+    "zed",
+    "lu",
+    "tan",
+    "ri",
+    "bo",
+    "sem",
+    "cra",
+    "vi",
+    "dol",
+)
+NAMES = (
+    "Ada",
+    "Bram",
+    "Cleo",
+    "Dev",
+    "Esme",
+    "Finn",
+    "Gala",
+    "Hugo",
+    "Iris",
+    "Joss",
+    "Kira",
+    "Lev",
+    "Mira",
+    "Noor",
+    "Otto",
+    "Pia",
+    "Quin",
+    "Rosa",
+    "Sami",
+    "Tova",
+)
 ANIMALS = ("fox", "owl", "cat", "hare", "crow", "goat", "frog", "mole", "wren", "seal")
 ADJS = ("red", "small", "quiet", "quick", "old", "brave", "sleepy", "green", "tall", "shy")
 PLACES = ("market", "river", "forest", "library", "garden", "harbor", "hill", "kitchen", "field")
@@ -42,7 +86,9 @@ def _word(rng: random.Random) -> str:
 
 def _step(rng: random.Random, v: int) -> tuple[str, int]:
     """One operation that keeps the value in 0..99 (so the numbers stay two digits at most)."""
-    ops = [("+", k) for k in range(1, 10) if v + k <= 99] + [("-", k) for k in range(1, 10) if v - k >= 0]
+    ops = [("+", k) for k in range(1, 10) if v + k <= 99] + [
+        ("-", k) for k in range(1, 10) if v - k >= 0
+    ]
     ops += [("*", k) for k in (2, 3) if v * k <= 99]
     op, k = rng.choice(ops)
     return f"{op}{k}", (v + k if op == "+" else v - k if op == "-" else v * k)
@@ -157,7 +203,11 @@ def write_bundled_pack(out: Path, seed: int = SEED, target_bytes: int = TARGET_B
     from torchtitan_loom.components.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    info = {"vocab_size": tok.vocab_size, "name_or_path": tok.name_or_path, "eos_token_id": tok.eos_id}
+    info = {
+        "vocab_size": tok.vocab_size,
+        "name_or_path": tok.name_or_path,
+        "eos_token_id": tok.eos_id,
+    }
     extra = {"corpus": CORPUS_NAME, "corpus_seed": seed}
     with PackWriter(out, info, MAX_SEQ_LEN, extra_metadata=extra) as w:
         for doc in generate_documents(seed, target_bytes):

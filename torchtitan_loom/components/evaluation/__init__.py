@@ -1,0 +1,1 @@
+"""Scoring a model: held-out loss, downstream tasks (lm-eval adapter), sampling."""

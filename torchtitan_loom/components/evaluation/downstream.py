@@ -29,15 +29,19 @@ def task_manager(tasks_dir: str | None, only_tasks_dir: bool):
     return TaskManager(include_path=tasks_dir, include_defaults=not only_tasks_dir)
 
 
-def unknown_tasks(tasks: list[str], tasks_dir: str | None, only_tasks_dir: bool,
-                  manager: Any = None) -> list[str]:
+def unknown_tasks(
+    tasks: list[str], tasks_dir: str | None, only_tasks_dir: bool, manager: Any = None
+) -> list[str]:
     """One message per task name lm-eval does not know (with the nearest names), else []."""
     known = set((manager or task_manager(tasks_dir, only_tasks_dir)).all_tasks)
     out = []
     for name in tasks:
         if name not in known:
             near = difflib.get_close_matches(name, sorted(known), n=3)
-            out.append(f"lm-eval knows no task {name!r}" + (f"; did you mean {', '.join(near)}?" if near else ""))
+            out.append(
+                f"lm-eval knows no task {name!r}"
+                + (f"; did you mean {', '.join(near)}?" if near else "")
+            )
     return out
 
 
@@ -67,9 +71,24 @@ class DownstreamScorer:
         stop_requested: asked before every batch; truthy drops the scores of this round.
     """
 
-    def __init__(self, cfg: Any, *, model: Any, tokenizer: Any, device: torch.device, autocast: Callable[[], Any],
-                 stop_requested: Callable[[], int], log: Callable[[str], None]) -> None:
-        self.cfg, self.model, self.tokenizer, self.device, self.log = cfg, model, tokenizer, device, log
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        model: Any,
+        tokenizer: Any,
+        device: torch.device,
+        autocast: Callable[[], Any],
+        stop_requested: Callable[[], int],
+        log: Callable[[str], None],
+    ) -> None:
+        self.cfg, self.model, self.tokenizer, self.device, self.log = (
+            cfg,
+            model,
+            tokenizer,
+            device,
+            log,
+        )
         self._autocast, self._stop_requested = autocast, stop_requested
         self.manager = task_manager(cfg.downstream_tasks_dir or None, cfg.downstream_only_tasks_dir)
 
@@ -88,34 +107,61 @@ class DownstreamScorer:
         limit = f" (at most {cfg.downstream_limit} documents each)" if cfg.downstream_limit else ""
         self.log(f"downstream at step {step}: {', '.join(cfg.downstream_tasks)}{limit} ...")
         started = time.perf_counter()
-        lm = LoomLM(self.model, self.tokenizer, self.device, self.model.num_loops, batch_size=cfg.downstream_batch_size,
-                    split_over_ranks=False, should_stop=lambda: bool(self._stop_requested()),
-                    forward_context=self._autocast)
+        lm = LoomLM(
+            self.model,
+            self.tokenizer,
+            self.device,
+            self.model.num_loops,
+            batch_size=cfg.downstream_batch_size,
+            split_over_ranks=False,
+            should_stop=lambda: bool(self._stop_requested()),
+            forward_context=self._autocast,
+        )
         states = random.getstate(), np.random.get_state()
         devices = [self.device] if self.device.type == "cuda" else []
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-                res = simple_evaluate(model=lm, tasks=list(cfg.downstream_tasks), task_manager=self.manager,
-                                      limit=cfg.downstream_limit or None, log_samples=False, bootstrap_iters=0,
-                                      verbosity="ERROR")
+                res = simple_evaluate(
+                    model=lm,
+                    tasks=list(cfg.downstream_tasks),
+                    task_manager=self.manager,
+                    limit=cfg.downstream_limit or None,
+                    log_samples=False,
+                    bootstrap_iters=0,
+                    verbosity="ERROR",
+                )
         except ScoringStopped:
-            self.log(f"downstream at step {step}: stopped by a signal after {time.perf_counter() - started:.1f} s, "
-                     "its scores are dropped")
+            self.log(
+                f"downstream at step {step}: stopped by a signal after {time.perf_counter() - started:.1f} s, "
+                "its scores are dropped"
+            )
             return None
         finally:
             self.model.train()
             random.setstate(states[0])
             np.random.set_state(states[1])
         scores = flat_scores(res["results"])
-        shown = ", ".join(f"{k[len('downstream/'):]} {v:.4f}" for k, v in scores.items()) or "no scores"
+        shown = (
+            ", ".join(f"{k[len('downstream/') :]} {v:.4f}" for k, v in scores.items())
+            or "no scores"
+        )
         self.log(f"downstream done in {time.perf_counter() - started:.1f} s: {shown}")
         return scores
 
 
-def build_scorer(cfg: Any, *, model: Any, data_path: str, tokenizer_name: str | None, vocab_size: int,
-                 device: torch.device, autocast: Callable[[], Any], stop_requested: Callable[[], int],
-                 log: Callable[[str], None]) -> DownstreamScorer | None:
+def build_scorer(
+    cfg: Any,
+    *,
+    model: Any,
+    data_path: str,
+    tokenizer_name: str | None,
+    vocab_size: int,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    stop_requested: Callable[[], int],
+    log: Callable[[str], None],
+) -> DownstreamScorer | None:
     """The run's scorer (None when eval.downstream_interval is 0), with the training pack's tokenizer."""
     if not cfg.downstream_interval:
         return None
@@ -128,5 +174,12 @@ def build_scorer(cfg: Any, *, model: Any, data_path: str, tokenizer_name: str | 
         tokenizer = pack_tokenizer(Path(data_path), tokenizer_name, vocab_size)
     except TokenizerError as exc:
         raise PackError(f"downstream scoring: {exc}") from None
-    return DownstreamScorer(cfg, model=model, tokenizer=tokenizer, device=device, autocast=autocast,
-                            stop_requested=stop_requested, log=log)
+    return DownstreamScorer(
+        cfg,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        autocast=autocast,
+        stop_requested=stop_requested,
+        log=log,
+    )

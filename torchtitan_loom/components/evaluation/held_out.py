@@ -35,16 +35,42 @@ class HeldOutEval:
         stop_requested: polled per micro-batch; truthy drops the eval.
     """
 
-    def __init__(self, cfg: Any, *, model: Any, data_path: str, val_path: str | None, seq_len: int,
-                 vocab_size: int, batch_rows: int, dp_rank: int, dp_world: int, tokenizer_name: str | None,
-                 device: torch.device, micro_batches: Callable[[dict], list[dict]],
-                 autocast: Callable[[], Any], stop_requested: Callable[[], int],
-                 log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        model: Any,
+        data_path: str,
+        val_path: str | None,
+        seq_len: int,
+        vocab_size: int,
+        batch_rows: int,
+        dp_rank: int,
+        dp_world: int,
+        tokenizer_name: str | None,
+        device: torch.device,
+        micro_batches: Callable[[dict], list[dict]],
+        autocast: Callable[[], Any],
+        stop_requested: Callable[[], int],
+        log: Callable[[str], None],
+    ) -> None:
         self.cfg, self.model, self.device, self.log = cfg, model, device, log
-        self._loader_args = dict(path=data_path, seq_len=seq_len, vocab_size=vocab_size,
-                                 batch_rows=cfg.batch_size or batch_rows, dp_rank=dp_rank, dp_world=dp_world,
-                                 val_path=val_path, max_tokens=cfg.tokens, tokenizer_name=tokenizer_name)
-        self._micro_batches, self._autocast, self._stop_requested = micro_batches, autocast, stop_requested
+        self._loader_args = dict(
+            path=data_path,
+            seq_len=seq_len,
+            vocab_size=vocab_size,
+            batch_rows=cfg.batch_size or batch_rows,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+            val_path=val_path,
+            max_tokens=cfg.tokens,
+            tokenizer_name=tokenizer_name,
+        )
+        self._micro_batches, self._autocast, self._stop_requested = (
+            micro_batches,
+            autocast,
+            stop_requested,
+        )
         self.last: tuple[int, list[float]] | None = None
         """(step, loss after every loop) of the newest finished eval."""
 
@@ -63,8 +89,14 @@ class HeldOutEval:
         model, num_loops = self.model, self.model.num_loops
         started = time.perf_counter()
         loader = build_eval_loader(**self._loader_args)
-        read = loader.num_label_tokens  # what this pass reads, which a small holdout keeps below eval.tokens
-        short = f" (the holdout holds fewer than eval.tokens = {self.cfg.tokens:,})" if read < self.cfg.tokens else ""
+        read = (
+            loader.num_label_tokens
+        )  # what this pass reads, which a small holdout keeps below eval.tokens
+        short = (
+            f" (the holdout holds fewer than eval.tokens = {self.cfg.tokens:,})"
+            if read < self.cfg.tokens
+            else ""
+        )
         self.log(f"eval at step {step}: {read:,} holdout tokens{short}, {num_loops} loops ...")
         model.eval()
         try:
@@ -82,15 +114,18 @@ class HeldOutEval:
         result = {"eval_loss": losses[-1], "eval_tokens": int(n_tok.item())}
         result.update({f"eval_loss_loop_{i + 1}": v for i, v in enumerate(losses)})
         took = time.perf_counter() - started
-        self.log(f"eval done in {took:.1f} s ({n_tok.item() / max(took, 1e-9):,.0f} tokens/s): loss after loop "
-                 + " / ".join(f"{v:.4f}" for v in losses))
+        self.log(
+            f"eval done in {took:.1f} s ({n_tok.item() / max(took, 1e-9):,.0f} tokens/s): loss after loop "
+            + " / ".join(f"{v:.4f}" for v in losses)
+        )
         self.last = (step, losses)
         if routing is not None:
             result.update(routing.summary())
         return result, routing
 
-    def _run(self, model: Any, num_loops: int,
-             loader: Any) -> tuple[torch.Tensor, torch.Tensor, RoutingStats | None] | None:
+    def _run(
+        self, model: Any, num_loops: int, loader: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, RoutingStats | None] | None:
         ce_H = torch.zeros(num_loops, dtype=torch.float64, device=self.device)
         n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
         n_layers, n_experts = model.routing or (0, 0)
@@ -101,12 +136,23 @@ class HeldOutEval:
             carry = None
             for loop in range(1, num_loops + 1):
                 with self._autocast():
-                    out = model(mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=loop,
-                                loop_end=loop, carry=carry, return_topk=n_experts > 0)
+                    out = model(
+                        mb["input_ids"],
+                        mb["positions"],
+                        mb["doc_ids"],
+                        loop_start=loop,
+                        loop_end=loop,
+                        carry=carry,
+                        return_topk=n_experts > 0,
+                    )
                 carry = out.carry
                 if out.topk_LTBSK is not None:
-                    if routing is None:  # top-k from the ids' own shape: the validator reads no model field
-                        routing = RoutingStats(n_layers, num_loops, n_experts, out.topk_LTBSK.shape[-1], self.device)
+                    if (
+                        routing is None
+                    ):  # top-k from the ids' own shape: the validator reads no model field
+                        routing = RoutingStats(
+                            n_layers, num_loops, n_experts, out.topk_LTBSK.shape[-1], self.device
+                        )
                     if loop == 1:
                         routing.start_batch(real_tokens(mb["doc_ids"]))
                     routing.add_loop(out.topk_LTBSK[:, 0], model.carry_stream(carry))

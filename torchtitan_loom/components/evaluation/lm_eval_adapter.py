@@ -36,10 +36,18 @@ class ScoringStopped(Exception):
 class LoomLM(LM):
     """lm-eval's LM interface over a LOOM model running loops [1, loops]."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, device: torch.device, loops: int,
-                 batch_size: int = 8, max_gen_toks: int = 256, split_over_ranks: bool = True,
-                 should_stop: Callable[[], bool] | None = None,
-                 forward_context: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        device: torch.device,
+        loops: int,
+        batch_size: int = 8,
+        max_gen_toks: int = 256,
+        split_over_ranks: bool = True,
+        should_stop: Callable[[], bool] | None = None,
+        forward_context: Callable[[], Any] | None = None,
+    ) -> None:
         """split_over_ranks=False: every rank scores every request (a sharded model needs every rank
         in every forward). should_stop() is asked before every batch; true raises ScoringStopped.
         forward_context() wraps every forward (the trainer's autocast)."""
@@ -83,11 +91,12 @@ class LoomLM(LM):
     def _check_stop(self) -> None:
         if self.should_stop():
             raise ScoringStopped
+
     def _pair_tokens(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         # Trailing spaces of the context belong to the continuation (as the word-initial space of
         # a BPE token would); an empty context is replaced by the end-of-text token.
         stripped = context.rstrip()
-        continuation = context[len(stripped):] + continuation
+        continuation = context[len(stripped) :] + continuation
         ctx = self.tok.encode(stripped) if stripped else [self.tok.eos_id]
         return ctx, self.tok.encode(continuation)
 
@@ -99,19 +108,21 @@ class LoomLM(LM):
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         for start in range(0, len(order), self.batch_size):
             self._check_stop()
-            idx = order[start:start + self.batch_size]
+            idx = order[start : start + self.batch_size]
             inputs, targets = [], []
             for i in idx:
                 ctx, cont = pairs[i]
-                full = (ctx + cont)[-(self.max_len + 1):]  # left-truncate to the model's window
+                full = (ctx + cont)[-(self.max_len + 1) :]  # left-truncate to the model's window
                 inputs.append(full[:-1])
-                targets.append(full[len(full) - min(len(cont), len(full) - 1):])
+                targets.append(full[len(full) - min(len(cont), len(full) - 1) :])
             S = max(len(x) for x in inputs)
             tokens_BS = torch.zeros(len(idx), S, dtype=torch.long)
-            doc_BS = torch.full((len(idx), S), -1, dtype=torch.long)  # -1 = padding (the model's convention)
+            doc_BS = torch.full(
+                (len(idx), S), -1, dtype=torch.long
+            )  # -1 = padding (the model's convention)
             for b, x in enumerate(inputs):
-                tokens_BS[b, :len(x)] = torch.tensor(x)
-                doc_BS[b, :len(x)] = 0
+                tokens_BS[b, : len(x)] = torch.tensor(x)
+                doc_BS[b, : len(x)] = 0
             tokens_BS, doc_BS = tokens_BS.to(self._device), doc_BS.to(self._device)
             positions_BS = torch.arange(S, device=self._device).expand_as(tokens_BS)
             # One document per row; the padding after it is never seen by the real tokens (causal).
@@ -124,7 +135,7 @@ class LoomLM(LM):
                     results[i] = (0.0, True)
                     continue
                 target = torch.tensor(targets[b], device=self._device)
-                logp_NV = logp_BSV[b, length - n:length]
+                logp_NV = logp_BSV[b, length - n : length]
                 ll = logp_NV.gather(1, target[:, None]).sum().item()
                 results[i] = (ll, bool((logp_NV.argmax(-1) == target).all()))
         return results  # type: ignore[return-value]
@@ -137,8 +148,15 @@ class LoomLM(LM):
         out = []
         for req in requests:
             ids = self.tok.encode(req.args[0])
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=ids, prefix_token=self.tok.eos_id, max_seq_len=self.max_len, context_len=1)]
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=ids,
+                    prefix_token=self.tok.eos_id,
+                    max_seq_len=self.max_len,
+                    context_len=1,
+                )
+            ]
             out.append(sum(ll for ll, _ in self.score_tokens(windows)))
         return out
 
@@ -152,17 +170,27 @@ class LoomLM(LM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
+            temperature = (
+                float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
+            )
             ids = self.tok.encode(context) or [self.tok.eos_id]
             max_new = min(max_new, self.max_len - 1)
-            ids = ids[-(self.max_len - max_new):]  # keep the end of an over-long context
-            cfg = SamplingConfig(max_new_tokens=max_new, temperature=temperature,
-                                 seed=int(kwargs.pop("seed", 0) or 0))
-            new = generate(self.model, torch.tensor([ids], device=self._device), cfg, loops=self.loops,
-                           eos_id=self.tok.eos_id)[0].tolist()
+            ids = ids[-(self.max_len - max_new) :]  # keep the end of an over-long context
+            cfg = SamplingConfig(
+                max_new_tokens=max_new,
+                temperature=temperature,
+                seed=int(kwargs.pop("seed", 0) or 0),
+            )
+            new = generate(
+                self.model,
+                torch.tensor([ids], device=self._device),
+                cfg,
+                loops=self.loops,
+                eos_id=self.tok.eos_id,
+            )[0].tolist()
             text = self.tok.decode([t for t in new if t != self.tok.eos_id])
             for stop in until:
                 if stop and stop in text:
-                    text = text[:text.index(stop)]
+                    text = text[: text.index(stop)]
             out.append(text)
         return out

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class SamplingConfig:
     """temperature 0 = greedy; top_k 0 and top_p 1 = no truncation."""
@@ -41,7 +40,9 @@ class SamplingConfig:
         return out
 
 
-def next_token(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+def next_token(
+    logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
+) -> torch.Tensor:
     """[B] ids drawn from fp32 logits after temperature, top-k and top-p (nucleus) filtering."""
     if cfg.temperature == 0:
         return logits_BV.argmax(dim=-1)
@@ -57,18 +58,27 @@ def next_token(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Ge
         sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
         logits_BV = torch.full_like(logits_BV, float("-inf")).scatter(-1, order_BV, sorted_BV)
     probs_BV = logits_BV.softmax(dim=-1)
-    return torch.multinomial(probs_BV.cpu(), 1, generator=generator).squeeze(-1).to(logits_BV.device)
+    return (
+        torch.multinomial(probs_BV.cpu(), 1, generator=generator).squeeze(-1).to(logits_BV.device)
+    )
 
 
 @torch.no_grad()
-def generate(model, prompt_BS: torch.Tensor, cfg: SamplingConfig, loops: int | None = None,
-             eos_id: int | None = None) -> torch.Tensor:
+def generate(
+    model,
+    prompt_BS: torch.Tensor,
+    cfg: SamplingConfig,
+    loops: int | None = None,
+    eos_id: int | None = None,
+) -> torch.Tensor:
     """The new tokens [B, <= max_new_tokens] after `prompt_BS` (all rows the same length).
 
     Stops early when every row has produced `eos_id`; later tokens of a finished row repeat eos.
     `loops` = H' runs loops [1, H'] only (early exit); None = all H loops.
     """
-    cache = model.new_decode_cache()  # the model's own; it refuses a setup that cannot decode incrementally
+    cache = (
+        model.new_decode_cache()
+    )  # the model's own; it refuses a setup that cannot decode incrementally
     B, S = prompt_BS.shape
     device = prompt_BS.device
     max_new = min(cfg.max_new_tokens, model.args.max_seq_len - S)
@@ -77,8 +87,12 @@ def generate(model, prompt_BS: torch.Tensor, cfg: SamplingConfig, loops: int | N
     tokens_BS, start = prompt_BS, 0
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
     for _ in range(max_new):
-        positions_BS = torch.arange(start, start + tokens_BS.shape[1], device=device).expand_as(tokens_BS)
-        out = model(tokens_BS, positions_BS, torch.zeros_like(tokens_BS), loop_end=loops, cache=cache)
+        positions_BS = torch.arange(start, start + tokens_BS.shape[1], device=device).expand_as(
+            tokens_BS
+        )
+        out = model(
+            tokens_BS, positions_BS, torch.zeros_like(tokens_BS), loop_end=loops, cache=cache
+        )
         tok_B = next_token(out.logits_BSV[:, -1], cfg, generator)
         if eos_id is not None:
             tok_B = torch.where(done_B, torch.full_like(tok_B, eos_id), tok_B)

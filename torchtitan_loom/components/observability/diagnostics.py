@@ -90,7 +90,11 @@ class DiagOptions:
 
     def due(self, step: int) -> bool:
         """Whether global step `step` (1-based) is a diagnostic step."""
-        return self.interval > 0 and step % self.interval == 0 and (self.activations or self.rank or self.grad)
+        return (
+            self.interval > 0
+            and step % self.interval == 0
+            and (self.activations or self.rank or self.grad)
+        )
 
 
 class StepDiagnostics:
@@ -99,14 +103,18 @@ class StepDiagnostics:
     def __init__(self, owner: "BranchDiagnostics", step: int) -> None:
         self.owner, self.step = owner, step
         o = owner
-        self.moments_LHNM = torch.zeros(o.L, o.H, o.N, len(MOMENTS), dtype=torch.float64, device=o.device)
+        self.moments_LHNM = torch.zeros(
+            o.L, o.H, o.N, len(MOMENTS), dtype=torch.float64, device=o.device
+        )
         self.forwards_H = torch.zeros(o.H, dtype=torch.float64, device=o.device)
         self.grad_sq_JG = torch.zeros(o.J, len(o.groups), dtype=torch.float64, device=o.device)
         self.ran_J = torch.zeros(o.J, dtype=torch.float64, device=o.device)
         self.gram_LHNRR: torch.Tensor | None = None
         self.gram_loops: set[int] = set()
 
-    def observer(self, micro_batch: int, valid_BS: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def observer(
+        self, micro_batch: int, valid_BS: torch.Tensor
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The `observe` function for a forward of micro-batch `micro_batch` whose real (non-padding)
         tokens are `valid_BS` (None: nothing to observe)."""
         o = self.owner
@@ -140,7 +148,9 @@ class StepDiagnostics:
         if K > m:  # the first micro-batch also returned the sample's Gram matrices
             R = math.isqrt(K - m)
             if self.gram_LHNRR is None:
-                self.gram_LHNRR = torch.zeros(L, self.owner.H, N, R, R, dtype=torch.float64, device=self.owner.device)
+                self.gram_LHNRR = torch.zeros(
+                    L, self.owner.H, N, R, R, dtype=torch.float64, device=self.owner.device
+                )
             self.gram_LHNRR[:, sl] = observed_LTNK[..., m:].reshape(L, T, N, R, R)
             self.gram_loops.update(range(loop_start, loop_start + T))
 
@@ -150,7 +160,11 @@ class StepDiagnostics:
         o = self.owner
         if not o.options.grad or not o.groups:
             return
-        have = [(o.group_of[i], p.grad) for i, p in enumerate(params) if p.grad is not None and o.group_of[i] >= 0]
+        have = [
+            (o.group_of[i], p.grad)
+            for i, p in enumerate(params)
+            if p.grad is not None and o.group_of[i] >= 0
+        ]
         if have:
             pieces_P = dist_utils.grad_norm_sq_pieces([g for _, g in have], _world())
             index_P = torch.tensor([g for g, _ in have], device=pieces_P.device)
@@ -161,8 +175,16 @@ class StepDiagnostics:
         """Every key of this step (null where a loop or segment did not run): one all-reduce, then
         one device-to-host read of everything."""
         o = self.owner
-        summed = dist_utils.all_reduce(torch.cat([self.moments_LHNM.reshape(-1), self.forwards_H,
-                                                  self.grad_sq_JG.reshape(-1), self.ran_J]))
+        summed = dist_utils.all_reduce(
+            torch.cat(
+                [
+                    self.moments_LHNM.reshape(-1),
+                    self.forwards_H,
+                    self.grad_sq_JG.reshape(-1),
+                    self.ran_J,
+                ]
+            )
+        )
         parts = [summed] if self.gram_LHNRR is None else [summed, self.gram_LHNRR.reshape(-1)]
         flat = torch.cat(parts).cpu().numpy()  # the step's one extra transfer
         sizes = [self.moments_LHNM.numel(), o.H, self.grad_sq_JG.numel(), o.J]
@@ -177,12 +199,21 @@ class StepDiagnostics:
                     where = f"layer_{l}/loop_{t + 1}"
                     if o.options.activations:
                         for m, stat in enumerate(MOMENTS):
-                            value = moments_LHNM[l, t, n, m] / forwards_H[t] if forwards_H[t] else None
-                            out[f"diag/{branch}/{stat}/{where}"] = None if value is None else float(value)
+                            value = (
+                                moments_LHNM[l, t, n, m] / forwards_H[t] if forwards_H[t] else None
+                            )
+                            out[f"diag/{branch}/{stat}/{where}"] = (
+                                None if value is None else float(value)
+                            )
                     if o.options.rank:
-                        trio = (rank_collapse(gram_LHNRR[l, t, n]) if t + 1 in self.gram_loops
-                                else (None, None, None))
-                        out.update({f"diag/{branch}/{s}/{where}": v for s, v in zip(RANK_STATS, trio)})
+                        trio = (
+                            rank_collapse(gram_LHNRR[l, t, n])
+                            if t + 1 in self.gram_loops
+                            else (None, None, None)
+                        )
+                        out.update(
+                            {f"diag/{branch}/{s}/{where}": v for s, v in zip(RANK_STATS, trio)}
+                        )
         if o.options.grad:
             for j in range(o.J):
                 for g, group in enumerate(o.groups):
@@ -194,9 +225,18 @@ class StepDiagnostics:
 class BranchDiagnostics:
     """The diagnostics of a run: which steps, which keys; ``begin(step)`` starts a step's accumulators."""
 
-    def __init__(self, options: DiagOptions, *, branches: tuple[str, ...], num_layers: int, num_loops: int,
-                 num_segments: int, groups: dict[str, list[str]], param_names: list[str],
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        options: DiagOptions,
+        *,
+        branches: tuple[str, ...],
+        num_layers: int,
+        num_loops: int,
+        num_segments: int,
+        groups: dict[str, list[str]],
+        param_names: list[str],
+        device: torch.device,
+    ) -> None:
         self.options, self.device = options, device
         self.branches, self.N = tuple(branches), len(branches)
         self.L, self.H, self.J = num_layers, num_loops, num_segments
@@ -214,21 +254,39 @@ class BranchDiagnostics:
         for l in range(self.L):
             for t in range(self.H):
                 for branch in self.branches:
-                    stats = (MOMENTS if self.options.activations else ()) + (RANK_STATS if self.options.rank else ())
+                    stats = (MOMENTS if self.options.activations else ()) + (
+                        RANK_STATS if self.options.rank else ()
+                    )
                     keys += [f"diag/{branch}/{s}/layer_{l}/loop_{t + 1}" for s in stats]
         if self.options.grad:
-            keys += [f"diag/grad_norm/{g}/segment_{j + 1}" for j in range(self.J) for g in self.groups]
+            keys += [
+                f"diag/grad_norm/{g}/segment_{j + 1}" for j in range(self.J) for g in self.groups
+            ]
         return keys
 
 
-def build_diagnostics(metrics_cfg: Any, model: Any, num_segments: int, device: torch.device) -> BranchDiagnostics:
+def build_diagnostics(
+    metrics_cfg: Any, model: Any, num_segments: int, device: torch.device
+) -> BranchDiagnostics:
     """The run's diagnostics from the ``[metrics]`` switches and the model's protocol surface
     (observation_layout, param_groups, num_loops)."""
-    options = DiagOptions(metrics_cfg.diag_interval, metrics_cfg.diag_activations, metrics_cfg.diag_rank,
-                          metrics_cfg.diag_grad)
+    options = DiagOptions(
+        metrics_cfg.diag_interval,
+        metrics_cfg.diag_activations,
+        metrics_cfg.diag_rank,
+        metrics_cfg.diag_grad,
+    )
     on = options.interval > 0
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     groups = model.param_groups() if on and options.grad else {}
     num_layers, branches = model.observation_layout() if on else (0, ())
-    return BranchDiagnostics(options, branches=branches, num_layers=num_layers, num_loops=model.num_loops,
-                             num_segments=num_segments, groups=groups, param_names=names, device=device)
+    return BranchDiagnostics(
+        options,
+        branches=branches,
+        num_layers=num_layers,
+        num_loops=model.num_loops,
+        num_segments=num_segments,
+        groups=groups,
+        param_names=names,
+        device=device,
+    )

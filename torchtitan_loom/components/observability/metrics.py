@@ -60,8 +60,9 @@ def peak_flops(device: torch.device) -> float | None:
     return flops
 
 
-def throughput(tokens: float, seconds: float, flops_per_token: float,
-               peak: float | None) -> dict[str, float | None]:
+def throughput(
+    tokens: float, seconds: float, flops_per_token: float, peak: float | None
+) -> dict[str, float | None]:
     """{"tokens_per_s", "tflops" achieved, "mfu" percent of ``peak`` (None without a peak)}.
 
     The one formula of the trainer's log line and of the benchmarks. ``flops_per_token`` is the
@@ -69,8 +70,11 @@ def throughput(tokens: float, seconds: float, flops_per_token: float,
     """
     tokens_per_s = tokens / max(seconds, 1e-9)
     achieved = tokens_per_s * flops_per_token
-    return {"tokens_per_s": tokens_per_s, "tflops": achieved / 1e12,
-            "mfu": None if not peak else 100.0 * achieved / peak}
+    return {
+        "tokens_per_s": tokens_per_s,
+        "tflops": achieved / 1e12,
+        "mfu": None if not peak else 100.0 * achieved / peak,
+    }
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -82,8 +86,10 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     """
     device = torch.device(device)
     if device.type == "cuda":
-        stats = {"memory_max_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
-                 "memory_max_reserved_gib": torch.cuda.max_memory_reserved(device) / _GIB}
+        stats = {
+            "memory_max_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+            "memory_max_reserved_gib": torch.cuda.max_memory_reserved(device) / _GIB,
+        }
         torch.cuda.reset_peak_memory_stats(device)
         return stats
     import resource  # Unix only; imported here so the module still imports elsewhere
@@ -106,7 +112,7 @@ def tb_tag(name: str) -> str:
         return name
     for prefix in ("eval", "routing", "stream"):
         if name.startswith(prefix + "_"):
-            return prefix + "/" + name[len(prefix) + 1:]
+            return prefix + "/" + name[len(prefix) + 1 :]
     return "train/" + name
 
 
@@ -130,15 +136,29 @@ class MetricsLogger:
     append mode so a resumed run continues the same file.
     """
 
-    def __init__(self, dump_folder: str, section: Any, *, jsonl_name: str = "metrics.jsonl", rank: int = 0,
-                 run_id: str | None = None, wandb_config: dict | None = None) -> None:
+    def __init__(
+        self,
+        dump_folder: str,
+        section: Any,
+        *,
+        jsonl_name: str = "metrics.jsonl",
+        rank: int = 0,
+        run_id: str | None = None,
+        wandb_config: dict | None = None,
+    ) -> None:
         """``section``: the ``[metrics]`` config section (enable_tensorboard, tb_folder, log_rank, enable_wandb)."""
-        enable_tensorboard, tb_folder, enable_wandb = section.enable_tensorboard, section.tb_folder, section.enable_wandb
+        enable_tensorboard, tb_folder, enable_wandb = (
+            section.enable_tensorboard,
+            section.tb_folder,
+            section.enable_wandb,
+        )
         self.active = rank == section.log_rank
         self.run_id = run_id  # written into every JSON line: one id per launch
         self._launch_note: dict[str, Any] = {}
         self.jsonl_path = os.path.join(dump_folder, jsonl_name)
-        self.tb_dir = launch_dir(os.path.join(dump_folder, tb_folder)) if enable_tensorboard else None
+        self.tb_dir = (
+            launch_dir(os.path.join(dump_folder, tb_folder)) if enable_tensorboard else None
+        )
         self._jsonl = None
         self._writer = None
         self._wandb = None
@@ -153,11 +173,15 @@ class MetricsLogger:
         if enable_wandb:
             import wandb  # optional: validate.py checked that it is installed
 
-            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "torchtitan_loom"),
-                                     dir=dump_folder, config=wandb_config or {})
+            self._wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "torchtitan_loom"),
+                dir=dump_folder,
+                config=wandb_config or {},
+            )
 
-    def log(self, step: int, scalars: dict[str, float | int | None],
-            extra: dict | None = None) -> None:
+    def log(
+        self, step: int, scalars: dict[str, float | int | None], extra: dict | None = None
+    ) -> None:
         """Append ``{"step": step, **scalars, **extra}`` as one JSON line (flushed at once) and
         write every non-None numeric scalar to TensorBoard at ``step`` (tags from ``tb_tag``).
 
@@ -184,7 +208,9 @@ class MetricsLogger:
                     self._writer.add_scalar(tb_tag(name), value, global_step=int(step))
             self._writer.flush()
         if self._wandb is not None:
-            self._wandb.log({tb_tag(k): v for k, v in values.items() if v is not None}, step=int(step))
+            self._wandb.log(
+                {tb_tag(k): v for k, v in values.items() if v is not None}, step=int(step)
+            )
 
     @property
     def writes_images(self) -> bool:
@@ -197,6 +223,7 @@ class MetricsLogger:
             return
         self._writer.add_image(tag, image_CHW, global_step=int(step), dataformats="CHW")
         self._writer.flush()
+
     def mark_launch(self, resumed_from_step: int | None) -> None:
         """The next JSON line carries ``"launch": {"resumed_from_step": N}`` (null: a fresh start):
         where a relaunch picked up, so two histories in one file are never silently interleaved."""
@@ -228,8 +255,9 @@ def _to_number(name: str, value: Any) -> float | int | None:
     try:
         return float(value)  # numpy scalars and the like
     except (TypeError, ValueError):
-        raise ValueError(f"metric {name!r} must be a number or None, "
-                         f"got {type(value).__name__}") from None
+        raise ValueError(
+            f"metric {name!r} must be a number or None, got {type(value).__name__}"
+        ) from None
 
 
 def _to_json(value: Any) -> Any:
@@ -245,14 +273,18 @@ def _to_json(value: Any) -> Any:
 def format_console_line(step: int, scalars: dict[str, Any]) -> str:
     """One compact line: step, loss (per-segment losses), lr, grad norm, tokens/s, TFLOP/s,
     MFU and memory, each shown only when present and not None."""
+
     def has(key: str) -> bool:
         return scalars.get(key) is not None
 
     parts = [f"step {step:>6d}"]
     if has("loss"):
         parts.append(f"loss {scalars['loss']:.4f}")
-    seg = sorted((int(m.group(1)), v) for k, v in scalars.items()
-                 if (m := re.fullmatch(r"loss_segment_(\d+)", k)) and v is not None)
+    seg = sorted(
+        (int(m.group(1)), v)
+        for k, v in scalars.items()
+        if (m := re.fullmatch(r"loss_segment_(\d+)", k)) and v is not None
+    )
     if seg:
         parts.append("seg " + "/".join(f"{v:.3f}" for _, v in seg))
     if has("lr"):

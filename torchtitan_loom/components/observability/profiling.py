@@ -31,14 +31,17 @@ def profile_schedule_problems(freq: int, warmup: int, active: int) -> list[str]:
     if active < 1:
         errors.append(f"profiling.profiler_active = {active}: must be ≥ 1")
     if not errors and warmup + active > freq:
-        errors.append(f"profiling.profiler_warmup + profiler_active = {warmup + active}: must be ≤ "
-                      f"profile_freq = {freq} (one trace per window of profile_freq steps)")
+        errors.append(
+            f"profiling.profiler_warmup + profiler_active = {warmup + active}: must be ≤ "
+            f"profile_freq = {freq} (one trace per window of profile_freq steps)"
+        )
     return errors
 
 
 @contextlib.contextmanager
-def maybe_profile(cfg: Any, dump_folder: str, rank: int, log: Callable[[str], None],
-                  step_offset: int = 0) -> Iterator[Any]:
+def maybe_profile(
+    cfg: Any, dump_folder: str, rank: int, log: Callable[[str], None], step_offset: int = 0
+) -> Iterator[Any]:
     """Yield a torch.profiler.profile (call .step() after every train step) or None when off.
 
     ``step_offset`` = the step the run resumes from, so the folder names are global steps.
@@ -59,9 +62,12 @@ def maybe_profile(cfg: Any, dump_folder: str, rank: int, log: Callable[[str], No
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    schedule = torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active)
-    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write_trace,
-                                record_shapes=True) as prof:
+    schedule = torch.profiler.schedule(
+        wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active
+    )
+    with torch.profiler.profile(
+        activities=activities, schedule=schedule, on_trace_ready=write_trace, record_shapes=True
+    ) as prof:
         yield prof
 
 
@@ -69,15 +75,23 @@ class MemorySnapshotter:
     """Records the CUDA allocator history and dumps it every profile_freq steps; on a CPU device it
     only says (once) that there is nothing to record."""
 
-    def __init__(self, cfg: Any, dump_folder: str, rank: int, device: torch.device,
-                 log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        dump_folder: str,
+        rank: int,
+        device: torch.device,
+        log: Callable[[str], None],
+    ) -> None:
         self.enabled = bool(cfg.enable_memory_snapshot) and torch.device(device).type == "cuda"
         self.freq = cfg.profile_freq
         self.folder = os.path.join(dump_folder, cfg.save_memory_snapshot_folder)
         self.rank, self.log = rank, log
         if cfg.enable_memory_snapshot and not self.enabled:
-            log(f"profiling.enable_memory_snapshot: memory snapshots record the CUDA caching allocator; "
-                f"this run is on {torch.device(device).type}, so none are written")
+            log(
+                f"profiling.enable_memory_snapshot: memory snapshots record the CUDA caching allocator; "
+                f"this run is on {torch.device(device).type}, so none are written"
+            )
         if self.enabled:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
 

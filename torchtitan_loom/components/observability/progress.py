@@ -43,21 +43,34 @@ class StepEstimate:
         return self.state_gib + self.activation_gib
 
 
-def estimate_step(cfg: Any, meta_model: Any, dims: Any, counts: dict[str, int], flops_per_token: float,
-                  num_loops: int, num_segments: int) -> StepEstimate:
+def estimate_step(
+    cfg: Any,
+    meta_model: Any,
+    dims: Any,
+    counts: dict[str, int],
+    flops_per_token: float,
+    num_loops: int,
+    num_segments: int,
+) -> StepEstimate:
     """The activation term from the model's own ``saved_values_per_token`` (ModelProtocol)."""
     t = cfg.training
     act_bytes = DTYPES[t.mixed_precision_param].itemsize
     tokens_mb = t.micro_batch_size * t.seq_len
     loops_per_segment = -(-num_loops // num_segments)
-    per_call = meta_model.saved_values_per_token(loops_per_segment, cfg.activation_checkpoint.mode != "none")
+    per_call = meta_model.saved_values_per_token(
+        loops_per_segment, cfg.activation_checkpoint.mode != "none"
+    )
     logits = 3 * meta_model.args.vocab_size * 4  # fp32 logits, softmax and gradient
     activation = tokens_mb * (per_call * act_bytes + logits)
     state = 16 * counts["total"] / max(dims.dp_shard, 1)
     rows_per_rank = t.global_batch_size // dims.dp
-    return StepEstimate(params=counts["total"], active=counts["active"], state_gib=state / _GIB,
-                        activation_gib=activation / _GIB,
-                        step_tflop=flops_per_token * rows_per_rank * t.seq_len / 1e12)
+    return StepEstimate(
+        params=counts["total"],
+        active=counts["active"],
+        state_gib=state / _GIB,
+        activation_gib=activation / _GIB,
+        step_tflop=flops_per_token * rows_per_rank * t.seq_len / 1e12,
+    )
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.2) -> float:
@@ -85,29 +98,48 @@ def start_lines(cfg: Any, est: StepEstimate, device: torch.device, rate_tflops: 
     """The first line (what is built, its estimate) and, on CPU, a warning when it is far beyond the machine."""
     mem = device_memory_gib(device)
     seconds = est.step_tflop / max(rate_tflops, 1e-9)
-    where = (f"{torch.get_num_threads()} CPU threads, {mem:.0f} GiB RAM" if device.type == "cpu"
-             else f"{torch.cuda.get_device_name(device)}, {mem:.0f} GiB")
-    lines = [f"building {cfg.model.name}/{cfg.model.flavor}: {est.params / 1e6:,.2f}M parameters "
-             f"({est.active / 1e6:,.2f}M active per token); estimated per rank: {est.total_gib:.2f} GiB "
-             f"({est.state_gib:.2f} parameters + gradients + AdamW, {est.activation_gib:.2f} activations of one "
-             f"micro-batch), ≥ {seconds:,.1f} s per step at the {rate_tflops * 1e3:,.0f} GFLOP/s a "
-             f"{cfg.training.mixed_precision_param} matmul reaches on {device.type} ({where})"]
-    if device.type == "cpu" and (est.total_gib > RAM_SHARE_WARN * mem or seconds > STEP_SECONDS_WARN):
-        lines.append(f"warning: one step of this config needs ~{est.total_gib:.1f} GiB and at least "
-                     f"{seconds / 60:,.1f} min on this CPU ({mem:.0f} GiB RAM); it will run, but a GPU or a "
-                     f"smaller flavor / micro_batch_size / seq_len is what this config is meant for")
+    where = (
+        f"{torch.get_num_threads()} CPU threads, {mem:.0f} GiB RAM"
+        if device.type == "cpu"
+        else f"{torch.cuda.get_device_name(device)}, {mem:.0f} GiB"
+    )
+    lines = [
+        f"building {cfg.model.name}/{cfg.model.flavor}: {est.params / 1e6:,.2f}M parameters "
+        f"({est.active / 1e6:,.2f}M active per token); estimated per rank: {est.total_gib:.2f} GiB "
+        f"({est.state_gib:.2f} parameters + gradients + AdamW, {est.activation_gib:.2f} activations of one "
+        f"micro-batch), ≥ {seconds:,.1f} s per step at the {rate_tflops * 1e3:,.0f} GFLOP/s a "
+        f"{cfg.training.mixed_precision_param} matmul reaches on {device.type} ({where})"
+    ]
+    if device.type == "cpu" and (
+        est.total_gib > RAM_SHARE_WARN * mem or seconds > STEP_SECONDS_WARN
+    ):
+        lines.append(
+            f"warning: one step of this config needs ~{est.total_gib:.1f} GiB and at least "
+            f"{seconds / 60:,.1f} min on this CPU ({mem:.0f} GiB RAM); it will run, but a GPU or a "
+            f"smaller flavor / micro_batch_size / seq_len is what this config is meant for"
+        )
     return lines
 
 
-def start_report(cfg: Any, dims: Any, meta_model: Any, num_segments: int, device: torch.device,
-                 dtype: torch.dtype) -> list[str]:
+def start_report(
+    cfg: Any,
+    dims: Any,
+    meta_model: Any,
+    num_segments: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[str]:
     """The start lines for a model still on the meta device (nothing allocated yet)."""
     fpt = meta_model.flops_per_token(cfg.training.seq_len, head_calls=num_segments)
-    est = estimate_step(cfg, meta_model, dims, meta_model.param_counts(), fpt, meta_model.num_loops, num_segments)
+    est = estimate_step(
+        cfg, meta_model, dims, meta_model.param_counts(), fpt, meta_model.num_loops, num_segments
+    )
     return start_lines(cfg, est, device, matmul_tflops(device, dtype))
 
 
-def final_line(steps: int, code: int, dump_folder: str, last_eval: tuple[int, list[float]] | None) -> str:
+def final_line(
+    steps: int, code: int, dump_folder: str, last_eval: tuple[int, list[float]] | None
+) -> str:
     line = f"done: {steps} steps, exit code {code}; outputs in {os.path.abspath(dump_folder)}"
     if last_eval is not None:
         at, losses = last_eval

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 
 DPI = 100
-HEATMAP_SIZE_IN = (7.0, 3.2)   # figure size of a loop × expert heatmap -> 700 × 320 px
-CURVE_SIZE_IN = (5.0, 3.2)     # figure size of the loss-per-loop curve -> 500 × 320 px
-CELL_PX = 12                   # numpy fallback: pixels per heatmap cell
+HEATMAP_SIZE_IN = (7.0, 3.2)  # figure size of a loop × expert heatmap -> 700 × 320 px
+CURVE_SIZE_IN = (5.0, 3.2)  # figure size of the loss-per-loop curve -> 500 × 320 px
+CELL_PX = 12  # numpy fallback: pixels per heatmap cell
 CMAP = "viridis"
 # Five viridis anchors for the numpy fallback (dark purple -> yellow).
 _RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], float)
@@ -55,8 +55,14 @@ def heatmap_figure(share_HE: np.ndarray, title: str, vmax: float | None = None):
     H, E = share_HE.shape
     fig = _figure(HEATMAP_SIZE_IN)
     ax = fig.add_subplot(1, 1, 1)
-    image = ax.imshow(share_HE, aspect="auto", cmap=CMAP, vmin=0.0, vmax=vmax or share_vmax(share_HE),
-                      interpolation="nearest")
+    image = ax.imshow(
+        share_HE,
+        aspect="auto",
+        cmap=CMAP,
+        vmin=0.0,
+        vmax=vmax or share_vmax(share_HE),
+        interpolation="nearest",
+    )
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("routed expert")
     ax.set_ylabel("loop")
@@ -74,7 +80,9 @@ def loss_curve_figure(losses_H: Sequence[float], title: str):
     loops = list(range(1, len(losses_H) + 1))
     ax.plot(loops, losses_H, marker="o")
     for x, y in zip(loops, losses_H):
-        ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        ax.annotate(
+            f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8
+        )
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("exit after loop")
     ax.set_ylabel("held-out loss (nats/token)")
@@ -85,7 +93,9 @@ def loss_curve_figure(losses_H: Sequence[float], title: str):
     return fig
 
 
-def routing_picture_figure(ids_HSK: np.ndarray, tokens: Sequence[str], num_experts: int, title: str):
+def routing_picture_figure(
+    ids_HSK: np.ndarray, tokens: Sequence[str], num_experts: int, title: str
+):
     """One document: for each loop (a band of rows, one per expert) and token (column), a black
     cell where the token visits that expert."""
     from matplotlib.transforms import blended_transform_factory
@@ -106,8 +116,15 @@ def routing_picture_figure(ids_HSK: np.ndarray, tokens: Sequence[str], num_exper
     ax.set_yticks(rows, [str(r % E) for r in rows], fontsize=6)
     to_left = blended_transform_factory(ax.transAxes, ax.transData)
     for t in range(H):
-        ax.text(-0.045, t * E + (E - 1) / 2, f"loop {t + 1}", transform=to_left, ha="right", va="center",
-                fontsize=9)
+        ax.text(
+            -0.045,
+            t * E + (E - 1) / 2,
+            f"loop {t + 1}",
+            transform=to_left,
+            ha="right",
+            va="center",
+            fontsize=9,
+        )
     short = all(len(tok) <= 2 for tok in tokens)
     ax.set_xticks(range(S), list(tokens), rotation=0 if short else 90, fontsize=8 if short else 7)
     ax.set_xlabel("token of the document (input text; ␣ = space, ⏎ = newline)")
@@ -117,17 +134,23 @@ def routing_picture_figure(ids_HSK: np.ndarray, tokens: Sequence[str], num_exper
     return fig
 
 
-def heatmap_image(share_HE: np.ndarray, title: str, use_matplotlib: bool | None = None) -> np.ndarray:
+def heatmap_image(
+    share_HE: np.ndarray, title: str, use_matplotlib: bool | None = None
+) -> np.ndarray:
     """uint8 RGB [3, h, w]: the figure with matplotlib, else CELL_PX pixels per cell."""
     if use_matplotlib is None:
         use_matplotlib = have_matplotlib()
     if use_matplotlib:
         return _to_chw(heatmap_figure(share_HE, title))
     rgb_HEC = colormap(np.asarray(share_HE, float) / share_vmax(share_HE))
-    return np.ascontiguousarray(np.kron(rgb_HEC, np.ones((CELL_PX, CELL_PX, 1), np.uint8)).transpose(2, 0, 1))
+    return np.ascontiguousarray(
+        np.kron(rgb_HEC, np.ones((CELL_PX, CELL_PX, 1), np.uint8)).transpose(2, 0, 1)
+    )
 
 
-def loss_curve_image(losses_H: Sequence[float], title: str, use_matplotlib: bool | None = None) -> np.ndarray:
+def loss_curve_image(
+    losses_H: Sequence[float], title: str, use_matplotlib: bool | None = None
+) -> np.ndarray:
     """uint8 RGB [3, h, w]: the line plot with matplotlib, else bars (height ∝ loss, 24 px each)."""
     if use_matplotlib is None:
         use_matplotlib = have_matplotlib()
@@ -139,7 +162,9 @@ def loss_curve_image(losses_H: Sequence[float], title: str, use_matplotlib: bool
     top = float(np.nanmax(losses)) if losses.size else 1.0
     for t, value in enumerate(losses):
         rows = int(round(height * max(value, 0.0) / top)) if top > 0 else 0
-        image[:, height - rows:, t * bar + 2:(t + 1) * bar - 2] = _RAMP[1].astype(np.uint8)[:, None, None]
+        image[:, height - rows :, t * bar + 2 : (t + 1) * bar - 2] = _RAMP[1].astype(np.uint8)[
+            :, None, None
+        ]
     return image
 
 

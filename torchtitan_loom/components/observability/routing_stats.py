@@ -33,8 +33,14 @@ import torch
 class RoutingStats:
     """Sums over valid tokens for the diversity metrics; float64 / int64 so ranks can sum them."""
 
-    def __init__(self, num_layers: int, num_loops: int, num_experts: int, top_k: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_loops: int,
+        num_experts: int,
+        top_k: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         L, H, E = num_layers, num_loops, num_experts
         self.L, self.H, self.E, self.K = L, H, E, top_k
         f64 = dict(dtype=torch.float64, device=device)
@@ -50,7 +56,9 @@ class RoutingStats:
     def start_batch(self, valid_BS: torch.Tensor) -> None:
         """Begin a micro-batch; valid_BS is True on real tokens (doc id >= 0)."""
         if self._batch is not None and self._batch.loop < self.H:
-            raise RuntimeError(f"RoutingStats: previous batch got {self._batch.loop} of {self.H} loops")
+            raise RuntimeError(
+                f"RoutingStats: previous batch got {self._batch.loop} of {self.H} loops"
+            )
         valid_N = valid_BS.reshape(-1).to(self.load_LHE.device).bool()
         self._batch = _BatchState(valid_N)
         self.tokens += valid_N.sum()
@@ -59,10 +67,14 @@ class RoutingStats:
         """The next loop's chosen expert ids [L, B, S, K] and the stream after it [B, S, D]."""
         b = self._batch
         if b is None or b.loop >= self.H:
-            raise RuntimeError("RoutingStats.add_loop: call start_batch first, then exactly H loops")
+            raise RuntimeError(
+                "RoutingStats.add_loop: call start_batch first, then exactly H loops"
+            )
         L, K = self.L, self.K
         ids_LNK = topk_LBSK.reshape(L, -1, K)[:, b.valid_N].to(self.load_LHE.device)
-        onehot_LNE = torch.zeros(L, ids_LNK.shape[1], self.E, dtype=torch.bool, device=ids_LNK.device)
+        onehot_LNE = torch.zeros(
+            L, ids_LNK.shape[1], self.E, dtype=torch.bool, device=ids_LNK.device
+        )
         onehot_LNE.scatter_(2, ids_LNK, True)
         z_ND = z_BSD.reshape(-1, z_BSD.shape[-1])[b.valid_N].to(self.load_LHE.device).double()
         t = b.loop  # 0-based index of this loop
@@ -73,15 +85,23 @@ class RoutingStats:
         else:
             b.union_LNE |= onehot_LNE
             self.overlap_sum_LP[:, t - 1] += (onehot_LNE & b.prev_LNE).sum((1, 2)).double() / K
-            self.cos_sum_P[t - 1] += torch.nn.functional.cosine_similarity(z_ND, b.prev_z_ND, dim=-1).sum()
+            self.cos_sum_P[t - 1] += torch.nn.functional.cosine_similarity(
+                z_ND, b.prev_z_ND, dim=-1
+            ).sum()
         b.prev_LNE, b.prev_z_ND, b.loop = onehot_LNE, z_ND, t + 1
         if b.loop == self.H:
             self.distinct_sum_L += b.union_LNE.sum((1, 2)).double()
 
     def all_reduce(self, reduce_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Sum every total over ranks with reduce_fn (e.g. distributed.utils.all_reduce)."""
-        for tensor in (self.load_LHE, self.distinct_sum_L, self.overlap_sum_LP, self.sq_sum_H,
-                       self.cos_sum_P, self.tokens):
+        for tensor in (
+            self.load_LHE,
+            self.distinct_sum_L,
+            self.overlap_sum_LP,
+            self.sq_sum_H,
+            self.cos_sum_P,
+            self.tokens,
+        ):
             reduce_fn(tensor)
 
     # ----------------------------------------------------------------- results
@@ -97,14 +117,18 @@ class RoutingStats:
         rows = []
         for layer in range(self.L):
             overlap = self.overlap_sum_LP[layer] / n
-            rows.append({
-                "distinct_experts": float(self.distinct_sum_L[layer]) / n,
-                "overlap": float(overlap.mean()) if overlap.numel() else float("nan"),
-                "load_entropy": float(entropy_LH[layer].mean()),
-                "load_max_mean": float(max_mean_LH[layer].mean()),
-                "dead_experts": int((self.load_LHE[layer].sum(0) == 0).sum()),
-                "dead_experts_per_loop": float((self.load_LHE[layer] == 0).sum(-1).double().mean()),
-            })
+            rows.append(
+                {
+                    "distinct_experts": float(self.distinct_sum_L[layer]) / n,
+                    "overlap": float(overlap.mean()) if overlap.numel() else float("nan"),
+                    "load_entropy": float(entropy_LH[layer].mean()),
+                    "load_max_mean": float(max_mean_LH[layer].mean()),
+                    "dead_experts": int((self.load_LHE[layer].sum(0) == 0).sum()),
+                    "dead_experts_per_loop": float(
+                        (self.load_LHE[layer] == 0).sum(-1).double().mean()
+                    ),
+                }
+            )
         return rows
 
     def summary(self) -> dict[str, float]:

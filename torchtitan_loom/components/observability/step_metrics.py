@@ -18,23 +18,41 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.components.observability.metrics import MetricsLogger, format_console_line, memory_stats, throughput
+from torchtitan_loom.components.observability.metrics import (
+    MetricsLogger,
+    format_console_line,
+    memory_stats,
+    throughput,
+)
 
 
 class StepMetrics:
     """Args:
-        cfg: the ``[metrics]`` config section.
-        logger: where the records go.
-        tokens_per_step: global batch rows × sequence length.
-        flops_per_token, peak_flops: for TFLOP/s and MFU (``metrics.throughput``).
-        first_step: the step counter when the loop starts (the rate's origin).
+    cfg: the ``[metrics]`` config section.
+    logger: where the records go.
+    tokens_per_step: global batch rows × sequence length.
+    flops_per_token, peak_flops: for TFLOP/s and MFU (``metrics.throughput``).
+    first_step: the step counter when the loop starts (the rate's origin).
     """
 
-    def __init__(self, cfg: Any, logger: MetricsLogger, *, tokens_per_step: int, flops_per_token: float,
-                 peak_flops: float | None, device: torch.device, first_step: int,
-                 log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        logger: MetricsLogger,
+        *,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        device: torch.device,
+        first_step: int,
+        log: Callable[[str], None],
+    ) -> None:
         self.cfg, self.logger, self.device, self.log = cfg, logger, device, log
-        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = (
+            tokens_per_step,
+            flops_per_token,
+            peak_flops,
+        )
         self._since, self._since_step = time.perf_counter(), first_step
 
     def is_log_step(self, step: int, last_step: int, skipped: bool) -> bool:
@@ -52,16 +70,28 @@ class StepMetrics:
     def train_scalars(self, step: int, result: Any, tokens_seen: int) -> dict[str, Any]:
         """The step's training scalars (``result``: the trainer's StepResult); resets the rate window."""
         now = time.perf_counter()
-        rate = throughput(self.tokens_per_step * (step - self._since_step), now - self._since,
-                          self.flops_per_token, self.peak_flops)
+        rate = throughput(
+            self.tokens_per_step * (step - self._since_step),
+            now - self._since,
+            self.flops_per_token,
+            self.peak_flops,
+        )
         self._since, self._since_step = now, step
-        scalars = {"loss": result.seg_losses[-1], "lr": result.lr, "grad_norm": result.grad_norm, **rate,
-                   "skipped": int(result.skip_reason is not None), "tokens_seen": tokens_seen}
+        scalars = {
+            "loss": result.seg_losses[-1],
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            **rate,
+            "skipped": int(result.skip_reason is not None),
+            "tokens_seen": tokens_seen,
+        }
         scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(result.seg_losses)})
         scalars.update(memory_stats(self.device))
         return scalars
 
-    def write(self, step: int, scalars: dict[str, Any], result: Any, routing: Any, console: bool = True) -> None:
+    def write(
+        self, step: int, scalars: dict[str, Any], result: Any, routing: Any, console: bool = True
+    ) -> None:
         """One record (JSONL, TensorBoard, wandb), the routing images of an eval, the console line
         (``console``: False when the record only carries diagnostics or downstream scores)."""
         every = self.cfg.expert_load_every
@@ -79,12 +109,21 @@ class StepMetrics:
         """TensorBoard images of an eval: one loop × expert load heatmap per layer, the loss per loop."""
         if not (self.cfg.routing_images and self.logger.writes_images):
             return
-        from torchtitan_loom.components.observability.routing_plots import heatmap_image, loss_curve_image
+        from torchtitan_loom.components.observability.routing_plots import (
+            heatmap_image,
+            loss_curve_image,
+        )
 
         share_LHE = routing.load_share_LHE().cpu().numpy()
         for layer, share_HE in enumerate(share_LHE):
-            self.logger.log_image(f"routing/load_layer_{layer}", heatmap_image(
-                share_HE, f"expert load, layer {layer}, step {step} (eval tokens)"), step)
+            self.logger.log_image(
+                f"routing/load_layer_{layer}",
+                heatmap_image(share_HE, f"expert load, layer {layer}, step {step} (eval tokens)"),
+                step,
+            )
         losses = [scalars[f"eval_loss_loop_{t}"] for t in range(1, share_LHE.shape[1] + 1)]
-        self.logger.log_image("eval/loss_per_loop", loss_curve_image(
-            losses, f"held-out loss after each loop, step {step}"), step)
+        self.logger.log_image(
+            "eval/loss_per_loop",
+            loss_curve_image(losses, f"held-out loss after each loop, step {step}"),
+            step,
+        )

@@ -1,0 +1,1 @@
+"""The optimizer, the lr schedule, and the guards on a step (spike guard, divergence stop)."""

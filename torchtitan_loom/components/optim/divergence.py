@@ -27,28 +27,43 @@ class DivergenceMonitor:
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive = 0
 
-    def after_step(self, step: int, skip_reason: str | None, nonfinite: list[str],
-                   nonfinite_stat: str | None = None) -> str | None:
+    def after_step(
+        self,
+        step: int,
+        skip_reason: str | None,
+        nonfinite: list[str],
+        nonfinite_stat: str | None = None,
+    ) -> str | None:
         """Update the streak with this step's outcome; a message when the run must stop.
         ``nonfinite``: parameters holding a non-finite value; ``nonfinite_stat``: the step's
         non-finite loss or gradient (StepResult.non_finite), None when they were finite."""
         if nonfinite:
-            return (f"non-finite weights after step {step} ({', '.join(nonfinite)}); stopping, the last "
-                    f"checkpoint before this step is kept. Lower optimizer.lr or resume from an earlier step")
-        if nonfinite_stat:  # the weights before this step already produce it: skipping would only repeat it
-            return (f"{nonfinite_stat} at step {step}; stopping without saving this step (its update was not "
-                    f"applied). Lower optimizer.lr and resume from an earlier checkpoint (checkpoint.load_step)")
+            return (
+                f"non-finite weights after step {step} ({', '.join(nonfinite)}); stopping, the last "
+                f"checkpoint before this step is kept. Lower optimizer.lr or resume from an earlier step"
+            )
+        if (
+            nonfinite_stat
+        ):  # the weights before this step already produce it: skipping would only repeat it
+            return (
+                f"{nonfinite_stat} at step {step}; stopping without saving this step (its update was not "
+                f"applied). Lower optimizer.lr and resume from an earlier checkpoint (checkpoint.load_step)"
+            )
         if skip_reason is None:
             self.consecutive = 0
             return None
         self.consecutive += 1
         if self.abort_on_spike:
-            return (f"loss spike at step {step}: {skip_reason}; stopping (spike_guard.abort_on_spike=true). "
-                    f"Set --spike_guard.abort_on_spike false to skip spikes and continue.")
+            return (
+                f"loss spike at step {step}: {skip_reason}; stopping (spike_guard.abort_on_spike=true). "
+                f"Set --spike_guard.abort_on_spike false to skip spikes and continue."
+            )
         if self.max_consecutive_skips and self.consecutive >= self.max_consecutive_skips:
-            return (f"{self.consecutive} consecutive skipped steps (spike_guard.max_consecutive_skips = "
-                    f"{self.max_consecutive_skips}), the last at step {step}: {skip_reason}; the run diverged, "
-                    f"stopping without saving this step")
+            return (
+                f"{self.consecutive} consecutive skipped steps (spike_guard.max_consecutive_skips = "
+                f"{self.max_consecutive_skips}), the last at step {step}: {skip_reason}; the run diverged, "
+                f"stopping without saving this step"
+            )
         return None
 
     @property

@@ -89,12 +89,24 @@ def build_lr_scheduler(
     base_lrs, _last_lr, ...), all plain python.
     """
     # Validate eagerly so a bad kind fails at build time, not at the first step.
-    lr_scale(1, total_steps=total_steps, warmup_ratio=warmup_ratio, decay_ratio=decay_ratio,
-             min_ratio=min_ratio, kind=kind)
+    lr_scale(
+        1,
+        total_steps=total_steps,
+        warmup_ratio=warmup_ratio,
+        decay_ratio=decay_ratio,
+        min_ratio=min_ratio,
+        kind=kind,
+    )
 
     def multiplier(completed_steps: int) -> float:
-        return lr_scale(completed_steps + 1, total_steps=total_steps, warmup_ratio=warmup_ratio,
-                        decay_ratio=decay_ratio, min_ratio=min_ratio, kind=kind)
+        return lr_scale(
+            completed_steps + 1,
+            total_steps=total_steps,
+            warmup_ratio=warmup_ratio,
+            decay_ratio=decay_ratio,
+            min_ratio=min_ratio,
+            kind=kind,
+        )
 
     return LambdaLR(optimizer, lr_lambda=multiplier)
 
@@ -102,11 +114,16 @@ def build_lr_scheduler(
 def extension_note(section: Any, saved_total: int, total: int, next_step: int) -> str:
     """One line for a resume whose training.steps changed: the schedule is a function of the total, so
     the next step's lr comes from the schedule over the new total (``section``: ``[lr_scheduler]``)."""
-    shape = dict(warmup_ratio=section.warmup_ratio, decay_ratio=section.decay_ratio,
-                 min_ratio=section.min_ratio, kind=section.kind)
+    shape = dict(
+        warmup_ratio=section.warmup_ratio,
+        decay_ratio=section.decay_ratio,
+        min_ratio=section.min_ratio,
+        kind=section.kind,
+    )
     new = lr_scale(next_step, total_steps=total, **shape)
     old = lr_scale(next_step, total_steps=saved_total, **shape)  # past its total: the final lr
-    return (f"resume: training.steps {saved_total} → {total}: the {section.kind} lr schedule is recomputed over "
-            f"{total} steps, so step {next_step} runs at {new:.3g} × the peak lr (the saved schedule was at "
-            f"{old:.3g} ×; its warmup and decay phases move with the new total)")
-
+    return (
+        f"resume: training.steps {saved_total} → {total}: the {section.kind} lr schedule is recomputed over "
+        f"{total} steps, so step {next_step} runs at {new:.3g} × the peak lr (the saved schedule was at "
+        f"{old:.3g} ×; its warmup and decay phases move with the new total)"
+    )

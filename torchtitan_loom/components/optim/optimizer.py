@@ -26,33 +26,52 @@ def build_optimizer(model: nn.Module, section: Any) -> torch.optim.AdamW:
     where torch supports it for the parameters' device and dtype) or "for-loop" (reference
     per-parameter loop). All three compute the same update up to rounding.
     """
-    lr, betas, eps, weight_decay = section.lr, (section.beta1, section.beta2), section.eps, section.weight_decay
+    lr, betas, eps, weight_decay = (
+        section.lr,
+        (section.beta1, section.beta2),
+        section.eps,
+        section.weight_decay,
+    )
     implementation = section.implementation
     if implementation not in VALID_IMPLEMENTATIONS:
         raise ValueError(
-            f"optimizer.implementation must be one of {VALID_IMPLEMENTATIONS}, got {implementation!r}")
+            f"optimizer.implementation must be one of {VALID_IMPLEMENTATIONS}, got {implementation!r}"
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     if implementation == "fused":
         _check_fused_supported(params)
     return torch.optim.AdamW(
-        [{"params": params}], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-        foreach=implementation == "foreach", fused=implementation == "fused")
+        [{"params": params}],
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        foreach=implementation == "foreach",
+        fused=implementation == "fused",
+    )
 
 
 def _check_fused_supported(params: list[nn.Parameter]) -> None:
     """Fail at build time; torch itself only checks fused support at the first ``step()``."""
-    bad = sorted({f"{p.device.type}/{p.dtype}" for p in params
-                  if p.device.type not in FUSED_DEVICE_TYPES or not torch.is_floating_point(p)})
+    bad = sorted(
+        {
+            f"{p.device.type}/{p.dtype}"
+            for p in params
+            if p.device.type not in FUSED_DEVICE_TYPES or not torch.is_floating_point(p)
+        }
+    )
     if bad:
         raise ValueError(
             f"optimizer.implementation='fused' needs floating-point parameters on one of "
-            f"{FUSED_DEVICE_TYPES}; found {bad}. Use 'foreach' or 'for-loop'.")
+            f"{FUSED_DEVICE_TYPES}; found {bad}. Use 'foreach' or 'for-loop'."
+        )
 
 
-def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                                 section: Any) -> list[str]:
+def apply_config_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, section: Any
+) -> list[str]:
     """After a resume, make the current config win over the checkpoint (LOOM_SPEC §7.7).
 
     A loaded optimizer brings its saved betas, eps and weight decay, and the schedule its saved peak
@@ -60,18 +79,32 @@ def apply_config_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: to
     position is recomputed. The schedule's shape (steps, ratios) is a closure over the config and
     is never restored. Returns one line per value that changed.
     """
-    lr, beta1, beta2, eps, weight_decay = (section.lr, section.beta1, section.beta2, section.eps,
-                                           section.weight_decay)
+    lr, beta1, beta2, eps, weight_decay = (
+        section.lr,
+        section.beta1,
+        section.beta2,
+        section.eps,
+        section.weight_decay,
+    )
     changes = []
     wanted = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
-    saved = {"lr": scheduler.base_lrs[0], "betas": tuple(optimizer.param_groups[0]["betas"]),
-             "eps": optimizer.param_groups[0]["eps"], "weight_decay": optimizer.param_groups[0]["weight_decay"]}
+    saved = {
+        "lr": scheduler.base_lrs[0],
+        "betas": tuple(optimizer.param_groups[0]["betas"]),
+        "eps": optimizer.param_groups[0]["eps"],
+        "weight_decay": optimizer.param_groups[0]["weight_decay"],
+    }
     for key, value in wanted.items():
         if saved[key] != value:
             changes.append(f"optimizer.{key}: checkpoint {saved[key]} -> config {value}")
     scheduler.base_lrs = [lr for _ in optimizer.param_groups]
     for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group.update(initial_lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
-                     lr=lr * lr_lambda(scheduler.last_epoch))
+        group.update(
+            initial_lr=lr,
+            betas=(beta1, beta2),
+            eps=eps,
+            weight_decay=weight_decay,
+            lr=lr * lr_lambda(scheduler.last_epoch),
+        )
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return changes

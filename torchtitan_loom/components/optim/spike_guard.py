@@ -92,14 +92,18 @@ class SpikeGuard:
         by segment would not reload, because DCP only fills keys present in the template.
         """
         n = 1 + max(list(self.prev) + list(self.ema), default=-1)
-        return {"prev": [self.prev.get(j) for j in range(n)],
-                "ema": [self.ema.get(j) for j in range(n)]}
+        return {
+            "prev": [self.prev.get(j) for j in range(n)],
+            "ema": [self.ema.get(j) for j in range(n)],
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore baselines saved by ``state_dict`` (thresholds come from the config)."""
         for key in ("prev", "ema"):
             if key not in state_dict:
-                raise KeyError(f"spike guard state is missing {key!r}; got keys {sorted(state_dict)}")
+                raise KeyError(
+                    f"spike guard state is missing {key!r}; got keys {sorted(state_dict)}"
+                )
         self.prev = {j: float(v) for j, v in enumerate(state_dict["prev"]) if v is not None}
         self.ema = {j: float(v) for j, v in enumerate(state_dict["ema"]) if v is not None}
 

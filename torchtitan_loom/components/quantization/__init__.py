@@ -1,0 +1,1 @@
+"""Low-precision training: float8 conversion of dense linears and routed experts (torchao)."""

@@ -60,7 +60,9 @@ def resolve_device(requested: str) -> tuple[str, tuple[int, int] | None, str]:
     return "cpu", None, "cpu"
 
 
-def _experts_kernel(f8: Any, device: str, cap: tuple[int, int] | None, name: str) -> tuple[str | None, list[str]]:
+def _experts_kernel(
+    f8: Any, device: str, cap: tuple[int, int] | None, name: str
+) -> tuple[str | None, list[str]]:
     """The grouped-GEMM kernel for the routed experts, or the reasons none fits."""
     if not f8.experts:
         return None, []
@@ -68,27 +70,37 @@ def _experts_kernel(f8: Any, device: str, cap: tuple[int, int] | None, name: str
     recipe = f8.experts_recipe
     if f8.emulate:
         if recipe == "fp8_rowwise":
-            return None, ["float8.experts_recipe = 'fp8_rowwise' has no emulated kernel in torchao; with "
-                          "float8.emulate = true use experts_recipe 'mxfp8' or 'auto' (MXFP8 emulated)"]
+            return None, [
+                "float8.experts_recipe = 'fp8_rowwise' has no emulated kernel in torchao; with "
+                "float8.emulate = true use experts_recipe 'mxfp8' or 'auto' (MXFP8 emulated)"
+            ]
         return "mxfp8_emulated", []
     if device != "cuda" or cap is None:
         return None, []  # the dense check already reports the missing GPU
     if recipe == "auto":
         recipe = {9: "fp8_rowwise", 10: "mxfp8"}.get(cap[0], "")
         if not recipe:
-            return None, [f"float8.experts: {where} has no float8 grouped GEMM (fp8_rowwise needs SM90, mxfp8 "
-                          f"needs SM100); set float8.experts = false (dense linears only) or float8.emulate = true"]
+            return None, [
+                f"float8.experts: {where} has no float8 grouped GEMM (fp8_rowwise needs SM90, mxfp8 "
+                f"needs SM100); set float8.experts = false (dense linears only) or float8.emulate = true"
+            ]
     if recipe == "fp8_rowwise":
         if cap[0] != 9:
-            return None, [f"float8.experts_recipe = 'fp8_rowwise' needs an SM90 GPU (H100/H200), got {where}; "
-                          f"use 'mxfp8' on SM100, or float8.experts = false"]
+            return None, [
+                f"float8.experts_recipe = 'fp8_rowwise' needs an SM90 GPU (H100/H200), got {where}; "
+                f"use 'mxfp8' on SM100, or float8.experts = false"
+            ]
         if importlib.util.find_spec("triton") is None:
-            return None, ["float8.experts_recipe = 'fp8_rowwise' needs triton (its quantisation kernels); install "
-                          "the triton that matches your torch, or set float8.experts = false"]
+            return None, [
+                "float8.experts_recipe = 'fp8_rowwise' needs triton (its quantisation kernels); install "
+                "the triton that matches your torch, or set float8.experts = false"
+            ]
         return "fp8_rowwise", []
     if cap[0] != 10:
-        return None, [f"float8.experts_recipe = 'mxfp8' needs an SM100 GPU (B200/GB200), got {where}; use "
-                      f"'fp8_rowwise' on SM90, float8.emulate = true, or float8.experts = false"]
+        return None, [
+            f"float8.experts_recipe = 'mxfp8' needs an SM100 GPU (B200/GB200), got {where}; use "
+            f"'fp8_rowwise' on SM90, float8.emulate = true, or float8.experts = false"
+        ]
     return "mxfp8", []
 
 
@@ -100,36 +112,56 @@ def float8_problems(f8: Any, requested_device: str) -> tuple[Float8Plan | None, 
     return plan_float8(f8, *resolve_device(requested_device))
 
 
-def plan_float8(f8: Any, device: str, cap: tuple[int, int] | None, name: str) -> tuple[Float8Plan | None, list[str]]:
+def plan_float8(
+    f8: Any, device: str, cap: tuple[int, int] | None, name: str
+) -> tuple[Float8Plan | None, list[str]]:
     """`float8_problems` for a given device type, CUDA capability and device name."""
     errors: list[str] = []
     if f8.recipe not in DENSE_RECIPES:
-        errors.append(f"float8.recipe = {f8.recipe!r}: valid recipes are {', '.join(DENSE_RECIPES)}")
+        errors.append(
+            f"float8.recipe = {f8.recipe!r}: valid recipes are {', '.join(DENSE_RECIPES)}"
+        )
     if f8.experts_recipe not in EXPERT_RECIPES:
-        errors.append(f"float8.experts_recipe = {f8.experts_recipe!r}: valid: {', '.join(EXPERT_RECIPES)}")
+        errors.append(
+            f"float8.experts_recipe = {f8.experts_recipe!r}: valid: {', '.join(EXPERT_RECIPES)}"
+        )
     if not f8.emulate:
         if device == "cpu":
-            errors.append("float8.enable = true on CPU needs float8.emulate = true: real float8 training needs a "
-                          "CUDA GPU with compute capability 8.9+ (SM89: L4/L40S/H100/H200/B200)")
+            errors.append(
+                "float8.enable = true on CPU needs float8.emulate = true: real float8 training needs a "
+                "CUDA GPU with compute capability 8.9+ (SM89: L4/L40S/H100/H200/B200)"
+            )
         elif cap is not None and cap < (8, 9):
-            errors.append(f"float8.enable = true needs a GPU with compute capability 8.9+ (SM89), got {name} "
-                          f"(SM{cap[0]}{cap[1]}); set float8.emulate = true to emulate (slow, for tests)")
+            errors.append(
+                f"float8.enable = true needs a GPU with compute capability 8.9+ (SM89), got {name} "
+                f"(SM{cap[0]}{cap[1]}); set float8.emulate = true to emulate (slow, for tests)"
+            )
     kernel, expert_errors = _experts_kernel(f8, device, cap, name)
     errors += expert_errors
     if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
-        errors.append(f"float8.enable_fsdp_float8_all_gather = true needs float8.recipe = 'tensorwise' "
-                      f"(got {f8.recipe!r}); rowwise communicates in high precision")
+        errors.append(
+            f"float8.enable_fsdp_float8_all_gather = true needs float8.recipe = 'tensorwise' "
+            f"(got {f8.recipe!r}); rowwise communicates in high precision"
+        )
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
-        errors.append("float8.precompute_float8_dynamic_scale_for_fsdp = true needs "
-                      "float8.enable_fsdp_float8_all_gather = true (it precomputes that all-gather's scales)")
+        errors.append(
+            "float8.precompute_float8_dynamic_scale_for_fsdp = true needs "
+            "float8.enable_fsdp_float8_all_gather = true (it precomputes that all-gather's scales)"
+        )
     if importlib.util.find_spec("torchao") is None:
-        errors.append(f"float8.enable = true needs torchao, which is not installed ({TORCHAO_HINT})")
+        errors.append(
+            f"float8.enable = true needs torchao, which is not installed ({TORCHAO_HINT})"
+        )
     if errors:
         return None, errors
-    return Float8Plan(recipe=f8.recipe, emulate=f8.emulate, experts_kernel=kernel,
-                      fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
-                      precompute_scale=f8.precompute_float8_dynamic_scale_for_fsdp,
-                      filter_fqns=tuple(f8.filter_fqns)), []
+    return Float8Plan(
+        recipe=f8.recipe,
+        emulate=f8.emulate,
+        experts_kernel=kernel,
+        fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+        precompute_scale=f8.precompute_float8_dynamic_scale_for_fsdp,
+        filter_fqns=tuple(f8.filter_fqns),
+    ), []
 
 
 # ----------------------------------------------------------------------------- module selection
@@ -147,10 +179,14 @@ class Float8Report:
         mode = ", emulated" if plan.emulate else ""
         text = f"float8: {len(self.dense)} linears -> Float8Linear ({plan.recipe}{mode})"
         if plan.experts_kernel:
-            text += (f"; {len(self.experts)} routed-expert modules -> {plan.experts_kernel} grouped GEMM "
-                     f"(groups padded to {plan.expert_alignment} rows)")
+            text += (
+                f"; {len(self.experts)} routed-expert modules -> {plan.experts_kernel} grouped GEMM "
+                f"(groups padded to {plan.expert_alignment} rows)"
+            )
         if plan.fsdp_float8_all_gather:
-            text += "; FSDP float8 all-gather" + (" + scale precompute" if plan.precompute_scale else "")
+            text += "; FSDP float8 all-gather" + (
+                " + scale precompute" if plan.precompute_scale else ""
+            )
         other = {k: v for k, v in self.skipped.items() if not v.startswith("never")}
         if self.never_convert:
             text += f"; never converted: {', '.join(self.never_convert)}"
@@ -159,8 +195,9 @@ class Float8Report:
         return text
 
 
-def select_dense(model: nn.Module, never_convert: tuple[str, ...],
-                 filter_fqns: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+def select_dense(
+    model: nn.Module, never_convert: tuple[str, ...], filter_fqns: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str]]:
     """(names of the nn.Linear modules to convert, {skipped name: reason}) — no torchao needed.
     ``never_convert``: module-name segments the model's TrainSpec keeps in high precision."""
     chosen, skipped = [], {}
@@ -179,8 +216,12 @@ def select_dense(model: nn.Module, never_convert: tuple[str, ...],
     return chosen, skipped
 
 
-def select_experts(model: nn.Module, expert_cls: type[nn.Module] | None, kernel: str | None,
-                   filter_fqns: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+def select_experts(
+    model: nn.Module,
+    expert_cls: type[nn.Module] | None,
+    kernel: str | None,
+    filter_fqns: tuple[str, ...] = (),
+) -> tuple[list[str], dict[str, str]]:
     """(names of the routed-expert modules to convert, {skipped name: reason}). ``expert_cls``: the
     model's grouped-experts module (w13 [E, 2I, D], w2 [E, D, I]; its TrainSpec names it)."""
     if kernel is None or expert_cls is None:
@@ -194,7 +235,9 @@ def select_experts(model: nn.Module, expert_cls: type[nn.Module] | None, kernel:
         if any(f in fqn for f in filter_fqns):
             skipped[fqn] = "matches float8.filter_fqns"
         elif dim % multiple or inter % multiple:
-            skipped[fqn] = f"dim {dim} / expert width {inter} not multiples of {multiple} ({kernel})"
+            skipped[fqn] = (
+                f"dim {dim} / expert width {inter} not multiples of {multiple} ({kernel})"
+            )
         else:
             chosen.append(fqn)
     return chosen, skipped
@@ -209,8 +252,12 @@ def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
 class Float8Converter:
     """Swaps modules in place (on the meta model, before parallelize); parameter names unchanged."""
 
-    def __init__(self, plan: Float8Plan, never_convert: tuple[str, ...] = (),
-                 expert_cls: type[nn.Module] | None = None):
+    def __init__(
+        self,
+        plan: Float8Plan,
+        never_convert: tuple[str, ...] = (),
+        expert_cls: type[nn.Module] | None = None,
+    ):
         self.plan, self.never_convert, self.expert_cls = plan, tuple(never_convert), expert_cls
 
     def convert(self, model: nn.Module) -> Float8Report:
@@ -222,15 +269,27 @@ class Float8Converter:
         plan = self.plan
         report = Float8Report(never_convert=self.never_convert)
         report.dense, report.skipped = select_dense(model, self.never_convert, plan.filter_fqns)
-        experts, skipped_experts = select_experts(model, self.expert_cls, plan.experts_kernel, plan.filter_fqns)
+        experts, skipped_experts = select_experts(
+            model, self.expert_cls, plan.experts_kernel, plan.filter_fqns
+        )
         report.skipped.update(skipped_experts)
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(plan.recipe), emulate=plan.emulate,
-                                     enable_fsdp_float8_all_gather=plan.fsdp_float8_all_gather)
+        config = dataclasses.replace(
+            Float8LinearConfig.from_recipe_name(plan.recipe),
+            emulate=plan.emulate,
+            enable_fsdp_float8_all_gather=plan.fsdp_float8_all_gather,
+        )
         chosen = set(report.dense)
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in chosen)
+        convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda mod, fqn: fqn in chosen
+        )
         for fqn in experts:
-            _set_submodule(model, fqn, Float8GroupedExperts(model.get_submodule(fqn), plan.experts_kernel,
-                                                            plan.expert_alignment))
+            _set_submodule(
+                model,
+                fqn,
+                Float8GroupedExperts(
+                    model.get_submodule(fqn), plan.experts_kernel, plan.expert_alignment
+                ),
+            )
         report.experts = experts
         return report
 
@@ -241,7 +300,9 @@ class Float8Converter:
         from torch.distributed.tensor import DTensor
         from torchao.float8.float8_linear import Float8Linear
 
-        return any(isinstance(m, Float8Linear) and isinstance(m.weight, DTensor) for m in model.modules())
+        return any(
+            isinstance(m, Float8Linear) and isinstance(m.weight, DTensor) for m in model.modules()
+        )
 
     def post_optimizer_hook(self, model: nn.Module) -> None:
         """After each optimizer step: every float8 weight scale at once (one all-reduce of amaxes)."""
@@ -250,9 +311,15 @@ class Float8Converter:
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def build_float8_converter(float8_section: Any, requested_device: str, spec: Any) -> Float8Converter | None:
+def build_float8_converter(
+    float8_section: Any, requested_device: str, spec: Any
+) -> Float8Converter | None:
     """The converter for a validated config and the model's TrainSpec, or None when float8 is off."""
     plan, errors = float8_problems(float8_section, requested_device)
     if errors:  # validate() reports these before training starts; this guards direct callers
         raise ValueError("\n".join(errors))
-    return None if plan is None else Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls)
+    return (
+        None
+        if plan is None
+        else Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls)
+    )

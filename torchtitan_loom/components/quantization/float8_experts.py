@@ -24,10 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (a_PK, b_EKN, ends_E)
+GroupedGemm = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]  # (a_PK, b_EKN, ends_E)
 
 
-def padded_layout(counts_E: torch.Tensor, alignment: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def padded_layout(
+    counts_E: torch.Tensor, alignment: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Where each row goes in the padded buffer.
 
     Returns (dest_A: int64 padded row of each input row, ends_E: int32 group ends in the padded
@@ -45,14 +49,22 @@ def padded_layout(counts_E: torch.Tensor, alignment: int, num_rows: int) -> tupl
     starts_E = ends_E - padded_E
     ends_E = torch.cat([ends_E[:-1], ends_E.new_full((1,), P)])
     src_starts_E = torch.cumsum(counts_E, 0) - counts_E
-    expert_A = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E, output_size=num_rows)
+    expert_A = torch.repeat_interleave(
+        torch.arange(E, device=counts_E.device), counts_E, output_size=num_rows
+    )
     rows_A = torch.arange(num_rows, device=counts_E.device)
     dest_A = rows_A - src_starts_E[expert_A] + starts_E[expert_A]
     return dest_A, ends_E.to(torch.int32), P
 
 
-def swiglu_grouped(x_AD: torch.Tensor, counts_E: torch.Tensor, w13_E2ID: torch.Tensor, w2_EDI: torch.Tensor,
-                   gemm: GroupedGemm, alignment: int) -> torch.Tensor:
+def swiglu_grouped(
+    x_AD: torch.Tensor,
+    counts_E: torch.Tensor,
+    w13_E2ID: torch.Tensor,
+    w2_EDI: torch.Tensor,
+    gemm: GroupedGemm,
+    alignment: int,
+) -> torch.Tensor:
     """W_d (silu(W_g x) * W_u x) per expert group, through `gemm` on alignment-padded groups."""
     A, D = x_AD.shape
     dest_A, ends_E, P = padded_layout(counts_E, alignment, A)
@@ -76,11 +88,18 @@ def torchao_grouped_gemm(kernel: str) -> GroupedGemm:
     if kernel == "fp8_rowwise":
         base = Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=False)
     elif kernel in ("mxfp8", "mxfp8_emulated"):
-        recipe = (MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if kernel == "mxfp8_emulated"
-                  else MXFP8TrainingRecipe.MXFP8_RCEIL)
-        base = dataclasses.replace(MXFP8TrainingOpConfig.from_recipe(recipe), pad_token_groups_for_grouped_mm=False)
+        recipe = (
+            MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL
+            if kernel == "mxfp8_emulated"
+            else MXFP8TrainingRecipe.MXFP8_RCEIL
+        )
+        base = dataclasses.replace(
+            MXFP8TrainingOpConfig.from_recipe(recipe), pad_token_groups_for_grouped_mm=False
+        )
     else:
-        raise ValueError(f"unknown float8 grouped-GEMM kernel {kernel!r}; valid: fp8_rowwise, mxfp8, mxfp8_emulated")
+        raise ValueError(
+            f"unknown float8 grouped-GEMM kernel {kernel!r}; valid: fp8_rowwise, mxfp8, mxfp8_emulated"
+        )
     # bf16 output: the one dtype every kernel (and the emulated CPU path) produces.
     config = dataclasses.replace(base, out_dtype=torch.bfloat16)
 
@@ -93,7 +112,9 @@ def torchao_grouped_gemm(kernel: str) -> GroupedGemm:
 class Float8GroupedExperts(nn.Module):
     """RoutedExperts' parameters (w13 [E, 2I, D], w2 [E, D, I]) with a low-precision grouped GEMM."""
 
-    def __init__(self, experts: nn.Module, kernel: str, alignment: int, gemm: GroupedGemm | None = None):
+    def __init__(
+        self, experts: nn.Module, kernel: str, alignment: int, gemm: GroupedGemm | None = None
+    ):
         super().__init__()
         self.w13 = experts.w13  # the same Parameter objects: names, shapes and init rules unchanged
         self.w2 = experts.w2
@@ -109,4 +130,6 @@ class Float8GroupedExperts(nn.Module):
         device = x_AD.device.type
         y_AD = swiglu_grouped(x_AD, counts_E, self.w13, self.w2, self.gemm, self.alignment)
         # Hand back the dtype a high-precision matmul would give here: autocast's, else the input's.
-        return y_AD.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype)
+        return y_AD.to(
+            torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
+        )

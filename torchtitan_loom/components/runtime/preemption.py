@@ -37,7 +37,9 @@ class PreemptionWatcher:
     """Installs handlers for SIGTERM, SIGUSR1 and SIGINT (main thread only); ``close()`` restores
     the old ones."""
 
-    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu", exit_after_step: int = 0) -> None:
+    def __init__(
+        self, enabled: bool = True, device: torch.device | str = "cpu", exit_after_step: int = 0
+    ) -> None:
         self.exit_after_step = exit_after_step  # 0: never
         self.received = 0
         self.agreed = 0  # the signal every rank agreed on (set by requested())
@@ -61,8 +63,10 @@ class PreemptionWatcher:
         if not self.received:
             self.received = signum
             name = signal.Signals(signum).name
-            msg = (f"[torchtitan_loom] received {name}: stopping at the next micro-batch, then saving"
-                   f"{' (SIGINT again: stop without saving)' if signum == signal.SIGINT else ''}\n")
+            msg = (
+                f"[torchtitan_loom] received {name}: stopping at the next micro-batch, then saving"
+                f"{' (SIGINT again: stop without saving)' if signum == signal.SIGINT else ''}\n"
+            )
             try:
                 os.write(1, msg.encode())
             except OSError:
@@ -131,12 +135,19 @@ class LauncherWatch:
 
     STORE_FAILURES = 3
 
-    def __init__(self, env: Mapping[str, str], poll_s: float = 1.0,
-                 on_gone: Callable[[str], None] = _sigterm_self) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        poll_s: float = 1.0,
+        on_gone: Callable[[str], None] = _sigterm_self,
+    ) -> None:
         self.parent = os.getppid()
         self.poll_s, self.on_gone = poll_s, on_gone
         self.store = None
-        if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and env.get("LOCAL_RANK", "0") == "0":
+        if (
+            env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            and env.get("LOCAL_RANK", "0") == "0"
+        ):
             if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
                 self.store = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
         self.gone: str | None = None
@@ -171,7 +182,9 @@ class LauncherWatch:
             elif self.store is not None and n % 2 == 0:
                 failures = 0 if self._store_reachable() else failures + 1
                 if failures >= self.STORE_FAILURES:
-                    self.gone = f"the launcher's store {self.store[0]}:{self.store[1]} is unreachable"
+                    self.gone = (
+                        f"the launcher's store {self.store[0]}:{self.store[1]} is unreachable"
+                    )
             if self.gone:
                 self.on_gone(self.gone)
                 return

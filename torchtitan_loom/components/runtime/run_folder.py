@@ -48,11 +48,19 @@ def new_run_id() -> str:
 def identity(cfg: Any) -> dict[str, Any]:
     """The config values that define what a run trains; two launches with different ones are
     different runs."""
-    tunable = get_train_spec(cfg.model.name).relaunch_tunable  # may change between launches of one run
+    tunable = get_train_spec(
+        cfg.model.name
+    ).relaunch_tunable  # may change between launches of one run
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in tunable}
     t = cfg.training
-    return {"model": model, "data.path": cfg.data.path, "training.seed": t.seed, "training.seq_len": t.seq_len,
-            "training.global_batch_size": t.global_batch_size, "training.bp_segment_len": t.bp_segment_len}
+    return {
+        "model": model,
+        "data.path": cfg.data.path,
+        "training.seed": t.seed,
+        "training.seq_len": t.seq_len,
+        "training.global_batch_size": t.global_batch_size,
+        "training.bp_segment_len": t.bp_segment_len,
+    }
 
 
 def _flat(d: dict[str, Any]) -> dict[str, Any]:
@@ -83,16 +91,32 @@ def relaunch_errors(cfg: Any) -> list[str]:
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
     old, new = _flat(run.get("identity", {})), _flat(identity(cfg))
-    diff = [f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    diff = [
+        f"{k}: {old.get(k)!r} → {new.get(k)!r}"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k) != new.get(k)
+    ]
     if diff:
-        return [f"{where} holds a different run ({'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); {hint}"]
-    branch = cfg.checkpoint.enable and cfg.checkpoint.load_step >= 0  # an explicit resume from an older step
-    if run.get("status") == "finished" and cfg.training.steps <= int(run.get("step", 0)) and not branch:
-        return [f"{where} holds a finished run (step {run.get('step')} of training.steps = {cfg.training.steps}); "
-                f"raise training.steps to continue it, or {hint}"]
+        return [
+            f"{where} holds a different run ({'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); {hint}"
+        ]
+    branch = (
+        cfg.checkpoint.enable and cfg.checkpoint.load_step >= 0
+    )  # an explicit resume from an older step
+    if (
+        run.get("status") == "finished"
+        and cfg.training.steps <= int(run.get("step", 0))
+        and not branch
+    ):
+        return [
+            f"{where} holds a finished run (step {run.get('step')} of training.steps = {cfg.training.steps}); "
+            f"raise training.steps to continue it, or {hint}"
+        ]
     if not cfg.checkpoint.enable:
-        return [f"{where} holds a run (status {run.get('status')!r}) that checkpoint.enable = false cannot "
-                f"continue (it would start over and mix two histories in metrics.jsonl); {hint}"]
+        return [
+            f"{where} holds a run (status {run.get('status')!r}) that checkpoint.enable = false cannot "
+            f"continue (it would start over and mix two histories in metrics.jsonl); {hint}"
+        ]
     return []
 
 
@@ -111,8 +135,12 @@ class RunLock:
 
     def __init__(self, dump_folder: str, run_id: str, log=print) -> None:
         self.path = os.path.join(dump_folder, LOCK)
-        self.payload = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
-                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self.payload = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run_id": run_id,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -122,7 +150,9 @@ class RunLock:
             with os.fdopen(fd, "w") as fh:
                 json.dump(self.payload, fh)
             return
-        raise RunFolderError(f"{self.path}: could not take the run lock (another launch is racing for it)")
+        raise RunFolderError(
+            f"{self.path}: could not take the run lock (another launch is racing for it)"
+        )
 
     def _handle_existing(self, log) -> None:
         try:
@@ -130,16 +160,22 @@ class RunLock:
                 held = json.load(fh)
             host, pid = held["host"], int(held["pid"])
         except (OSError, ValueError, KeyError, TypeError):
-            raise RunFolderError(f"{self.path}: unreadable run lock; if no run uses this folder, delete it") from None
+            raise RunFolderError(
+                f"{self.path}: unreadable run lock; if no run uses this folder, delete it"
+            ) from None
         if host == socket.gethostname() and not _pid_alive(pid):
-            log(f"warning: stale run lock {self.path} (pid {pid} of {host}, started {held.get('started')}, "
-                f"is gone): taking it over")
+            log(
+                f"warning: stale run lock {self.path} (pid {pid} of {host}, started {held.get('started')}, "
+                f"is gone): taking it over"
+            )
             os.remove(self.path)
             return
         where = "this host" if host == socket.gethostname() else f"host {host}"
-        raise RunFolderError(f"{os.path.dirname(self.path)} is in use by a live run: pid {pid} on {where}, "
-                             f"started {held.get('started')} (run {held.get('run_id')}); wait for it, stop it, or "
-                             f"use another job.dump_folder (if that run is dead, delete {self.path})")
+        raise RunFolderError(
+            f"{os.path.dirname(self.path)} is in use by a live run: pid {pid} on {where}, "
+            f"started {held.get('started')} (run {held.get('run_id')}); wait for it, stop it, or "
+            f"use another job.dump_folder (if that run is dead, delete {self.path})"
+        )
 
     def release(self) -> None:
         try:
@@ -167,15 +203,24 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
     return dest
 
 
-def record_launch(cfg: Any, run_id: str, status: str, step: int, resumed_from: int | None = None) -> None:
+def record_launch(
+    cfg: Any, run_id: str, status: str, step: int, resumed_from: int | None = None
+) -> None:
     """Write run.json: identity, status ("running", or how the launch ended: train._record_end), step,
     launches."""
     dump = cfg.job.dump_folder
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
     run["identity"] = identity(cfg)
     if not run["launches"] or run["launches"][-1].get("run_id") != run_id:
-        run["launches"].append({"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
-                                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_from_step": resumed_from})
+        run["launches"].append(
+            {
+                "run_id": run_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "resumed_from_step": resumed_from,
+            }
+        )
     run.update(run_id=run_id, status=status, step=step)
     safe_files.atomic_write(os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True))
 

@@ -21,7 +21,13 @@ from __future__ import annotations
 import os
 import shutil
 
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_NEW_FILE = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 class UnsafePathError(OSError):
@@ -30,8 +36,10 @@ class UnsafePathError(OSError):
 
 def _refuse_link(path: str) -> None:
     if os.path.islink(path):
-        raise UnsafePathError(f"{path} is a symbolic link (to {os.readlink(path)!r}); refusing to write "
-                              f"through it: remove the link")
+        raise UnsafePathError(
+            f"{path} is a symbolic link (to {os.readlink(path)!r}); refusing to write "
+            f"through it: remove the link"
+        )
 
 
 def create_new(path: str, mode: int = 0o644) -> int:

@@ -25,7 +25,11 @@ class TrainState:
         self.skipped_segments = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_segments": self.skipped_segments}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "skipped_segments": self.skipped_segments,
+        }
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])

@@ -15,8 +15,12 @@ FFN_BRANCH_RMS_MODES = ("none", "affine")
 ATTN_BACKENDS = ("auto", "sdpa", "flex", "flash_attn")
 MOE_IMPLS = ("grouped", "loop")
 # field -> its valid values; the config schema's [model] section reads them from here.
-FIELD_CHOICES = {"embed_inject_mode": EMBED_INJECT_MODES, "ffn_branch_rms": FFN_BRANCH_RMS_MODES,
-                 "attn_backend": ATTN_BACKENDS, "moe_impl": MOE_IMPLS}
+FIELD_CHOICES = {
+    "embed_inject_mode": EMBED_INJECT_MODES,
+    "ffn_branch_rms": FFN_BRANCH_RMS_MODES,
+    "attn_backend": ATTN_BACKENDS,
+    "moe_impl": MOE_IMPLS,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,54 +120,88 @@ class LoomModelArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and what would be valid."""
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
-                     "expert_intermediate_size", "num_loops", "max_seq_len", "num_routed_experts"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "expert_intermediate_size",
+            "num_loops",
+            "max_seq_len",
+            "num_routed_experts",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LoomModelArgs.{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
             raise ValueError(
-                f"LoomModelArgs.num_shared_experts must be an integer >= 0, got {self.num_shared_experts!r}")
+                f"LoomModelArgs.num_shared_experts must be an integer >= 0, got {self.num_shared_experts!r}"
+            )
         if self.dim % self.n_heads != 0:
             raise ValueError(
-                f"LoomModelArgs.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+                f"LoomModelArgs.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
+            )
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
-                f"LoomModelArgs.n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+                f"LoomModelArgs.n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
         if self.head_dim % 2 != 0:
             raise ValueError(
-                f"LoomModelArgs.dim // n_heads = {self.head_dim} must be even (RoPE rotates pairs)")
+                f"LoomModelArgs.dim // n_heads = {self.head_dim} must be even (RoPE rotates pairs)"
+            )
         k = self.routed_top_k
         if not 1 <= k <= self.num_routed_experts:
-            extra = (f" (top_k minus num_shared_experts={self.num_shared_experts}, "
-                     "because top_k_includes_shared=True)" if self.top_k_includes_shared else "")
+            extra = (
+                f" (top_k minus num_shared_experts={self.num_shared_experts}, "
+                "because top_k_includes_shared=True)"
+                if self.top_k_includes_shared
+                else ""
+            )
             raise ValueError(
                 f"LoomModelArgs.top_k={self.top_k} gives {k} routed experts per token{extra}; "
-                f"valid: 1..num_routed_experts={self.num_routed_experts}")
+                f"valid: 1..num_routed_experts={self.num_routed_experts}"
+            )
         _check_enum("embed_inject_mode", self.embed_inject_mode, EMBED_INJECT_MODES)
         _check_enum("ffn_branch_rms", self.ffn_branch_rms, FFN_BRANCH_RMS_MODES)
         _check_enum("attn_backend", self.attn_backend, ATTN_BACKENDS)
         _check_enum("moe_impl", self.moe_impl, MOE_IMPLS)
-        for name in ("capacity_factor", "load_balance_bias_lr", "router_z_loss_coef",
-                     "cycle_scale_lambda"):
+        for name in (
+            "capacity_factor",
+            "load_balance_bias_lr",
+            "router_z_loss_coef",
+            "cycle_scale_lambda",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"LoomModelArgs.{name} must be a number >= 0, got {value!r}")
         if not 0.0 <= self.looping_residual_beta <= 1.0:
             raise ValueError(
-                f"LoomModelArgs.looping_residual_beta must be in [0, 1], got {self.looping_residual_beta!r}")
+                f"LoomModelArgs.looping_residual_beta must be in [0, 1], got {self.looping_residual_beta!r}"
+            )
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"LoomModelArgs.{name} must be a number > 0, got {value!r}")
         if not isinstance(self.init_seed, int) or self.init_seed < 0:
-            raise ValueError(f"LoomModelArgs.init_seed must be an integer >= 0, got {self.init_seed!r}")
-        for name in ("top_k_includes_shared", "router_per_loop", "cycle_residual_scale",
-                     "looping_residual", "per_layer_out_norm"):
+            raise ValueError(
+                f"LoomModelArgs.init_seed must be an integer >= 0, got {self.init_seed!r}"
+            )
+        for name in (
+            "top_k_includes_shared",
+            "router_per_loop",
+            "cycle_residual_scale",
+            "looping_residual",
+            "per_layer_out_norm",
+        ):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LoomModelArgs.{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"LoomModelArgs.{name} must be true or false, got {getattr(self, name)!r}"
+                )
 
 
 def _check_enum(name: str, value: str, valid: tuple[str, ...]) -> None:
     if value not in valid:
-        raise ValueError(f"LoomModelArgs.{name}={value!r} is not valid; choose one of {', '.join(valid)}")
+        raise ValueError(
+            f"LoomModelArgs.{name}={value!r} is not valid; choose one of {', '.join(valid)}"
+        )

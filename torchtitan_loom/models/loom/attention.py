@@ -43,14 +43,18 @@ from torchtitan_loom.models.loom.target import KernelTarget
 # ---------------------------------------------------------------- RoPE
 
 
-def rope_cos_sin(positions_BS: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions_BS: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin [B, S, d] for rotate-half RoPE: angle = position * theta^(-2i/d), i < d/2, duplicated.
 
     Computed from the positions directly (no table), so there is no buffer to initialise and no
     maximum position.
     """
     device = positions_BS.device
-    inv_freq_f = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq_f = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
     angle_BSf = positions_BS.to(torch.float32)[..., None] * inv_freq_f
     angle_BSd = torch.cat([angle_BSf, angle_BSf], dim=-1)
     return angle_BSd.cos(), angle_BSd.sin()
@@ -68,7 +72,9 @@ def apply_rope(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tenso
 # ---------------------------------------------------------------- backend choice
 
 
-def resolve_attn_backend(requested: str, device_type: str, dtype: torch.dtype, flash_available: bool) -> str:
+def resolve_attn_backend(
+    requested: str, device_type: str, dtype: torch.dtype, flash_available: bool
+) -> str:
     """The kernel "auto" stands for: flash_attn varlen on CUDA in bf16/fp16 when importable, else
     flex on CUDA, sdpa elsewhere (flex has no backward on CPU). Other values are returned as is."""
     if requested != "auto":
@@ -90,6 +96,7 @@ def mask_backend(mask: Any) -> str:
 
 
 # ---------------------------------------------------------------- masks
+
 
 class AttentionMask(NamedTuple):
     """What every layer and loop of one forward needs to mask attention."""
@@ -148,7 +155,8 @@ def _import_flash_attn():
     except ImportError as err:
         raise ImportError(
             "attn_backend='flash_attn' needs the flash-attn package (pip install flash-attn, CUDA "
-            "only); it is not importable here. Use attn_backend='sdpa' or 'flex'.") from err
+            "only); it is not importable here. Use attn_backend='sdpa' or 'flex'."
+        ) from err
 
 
 def build_cache_mask(past_len: int, new_len: int, device: torch.device) -> torch.Tensor:
@@ -184,7 +192,9 @@ class KVSlot:
     def __init__(self, cache: KVCache, key: tuple[int, int]) -> None:
         self.cache, self.key = cache, key
 
-    def append(self, k_BSKd: torch.Tensor, v_BSKd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, k_BSKd: torch.Tensor, v_BSKd: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         old = self.cache.kv.get(self.key)
         if old is not None:
             k_BSKd, v_BSKd = torch.cat([old[0], k_BSKd], dim=1), torch.cat([old[1], v_BSKd], dim=1)
@@ -195,8 +205,14 @@ class KVSlot:
 # ---------------------------------------------------------------- kernels
 
 
-def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: torch.Tensor, mask: Any,
-           target: KernelTarget | None = None) -> torch.Tensor:
+def attend(
+    backend: str,
+    q_BSHd: torch.Tensor,
+    k_BSKd: torch.Tensor,
+    v_BSKd: torch.Tensor,
+    mask: Any,
+    target: KernelTarget | None = None,
+) -> torch.Tensor:
     """Softmax(q k^T / sqrt(d)) v under the document-causal `mask`; returns [B, S, H, d].
 
     k and v may be longer than q (cached keys first; "sdpa" only). `target`: the device the flex
@@ -212,12 +228,15 @@ def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: tor
     if backend == "flex":
         device_type = q_BSHd.device.type if target is None else target.device_type
         flex = _flex_kernel(device_type)
-        if device_type == "cpu" and torch.is_grad_enabled() and (
-            q_BSHd.requires_grad or k_BSKd.requires_grad or v_BSKd.requires_grad
+        if (
+            device_type == "cpu"
+            and torch.is_grad_enabled()
+            and (q_BSHd.requires_grad or k_BSKd.requires_grad or v_BSKd.requires_grad)
         ):
             raise RuntimeError(
                 "attn_backend='flex' has no backward on CPU; use attn_backend='sdpa' for CPU "
-                "training (flex works on CPU only under torch.no_grad()).")
+                "training (flex works on CPU only under torch.no_grad())."
+            )
         q, k, v = (t.transpose(1, 2) for t in (q_BSHd, k_BSKd, v_BSKd))
         call = flex if target is None else functools.partial(target.call, flex)
         return call(q, k, v, block_mask=mask, enable_gqa=H != K).transpose(1, 2)
@@ -226,11 +245,20 @@ def attend(backend: str, q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, v_BSKd: tor
         if q_BSHd.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"attn_backend='flash_attn' needs bf16/fp16 activations, got {q_BSHd.dtype}; "
-                "enable mixed precision or use attn_backend='sdpa'.")
+                "enable mixed precision or use attn_backend='sdpa'."
+            )
         cu_seqlens, max_seqlen = mask
         out_NHd = flash_attn.flash_attn_varlen_func(
-            q_BSHd.reshape(B * S, H, d), k_BSKd.reshape(B * S, K, d), v_BSKd.reshape(B * S, K, d),
-            cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=0.0, causal=True)
+            q_BSHd.reshape(B * S, H, d),
+            k_BSKd.reshape(B * S, K, d),
+            v_BSKd.reshape(B * S, K, d),
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            dropout_p=0.0,
+            causal=True,
+        )
         return out_NHd.view(B, S, H, d)
     raise ValueError(f"attn_backend={backend!r} is not valid; choose one of sdpa, flex, flash_attn")
 
@@ -262,8 +290,13 @@ class GatedAttention(nn.Module):
         self.wqkv = nn.Linear(args.dim, qkv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask,
-                kv_slot: KVSlot | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        h_BSD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask,
+        kv_slot: KVSlot | None = None,
+    ) -> torch.Tensor:
         """Attention branch output a = W_o A (before the residual gain), [B, S, D].
 
         With `kv_slot` (incremental decoding) the keys/values of earlier positions come from the

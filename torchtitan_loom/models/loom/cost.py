@@ -48,8 +48,9 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
     B, S = t.micro_batch_size, t.seq_len
     c = torch.finfo(getattr(torch, t.mixed_precision_param)).bits // 8
     device = "cpu" if t.device == "cpu" else "cuda"
-    backend = resolve_attn_backend(args.attn_backend, device, getattr(torch, t.mixed_precision_param),
-                                   flash_attn_available())
+    backend = resolve_attn_backend(
+        args.attn_backend, device, getattr(torch, t.mixed_precision_param), flash_attn_available()
+    )
     acts = _Activations(args, B, S, c, backend)
     mode = cfg.activation_checkpoint.mode
     loop_flops = model.flops_per_token(S, head_calls=0) / args.num_loops  # per token, one loop
@@ -64,19 +65,37 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
             calls[unit.name] = T if unit.name.startswith("layers.") else 1
         idle = L * (args.num_loops - T) * router_numel if args.router_per_loop else 0
         flops = N * (T * loop_flops + head_flops)
-        recompute = 0.0 if mode == "none" else N * T * loop_flops / 3  # the forward third, once more
+        recompute = (
+            0.0 if mode == "none" else N * T * loop_flops / 3
+        )  # the forward third, once more
         a2a = ()
         if dims.ep_enabled:  # per MoE call: L per loop; with capacity the E*C fixed slots travel
             capacity = expert_capacity(N, k, E, args.capacity_factor)
             rows = N * k if capacity is None else E * capacity
-            a2a = tuple((f"experts {what}", L * T, nbytes) for what, nbytes in
-                        all_to_alls_per_call(rows, args.dim, E, c, recompute=mode != "none"))
-        return SegmentCost(unit_calls=calls, idle_params=idle, all_to_alls=a2a, activation_bytes=acts.peak(mode, T), logits_bytes=acts.logits(),
-                           carry_bytes=acts.carry(), flops=flops, recompute_flops=recompute)
+            a2a = tuple(
+                (f"experts {what}", L * T, nbytes)
+                for what, nbytes in all_to_alls_per_call(
+                    rows, args.dim, E, c, recompute=mode != "none"
+                )
+            )
+        return SegmentCost(
+            unit_calls=calls,
+            idle_params=idle,
+            all_to_alls=a2a,
+            activation_bytes=acts.peak(mode, T),
+            logits_bytes=acts.logits(),
+            carry_bytes=acts.carry(),
+            flops=flops,
+            recompute_flops=recompute,
+        )
 
     units = fsdp_units(model, dims)
-    return ModelCost(units=units, segment=segment, total_params=sum(p.numel() for p in model.parameters()),
-                     expert_counts=L * args.num_loops * E)
+    return ModelCost(
+        units=units,
+        segment=segment,
+        total_params=sum(p.numel() for p in model.parameters()),
+        expert_counts=L * args.num_loops * E,
+    )
 
 
 class _Activations:
@@ -92,7 +111,9 @@ class _Activations:
         if backend == "sdpa":
             attention += _F32 * B * S * S
         dense = c * 6 * N * D + _F32 * (2 * N * D + 10 * N + N * E + 3 * N * k)
-        moe = c * (4 * A * I + 3 * A * D + a.num_shared_experts * 4 * N * I) + _I64 * (N * k + 3 * A)
+        moe = c * (4 * A * I + 3 * A * D + a.num_shared_experts * 4 * N * I) + _I64 * (
+            N * k + 3 * A
+        )
         self.block = attention + dense + moe
         self.routing = N * k * (_F32 + _I64) + 2 * A * 2 * _I64  # recorded top-k and the two sorts
         self.loop_extra = c * N * D + _F32 * N

@@ -29,8 +29,10 @@ def update_expert_bias(moe_layers: Iterable[nn.Module], counts_LE: torch.Tensor,
         return
     layers = list(moe_layers)
     if counts_LE.dim() != 2 or counts_LE.shape[0] != len(layers):
-        raise ValueError(f"update_expert_bias: counts_LE must be [L={len(layers)}, E], "
-                         f"got shape {tuple(counts_LE.shape)}")
+        raise ValueError(
+            f"update_expert_bias: counts_LE must be [L={len(layers)}, E], "
+            f"got shape {tuple(counts_LE.shape)}"
+        )
     counts_LE = counts_LE.to(torch.int64)
     n_experts = counts_LE.shape[1]
     sign_LE = torch.sign(counts_LE.sum(dim=1, keepdim=True) - n_experts * counts_LE)
@@ -38,10 +40,14 @@ def update_expert_bias(moe_layers: Iterable[nn.Module], counts_LE: torch.Tensor,
         bias_E = layer.expert_bias
         if isinstance(bias_E, DTensor):
             if not all(isinstance(p, Replicate) for p in bias_E.placements):
-                raise ValueError(f"update_expert_bias: layer {l} expert_bias must be replicated, "
-                                 f"got placements {bias_E.placements}")
+                raise ValueError(
+                    f"update_expert_bias: layer {l} expert_bias must be replicated, "
+                    f"got placements {bias_E.placements}"
+                )
             bias_E = bias_E.to_local()
         if bias_E.shape != (n_experts,):
-            raise ValueError(f"update_expert_bias: layer {l} expert_bias has shape "
-                             f"{tuple(bias_E.shape)}, counts give E={n_experts}")
+            raise ValueError(
+                f"update_expert_bias: layer {l} expert_bias has shape "
+                f"{tuple(bias_E.shape)}, counts give E={n_experts}"
+            )
         bias_E.add_(sign_LE[l].to(device=bias_E.device, dtype=bias_E.dtype), alpha=lr)

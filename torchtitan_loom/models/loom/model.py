@@ -26,7 +26,13 @@ from torch import nn
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import (
-    AttentionMask, KVCache, build_attention_mask, build_cache_mask, resolve_attn_backend, rope_cos_sin)
+    AttentionMask,
+    KVCache,
+    build_attention_mask,
+    build_cache_mask,
+    resolve_attn_backend,
+    rope_cos_sin,
+)
 from torchtitan_loom.models.loom.block import BRANCHES, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
@@ -63,7 +69,9 @@ class LoomTransformer(nn.Module):
         # "loop" or "segment" = the loops of one forward call) -> wrapper(fn, *args) that must
         # return fn(*args). Empty = plain calls. Set by distributed/activation_checkpoint.py.
         self.region_wrappers: dict[str, Callable[..., Any]] = {}
-        self.kernel_target: KernelTarget | None = None  # None: kernels chosen from the tensors' device
+        self.kernel_target: KernelTarget | None = (
+            None  # None: kernels chosen from the tensors' device
+        )
 
     def set_kernel_target(self, target: KernelTarget | None) -> None:
         """Choose every kernel (attention backend, flex compiled or not, grouped GEMM) for
@@ -95,8 +103,10 @@ class LoomTransformer(nn.Module):
     def new_decode_cache(self) -> KVCache:
         """An empty cache for incremental decoding (components/evaluation/sampling.py)."""
         if self.args.capacity_factor != 0:
-            raise ValueError("incremental decoding needs capacity dropping off: build the model with "
-                             "capacity_factor=0 (with capacity on, a token's experts depend on the call size)")
+            raise ValueError(
+                "incremental decoding needs capacity dropping off: build the model with "
+                "capacity_factor=0 (with capacity on, a token's experts depend on the call size)"
+            )
         return KVCache()
 
     def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
@@ -130,8 +140,10 @@ class LoomTransformer(nn.Module):
         loop_end = args.num_loops if loop_end is None else loop_end
         self._check_inputs(tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry)
         if cache is not None and cache.past_len() + tokens_BS.shape[1] > args.max_seq_len:
-            raise ValueError(f"cached {cache.past_len()} + new {tokens_BS.shape[1]} positions exceed "
-                             f"max_seq_len={args.max_seq_len}")
+            raise ValueError(
+                f"cached {cache.past_len()} + new {tokens_BS.shape[1]} positions exceed "
+                f"max_seq_len={args.max_seq_len}"
+            )
 
         # The embedding is recomputed every call: later loops re-inject it (spec §6 item 2).
         e_BSD = self.tok_embeddings(tokens_BS) * math.sqrt(args.dim)
@@ -143,20 +155,40 @@ class LoomTransformer(nn.Module):
         if cache is None:
             attn_mask = build_attention_mask(self.attention_backend(e_BSD), doc_ids_BS)
         else:  # causal over the cached positions; every new position is a real query
-            attn_mask = AttentionMask(build_cache_mask(cache.past_len(), tokens_BS.shape[1], tokens_BS.device),
-                                      torch.ones_like(doc_ids_BS, dtype=torch.bool)[:, :, None, None])
+            attn_mask = AttentionMask(
+                build_cache_mask(cache.past_len(), tokens_BS.shape[1], tokens_BS.device),
+                torch.ones_like(doc_ids_BS, dtype=torch.bool)[:, :, None, None],
+            )
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
 
         z_BSD, h_mem, counts_LTE, z_sq_X, topk_LTBSK, observed_LTNK = self._region(
-            "segment", self._run_loops, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma,
-            return_topk, cache, observe)
+            "segment",
+            self._run_loops,
+            loop_start,
+            loop_end,
+            z_BSD,
+            e_BSD,
+            h_mem,
+            rope,
+            attn_mask,
+            gamma,
+            return_topk,
+            cache,
+            observe,
+        )
         if args.router_z_loss_coef > 0:
             aux_loss = args.router_z_loss_coef * z_sq_X.sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
         logits_BSV = self.output(z_BSD).float()
-        return ModelOutput(logits_BSV, LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1), aux_loss,
-                           counts_LTE=counts_LTE, topk_LTBSK=topk_LTBSK, observed_LTNK=observed_LTNK)
+        return ModelOutput(
+            logits_BSV,
+            LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1),
+            aux_loss,
+            counts_LTE=counts_LTE,
+            topk_LTBSK=topk_LTBSK,
+            observed_LTNK=observed_LTNK,
+        )
 
     def observation_layout(self) -> tuple[int, tuple[str, ...]]:
         """(L, names of the N branch outputs) of ModelOutput.observed_LTNK, in order."""
@@ -183,33 +215,80 @@ class LoomTransformer(nn.Module):
         else the embedding's: FSDP's param dtype)."""
         device_type = e_BSD.device.type
         target = self.kernel_target or target_of(device_type)
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else e_BSD.dtype
-        return resolve_attn_backend(self.args.attn_backend, target.device_type, dtype, target.flash_attn)
+        dtype = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else e_BSD.dtype
+        )
+        return resolve_attn_backend(
+            self.args.attn_backend, target.device_type, dtype, target.flash_attn
+        )
 
     def _region(self, scope: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
         """fn(*fn_args), through the wrapper registered for `scope` if any (see region_wrappers)."""
         wrapper = self.region_wrappers.get(scope)
         return fn(*fn_args) if wrapper is None else wrapper(fn, *fn_args)
 
-    def _run_loops(self, loop_start, loop_end, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False,
-                   cache=None, observe=None):
+    def _run_loops(
+        self,
+        loop_start,
+        loop_end,
+        z_BSD,
+        e_BSD,
+        h_mem,
+        rope,
+        attn_mask,
+        gamma,
+        return_topk=False,
+        cache=None,
+        observe=None,
+    ):
         """Loops [loop_start, loop_end]: (z, H memory, counts [L, T, E], z-loss terms [L*T],
         expert ids [L, T, B, S, K] or None, observed [L, T, N, K] or None)."""
         counts_per_loop, z_terms, topk_per_loop, observed_per_loop = [], [], [], []
         for t in range(loop_start, loop_end + 1):
             z_BSD, h_mem, counts_LE, z_sq_L, topk_LBSK, observed_LNK = self._region(
-                "loop", self._run_loop, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk, cache,
-                observe)
+                "loop",
+                self._run_loop,
+                t,
+                z_BSD,
+                e_BSD,
+                h_mem,
+                rope,
+                attn_mask,
+                gamma,
+                return_topk,
+                cache,
+                observe,
+            )
             counts_per_loop.append(counts_LE)
             z_terms.append(z_sq_L)
             topk_per_loop.append(topk_LBSK)
             observed_per_loop.append(observed_LNK)
         topk_LTBSK = torch.stack(topk_per_loop, dim=1) if return_topk else None
         observed_LTNK = None if observe is None else torch.stack(observed_per_loop, dim=1)
-        return z_BSD, h_mem, torch.stack(counts_per_loop, dim=1), torch.cat(z_terms), topk_LTBSK, observed_LTNK
+        return (
+            z_BSD,
+            h_mem,
+            torch.stack(counts_per_loop, dim=1),
+            torch.cat(z_terms),
+            topk_LTBSK,
+            observed_LTNK,
+        )
 
-    def _run_loop(self, t, z_BSD, e_BSD, h_mem, rope, attn_mask, gamma, return_topk=False, cache=None,
-                  observe=None):
+    def _run_loop(
+        self,
+        t,
+        z_BSD,
+        e_BSD,
+        h_mem,
+        rope,
+        attn_mask,
+        gamma,
+        return_topk=False,
+        cache=None,
+        observe=None,
+    ):
         """Loop t (1-based): injection, the L blocks, the final RMSNorm -> (z, H memory, counts [L, E],
         z-loss [L], expert ids [L, B, S, K] or None, observe() of every branch [L, N, K] or None)."""
         args = self.args
@@ -223,19 +302,40 @@ class LoomTransformer(nn.Module):
             router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
             kv_slot = None if cache is None else cache.slot(i, t)
             z_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK, branches = self._region(
-                "block", layer, z_BSD, rope, attn_mask, router_w_ED, gamma, l_mem, h_mem, return_topk, kv_slot,
-                observe is not None)
+                "block",
+                layer,
+                z_BSD,
+                rope,
+                attn_mask,
+                router_w_ED,
+                gamma,
+                l_mem,
+                h_mem,
+                return_topk,
+                kv_slot,
+                observe is not None,
+            )
             counts_per_layer.append(kept_E)
             z_terms.append(z_sq)
             topk_per_layer.append(expert_BSK)
-            if observe is not None:  # outside the (compiled) block: observe is the caller's function
+            if (
+                observe is not None
+            ):  # outside the (compiled) block: observe is the caller's function
                 observed_per_layer.append(torch.stack([observe(x_BSD) for x_BSD in branches]))
         topk_LBSK = torch.stack(topk_per_layer) if return_topk else None
         observed_LNK = torch.stack(observed_per_layer) if observe is not None else None
-        return (rms_norm(z_BSD, args.norm_eps), h_mem, torch.stack(counts_per_layer), torch.stack(z_terms),
-                topk_LBSK, observed_LNK)
+        return (
+            rms_norm(z_BSD, args.norm_eps),
+            h_mem,
+            torch.stack(counts_per_layer),
+            torch.stack(z_terms),
+            topk_LBSK,
+            observed_LNK,
+        )
 
-    def _check_inputs(self, tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry) -> None:
+    def _check_inputs(
+        self, tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry
+    ) -> None:
         # Shape and range checks only: value checks would need a host sync.
         H = self.args.num_loops
         if tokens_BS.dim() != 2:
@@ -243,20 +343,26 @@ class LoomTransformer(nn.Module):
         if positions_BS.shape != tokens_BS.shape or doc_ids_BS.shape != tokens_BS.shape:
             raise ValueError(
                 f"positions_BS {tuple(positions_BS.shape)} and doc_ids_BS {tuple(doc_ids_BS.shape)} "
-                f"must have the shape of tokens_BS {tuple(tokens_BS.shape)}")
+                f"must have the shape of tokens_BS {tuple(tokens_BS.shape)}"
+            )
         if tokens_BS.shape[1] > self.args.max_seq_len:
-            raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len={self.args.max_seq_len}")
+            raise ValueError(
+                f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len={self.args.max_seq_len}"
+            )
         if not 1 <= loop_start <= loop_end <= H:
             raise ValueError(
-                f"loop range [{loop_start}, {loop_end}] invalid: need 1 <= loop_start <= loop_end <= H={H}")
+                f"loop range [{loop_start}, {loop_end}] invalid: need 1 <= loop_start <= loop_end <= H={H}"
+            )
         if loop_start == 1 and carry is not None:
             raise ValueError("loop_start=1 starts from the embedding: pass carry=None")
         if loop_start > 1 and carry is None:
             raise ValueError(
-                f"loop_start={loop_start} continues a forward: pass the carry of loops [1, {loop_start - 1}]")
+                f"loop_start={loop_start} continues a forward: pass the carry of loops [1, {loop_start - 1}]"
+            )
         if carry is not None and carry.z_BSD.shape[:2] != tokens_BS.shape:
             raise ValueError(
-                f"carry.z_BSD shape {tuple(carry.z_BSD.shape)} does not match tokens {tuple(tokens_BS.shape)}")
+                f"carry.z_BSD shape {tuple(carry.z_BSD.shape)} does not match tokens {tuple(tokens_BS.shape)}"
+            )
 
     # ------------------------------------------------------------------ counts
 
@@ -268,7 +374,9 @@ class LoomTransformer(nn.Module):
         row and the output head (V*D each, spec §2 "active incl. head and embedding").
         """
         total = sum(p.numel() for p in self.parameters())
-        per_layer = sum(self._active_matmul_params(layer) + self._norm_params(layer) for layer in self.layers)
+        per_layer = sum(
+            self._active_matmul_params(layer) + self._norm_params(layer) for layer in self.layers
+        )
         head_and_embedding = self.output.weight.numel() + self.tok_embeddings.weight.numel()
         return {"total": total, "active": per_layer + head_and_embedding}
 
@@ -323,7 +431,9 @@ class LoomTransformer(nn.Module):
         """
         for name, param in self.named_parameters():
             if param.is_meta:
-                raise RuntimeError(f"parameter {name} is on the meta device: call model.to_empty(device=...) first")
+                raise RuntimeError(
+                    f"parameter {name} is on the meta device: call model.to_empty(device=...) first"
+                )
             # Names are canonical: AC goes through region_wrappers and compile is per block in place.
             _copy_full(param, _init_value(name, tuple(param.shape), self.args))
         for moe in self.moe_layers():
@@ -351,7 +461,9 @@ def _init_value(name: str, shape: tuple[int, ...], args: LoomModelArgs) -> torch
         return _randn(router.group(1) + "0", shape, args.init_seed) / math.sqrt(args.dim)
     for pattern, fan_in_is_expert_width in _STD_BY_SUFFIX:
         if pattern.match(name):
-            std = 1.0 / math.sqrt(args.expert_intermediate_size if fan_in_is_expert_width else args.dim)
+            std = 1.0 / math.sqrt(
+                args.expert_intermediate_size if fan_in_is_expert_width else args.dim
+            )
             return torch.fmod(_randn(name, shape, args.init_seed), 3.0) * (TRUNC_NORMAL_GAIN * std)
     raise ValueError(f"no init rule for parameter {name!r}; add one in models/loom/model.py")
 

@@ -22,7 +22,9 @@ from torchtitan_loom.models.loom.args import LoomModelArgs
 GATE_SUM_FLOOR = 1e-9  # gate normalisation p = s / max(sum s, 1e-9), spec §4.6 step 5
 
 
-def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int | None:
+def expert_capacity(
+    num_tokens: int, top_k: int, num_experts: int, capacity_factor: float
+) -> int | None:
     """C = max(1, floor(capacity_factor * N * k / E)); None when capacity_factor == 0 (no dropping)."""
     if capacity_factor == 0:
         return None
@@ -83,8 +85,9 @@ def capacity_plan(
     return order_A, counts_E, counts_E.clamp_max(capacity), gate_NK
 
 
-def capacity_slots(token_A: torch.Tensor, gate_A: torch.Tensor, counts_E: torch.Tensor,
-                   capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def capacity_slots(
+    token_A: torch.Tensor, gate_A: torch.Tensor, counts_E: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept assignments laid out in E slots of `capacity` rows each (X = E*C), tensor ops only.
 
     Takes the assignments in capacity_plan's order (grouped by expert, kept ones first in each
@@ -108,8 +111,14 @@ def swiglu(x_MD: torch.Tensor, w13_2ID: torch.Tensor, w2_DI: torch.Tensor) -> to
     return (F.silu(gate_MI) * up_MI) @ w2_DI.t()
 
 
-def gemm_path(device_type: str, dtype: torch.dtype, compiling: bool, dim: int, inter: int,
-              impl: str = "grouped") -> tuple[str, str]:
+def gemm_path(
+    device_type: str,
+    dtype: torch.dtype,
+    compiling: bool,
+    dim: int,
+    inter: int,
+    impl: str = "grouped",
+) -> tuple[str, str]:
     """("grouped" | "loop", why): how the routed experts run, from these inputs only.
 
     torch._grouped_mm needs 16-byte aligned strides and bf16, except in CPU eager mode (its CUDA
@@ -125,7 +134,10 @@ def gemm_path(device_type: str, dtype: torch.dtype, compiling: bool, dim: int, i
         return "loop", f"grouped GEMM {where} needs bfloat16, the experts compute in {dtype}"
     align = 16 // torch.empty((), dtype=dtype).element_size()
     if dim % align or inter % align:
-        return "loop", f"dim={dim} and expert width={inter} must be multiples of {align} for {dtype} grouped GEMM"
+        return (
+            "loop",
+            f"dim={dim} and expert width={inter} must be multiples of {align} for {dtype} grouped GEMM",
+        )
     return "grouped", "grouped GEMM"
 
 
@@ -143,13 +155,17 @@ class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, inter: int, impl: str):
         super().__init__()
         self.impl = impl
-        self.kernel_device: str | None = None  # the device the GEMM path is chosen for; None: the rows'
+        self.kernel_device: str | None = (
+            None  # the device the GEMM path is chosen for; None: the rows'
+        )
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter))
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Apply expert e to the rows of its group; rows are grouped by expert, group sizes counts_E."""
-        return run_experts(x_AD, counts_E, self.w13, self.w2, self.impl, device_type=self.kernel_device)
+        return run_experts(
+            x_AD, counts_E, self.w13, self.w2, self.impl, device_type=self.kernel_device
+        )
 
 
 def run_experts(
@@ -172,7 +188,9 @@ def run_experts(
     # bf16, where both already are), so the routed experts compute in bf16 like the shared ones.
     dtype = expert_dtype(x_AD.device.type, w13_E2ID.dtype)
     x_AD, w13_E2ID, w2_EDI = x_AD.to(dtype), w13_E2ID.to(dtype), w2_EDI.to(dtype)
-    path, _ = gemm_path(device_type or x_AD.device.type, dtype, torch.compiler.is_compiling(), D, I, impl)
+    path, _ = gemm_path(
+        device_type or x_AD.device.type, dtype, torch.compiler.is_compiling(), D, I, impl
+    )
     if path == "grouped":
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group ends, stays on device
         h_A2I = torch._grouped_mm(x_AD, w13_E2ID.transpose(-2, -1), offs=offsets_E)
@@ -184,7 +202,9 @@ def run_experts(
     return torch.cat([swiglu(chunk, w13_E2ID[e], w2_EDI[e]) for e, chunk in enumerate(chunks)])
 
 
-def moe_gemm_fallbacks(moe_layers, device_type: str, dtype: torch.dtype, compiling: bool) -> list[str]:
+def moe_gemm_fallbacks(
+    moe_layers, device_type: str, dtype: torch.dtype, compiling: bool
+) -> list[str]:
     """One line per layer whose routed experts will use the per-expert loop, and why (for the run log).
 
     `dtype` is the compute dtype of the run (autocast's or FSDP's param_dtype): the one the
@@ -192,7 +212,9 @@ def moe_gemm_fallbacks(moe_layers, device_type: str, dtype: torch.dtype, compili
     """
     lines = []
     for index, moe in enumerate(moe_layers):
-        impl = getattr(moe.experts, "impl", None)  # None: a converted module (float8) with its own kernels
+        impl = getattr(
+            moe.experts, "impl", None
+        )  # None: a converted module (float8) with its own kernels
         if impl is None:
             continue
         w2 = moe.experts.w2
@@ -227,10 +249,14 @@ class LoomMoE(nn.Module):
         self.capacity_factor = args.capacity_factor
         self.z_loss_enabled = args.router_z_loss_coef > 0
         # routers.{t} serves loop t+1 (only routers.0 when router_per_loop=False).
-        self.routers = nn.ParameterList([nn.Parameter(torch.empty(E, D)) for _ in range(args.num_routers)])
+        self.routers = nn.ParameterList(
+            [nn.Parameter(torch.empty(E, D)) for _ in range(args.num_routers)]
+        )
         self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
         self.experts = RoutedExperts(E, D, I, args.moe_impl)
-        self.shared_experts = nn.ModuleList([SharedExpert(D, I) for _ in range(args.num_shared_experts)])
+        self.shared_experts = nn.ModuleList(
+            [SharedExpert(D, I) for _ in range(args.num_shared_experts)]
+        )
 
     def experts_dtype(self, x_ND: torch.Tensor) -> torch.dtype:
         """The dtype the routed experts cast their rows to (run_experts, expert parallel); a
@@ -261,7 +287,9 @@ class LoomMoE(nn.Module):
         x_ND = x_BSD.reshape(N, D)
         logits_NE, expert_NK, gate_NK = route(x_ND, router_w_ED, self.expert_bias, K)
         capacity = expert_capacity(N, K, self.num_experts, self.capacity_factor)
-        order_A, counts_E, kept_E, gate_NK = capacity_plan(expert_NK, gate_NK, self.num_experts, capacity)
+        order_A, counts_E, kept_E, gate_NK = capacity_plan(
+            expert_NK, gate_NK, self.num_experts, capacity
+        )
 
         x_cast_ND = x_ND.to(self.experts_dtype(x_ND))  # before the gather: one [A, D] copy, not two
         gate_A = gate_NK.reshape(-1)[order_A]

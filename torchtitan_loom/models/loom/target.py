@@ -36,7 +36,9 @@ class KernelTarget:
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs), through `run_kernel` when one is set."""
-        return fn(*args, **kwargs) if self.run_kernel is None else self.run_kernel(fn, *args, **kwargs)
+        return (
+            fn(*args, **kwargs) if self.run_kernel is None else self.run_kernel(fn, *args, **kwargs)
+        )
 
 
 def target_of(device_type: str) -> KernelTarget:

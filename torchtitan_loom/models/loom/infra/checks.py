@@ -14,8 +14,10 @@ from torchtitan_loom.models.loom.args import LoomModelArgs
 def config_errors(cfg: Any, args: LoomModelArgs, dims: Any) -> list[str]:
     """One line per problem of this LOOM model with this config (``dims`` None: degrees invalid)."""
     if args.attn_backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        return ["model.attn_backend = 'flash_attn': the flash-attn package is not installed "
-                "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'"]
+        return [
+            "model.attn_backend = 'flash_attn': the flash-attn package is not installed "
+            "(pip install flash-attn, CUDA only); use 'sdpa' or 'flex'"
+        ]
     return []
 
 
@@ -28,7 +30,9 @@ def layout_errors(args: LoomModelArgs, dims: Any) -> list[str]:
     ep, efsdp = dims.ep, dims.dp_shard_mod_ep
     E, D, I = args.num_routed_experts, args.dim, args.expert_intermediate_size
     if E // ep < efsdp and (2 * I % efsdp or D % efsdp):
-        errors.append(f"parallelism.ep = {ep}: with {E // ep} experts per ep rank and dp_shard / ep = "
-                      f"{efsdp} FSDP ranks per expert group, FSDP splits expert rows, which needs "
-                      f"model dim {D} and 2 × expert width {2 * I} divisible by {efsdp}; use a larger ep")
+        errors.append(
+            f"parallelism.ep = {ep}: with {E // ep} experts per ep rank and dp_shard / ep = "
+            f"{efsdp} FSDP ranks per expert group, FSDP splits expert rows, which needs "
+            f"model dim {D} and 2 × expert width {2 * I} divisible by {efsdp}; use a larger ep"
+        )
     return errors

@@ -80,7 +80,9 @@ class ExpertParallelExperts(nn.Module):
 
     takes_capacity_slots = True  # LoomMoE may hand over the kept assignments in fixed slots
 
-    def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    def forward(
+        self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None
+    ) -> torch.Tensor:
         """Rows grouped by expert (group sizes counts_E, int64 [E]) -> expert outputs, same order.
 
         With `capacity` C: the rows are E slots of C (slot c of expert e valid when c < counts_E[e]);
@@ -102,15 +104,24 @@ class ExpertParallelExperts(nn.Module):
         send_splits, recv_splits, local_sizes_L = _split_sizes(counts_E, recv_WL)
 
         # 3. dispatch and regroup by local expert.
-        recv_RD = funcol.all_to_all_single_autograd(x_AD.contiguous(), recv_splits, send_splits, group)
+        recv_RD = funcol.all_to_all_single_autograd(
+            x_AD.contiguous(), recv_splits, send_splits, group
+        )
         order_R, back_R = _local_expert_order(recv_WL, sum(recv_splits))
         # 4. local experts on their rows (weights: this rank's shards, autograd reaches the DTensors).
         y_RD = run_experts(
-            recv_RD[order_R], recv_WL.sum(0), self.w13.to_local(), self.w2.to_local(), self.impl, local_sizes_L,
-            device_type=self.kernel_device)
+            recv_RD[order_R],
+            recv_WL.sum(0),
+            self.w13.to_local(),
+            self.w2.to_local(),
+            self.impl,
+            local_sizes_L,
+            device_type=self.kernel_device,
+        )
         # 5. back to source-major order, then home.
-        return funcol.all_to_all_single_autograd(y_RD[back_R].contiguous(), send_splits, recv_splits, group)
-
+        return funcol.all_to_all_single_autograd(
+            y_RD[back_R].contiguous(), send_splits, recv_splits, group
+        )
 
     def _forward_slots(self, x_XD: torch.Tensor, kept_E: torch.Tensor, C: int) -> torch.Tensor:
         group, W = self.ep_mesh.get_group(), self.ep_mesh.size()
@@ -122,41 +133,75 @@ class ExpertParallelExperts(nn.Module):
         recv_RD = funcol.all_to_all_single_autograd(x_XD.to(dtype).contiguous(), None, None, group)
         # 3. (local expert, source, slot) order of the received (source, local expert, slot) rows.
         device = x_XD.device
-        by_expert_R = torch.arange(W * L * C, device=device).view(W, L, C).transpose(0, 1).reshape(-1)
+        by_expert_R = (
+            torch.arange(W * L * C, device=device).view(W, L, C).transpose(0, 1).reshape(-1)
+        )
         w13, w2 = self.w13.to_local(), self.w2.to_local()
-        kernel = self.kernel_device  # the GEMM path is chosen as run_experts chooses it (models/loom/target.py)
-        path, _ = gemm_path(kernel or device.type, dtype, torch.compiler.is_compiling(), D, w2.shape[2], self.impl)
+        kernel = (
+            self.kernel_device
+        )  # the GEMM path is chosen as run_experts chooses it (models/loom/target.py)
+        path, _ = gemm_path(
+            kernel or device.type, dtype, torch.compiler.is_compiling(), D, w2.shape[2], self.impl
+        )
         if path == "loop":  # every slot computed: group sizes W*C, known here
-            y_RD = run_experts(recv_RD[by_expert_R], recv_WL.new_full((L,), W * C), w13, w2, self.impl, [W * C] * L,
-                               device_type=kernel)
-            return funcol.all_to_all_single_autograd(y_RD[_inverse(by_expert_R)].contiguous(), None, None, group)
+            y_RD = run_experts(
+                recv_RD[by_expert_R],
+                recv_WL.new_full((L,), W * C),
+                w13,
+                w2,
+                self.impl,
+                [W * C] * L,
+                device_type=kernel,
+            )
+            return funcol.all_to_all_single_autograd(
+                y_RD[_inverse(by_expert_R)].contiguous(), None, None, group
+            )
         valid_WLC = torch.arange(C, device=device) < recv_WL.unsqueeze(-1)
         valid_R = valid_WLC.transpose(0, 1).reshape(-1)
-        first_R = torch.argsort((~valid_R).to(torch.uint8), stable=True)  # valid rows first, order kept
+        first_R = torch.argsort(
+            (~valid_R).to(torch.uint8), stable=True
+        )  # valid rows first, order kept
         order_R, valid_R = by_expert_R[first_R], valid_R[first_R].unsqueeze(-1)
         # The grouped GEMM leaves rows past its last offset unwritten: zero them both ways.
         rows_RD = torch.where(valid_R, recv_RD[order_R], 0)
-        y_RD = torch.where(valid_R, run_experts(rows_RD, recv_WL.sum(0), w13, w2, self.impl, device_type=kernel), 0)
+        y_RD = torch.where(
+            valid_R, run_experts(rows_RD, recv_WL.sum(0), w13, w2, self.impl, device_type=kernel), 0
+        )
         # 4. home.
-        return funcol.all_to_all_single_autograd(y_RD[_inverse(order_R)].contiguous(), None, None, group)
+        return funcol.all_to_all_single_autograd(
+            y_RD[_inverse(order_R)].contiguous(), None, None, group
+        )
 
 
 def _inverse(order_R: torch.Tensor) -> torch.Tensor:
     """The permutation p with order_R[p] = arange: gathering by it undoes a gather by order_R."""
-    return torch.empty_like(order_R).scatter_(0, order_R, torch.arange(order_R.numel(), device=order_R.device))
+    return torch.empty_like(order_R).scatter_(
+        0, order_R, torch.arange(order_R.numel(), device=order_R.device)
+    )
 
 
-def all_to_alls_per_call(rows: int, dim: int, experts: int, row_bytes: int, recompute: bool) -> list[tuple[str, int]]:
+def all_to_alls_per_call(
+    rows: int, dim: int, experts: int, row_bytes: int, recompute: bool
+) -> list[tuple[str, int]]:
     """(what, bytes passed) of every all-to-all one MoE call makes on a rank: the counts exchange, the
     dispatch and the combine in forward (again when activation checkpointing recomputes the call), and
     the two row transfers of backward. `rows` = rows this rank dispatches; the rows it receives vary
     with the routing and match `rows` on average (summed over the ranks they are equal)."""
-    forward = [("counts", experts * 8), ("dispatch", rows * dim * row_bytes), ("combine", rows * dim * row_bytes)]
-    backward = [("combine backward", rows * dim * row_bytes), ("dispatch backward", rows * dim * row_bytes)]
+    forward = [
+        ("counts", experts * 8),
+        ("dispatch", rows * dim * row_bytes),
+        ("combine", rows * dim * row_bytes),
+    ]
+    backward = [
+        ("combine backward", rows * dim * row_bytes),
+        ("dispatch backward", rows * dim * row_bytes),
+    ]
     return forward * (2 if recompute else 1) + backward
 
 
-def _split_sizes(counts_E: torch.Tensor, recv_WL: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+def _split_sizes(
+    counts_E: torch.Tensor, recv_WL: torch.Tensor
+) -> tuple[list[int], list[int], list[int]]:
     """(send splits [W], receive splits [W], local group sizes [L]) from ONE device-to-host copy."""
     W, L = recv_WL.shape
     host = torch.cat([counts_E, recv_WL.reshape(-1)]).tolist()  # the host sync of the MoE call
@@ -183,7 +228,9 @@ def _local_expert_order(recv_WL: torch.Tensor, num_rows: int) -> tuple[torch.Ten
         torch.arange(W * L, device=recv_WL.device), sizes_S, output_size=num_rows
     )
     rows_R = torch.arange(num_rows, device=recv_WL.device)
-    back_R = dst_start_S[segment_R] + (rows_R - src_start_S[segment_R])  # received row i -> grouped slot
+    back_R = dst_start_S[segment_R] + (
+        rows_R - src_start_S[segment_R]
+    )  # received row i -> grouped slot
     order_R = torch.empty_like(back_R).scatter_(0, back_R, rows_R)
     return order_R, back_R
 
@@ -196,7 +243,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     routed-expert count.
     """
     if ep_mesh.ndim != 1:
-        raise ValueError(f"apply_expert_parallel needs a 1-D ep mesh, got {ep_mesh.ndim} dims {ep_mesh.mesh_dim_names}")
+        raise ValueError(
+            f"apply_expert_parallel needs a 1-D ep mesh, got {ep_mesh.ndim} dims {ep_mesh.mesh_dim_names}"
+        )
     ep = ep_mesh.size()
     for index, moe in enumerate(model.moe_layers()):
         experts = moe.experts

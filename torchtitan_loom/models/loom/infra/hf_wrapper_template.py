@@ -25,7 +25,9 @@ class LoomConfig(PretrainedConfig):
     def __init__(self, loom_args: dict | None = None, loops: int | None = None, **kwargs):
         self.loom_args = dict(loom_args or {})
         self.loops = loops
-        kwargs.setdefault("use_cache", False)  # every step recomputes the prefix (no HF cache object)
+        kwargs.setdefault(
+            "use_cache", False
+        )  # every step recomputes the prefix (no HF cache object)
         super().__init__(**kwargs)
 
 
@@ -57,8 +59,13 @@ class LoomForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.model.output
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         real_BS = attention_mask.to(torch.long)
@@ -66,8 +73,9 @@ class LoomForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.model(input_ids, positions_BS, real_BS - 1, loop_end=self.config.loops)
         loss = None
         if labels is not None:
-            loss = torch.nn.functional.cross_entropy(out.logits_BSV[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
-                                                     ignore_index=-100)
+            loss = torch.nn.functional.cross_entropy(
+                out.logits_BSV[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+            )
         return CausalLMOutputWithPast(loss=loss, logits=out.logits_BSV)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):

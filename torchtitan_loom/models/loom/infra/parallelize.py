@@ -41,7 +41,9 @@ from torchtitan_loom.distributed.utils import DTYPES, RESHARD_AFTER_FORWARD, red
 from torchtitan_loom.protocols import FsdpUnit, Parallelized
 
 
-def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> Parallelized:
+def parallelize_loom(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: Any
+) -> Parallelized:
     """Apply EP, AC, compile and FSDP2 as configured (in place, on the meta-device model).
 
     Returns the model, its ``finish_gradients`` (without FSDP it sums every gradient over the
@@ -56,14 +58,20 @@ def parallelize_loom(model: nn.Module, parallel_dims: ParallelDims, job_config: 
 
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
     if cfg.activation_checkpoint.mode != "none":
-        apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, save_routing=not cfg.compile.enable)
+        apply_activation_checkpointing(
+            model, cfg.activation_checkpoint.mode, save_routing=not cfg.compile.enable
+        )
     if cfg.compile.enable:
         # Expert-parallel dispatch needs host-side split sizes: a graph break by design.
         apply_compile(model, backend=cfg.compile.backend, fullgraph=not parallel_dims.ep_enabled)
     if parallel_dims.fsdp_enabled:
-        apply_fsdp(model, parallel_dims, param_dtype=DTYPES[cfg.training.mixed_precision_param],
-                   reduce_dtype=reduce_dtype,
-                   reshard_after_forward=RESHARD_AFTER_FORWARD[cfg.parallelism.fsdp_reshard_after_forward])
+        apply_fsdp(
+            model,
+            parallel_dims,
+            param_dtype=DTYPES[cfg.training.mixed_precision_param],
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=RESHARD_AFTER_FORWARD[cfg.parallelism.fsdp_reshard_after_forward],
+        )
 
     def finish_gradients() -> None:
         # Parameters are looked up per call: materialising the meta model may swap the objects.
@@ -91,22 +99,34 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: boo
         layer.compile(backend=backend, fullgraph=fullgraph)
 
 
-def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, *, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+) -> None:
     """FSDP2 units: [routed experts on efsdp when ep > 1], each block, the embedding, the head, the root.
 
     Dense parameters shard on the ``fsdp`` mesh (HSDP when dp_replicate > 1); routed experts,
     already ``Shard(0)`` over ``ep``, shard on ``efsdp`` (= dp_shard / ep ranks).
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     dense_mesh = parallel_dims.get_mesh("fsdp")
     routers = replicate_routers(model, parallel_dims.get_mesh("dp"))
     common = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for layer in model.layers:
         if parallel_dims.ep_enabled:
             experts = layer.moe.experts
-            fully_shard(experts, mesh=parallel_dims.get_mesh("efsdp"),
-                        shard_placement_fn=expert_shard_placement(experts, parallel_dims.dp_shard_mod_ep), **common)
+            fully_shard(
+                experts,
+                mesh=parallel_dims.get_mesh("efsdp"),
+                shard_placement_fn=expert_shard_placement(experts, parallel_dims.dp_shard_mod_ep),
+                **common,
+            )
         fully_shard(layer, mesh=dense_mesh, ignored_params=routers, **common)
         layer.register_forward_pre_hook(_local_tensor_args)
     fully_shard(model.tok_embeddings, mesh=dense_mesh, **common)
@@ -125,7 +145,9 @@ def fsdp_units(model: nn.Module, parallel_dims: ParallelDims) -> list[FsdpUnit]:
     ep = parallel_dims.ep if parallel_dims.ep_enabled else 1
     for l, layer in enumerate(model.layers):
         experts = [(f"layers.{l}.moe.{n}", p) for n, p in layer.moe.experts.named_parameters()]
-        dense = [(n, p) for n, p in layer.named_parameters(prefix=f"layers.{l}") if ".routers." not in n]
+        dense = [
+            (n, p) for n, p in layer.named_parameters(prefix=f"layers.{l}") if ".routers." not in n
+        ]
         if ep > 1:
             local = tuple((p.shape[0] // ep, *p.shape[1:]) for _, p in experts)
             shard_dim = 0 if local[0][0] >= parallel_dims.dp_shard_mod_ep else 1
@@ -145,7 +167,9 @@ def replicate_routers(model: nn.Module, dp_mesh: Any) -> set[nn.Parameter]:
     routers = set()
     for moe in model.moe_layers():
         for i, weight in enumerate(moe.routers):
-            replicated = distribute_tensor(weight.detach(), dp_mesh, [Replicate()], src_data_rank=None)
+            replicated = distribute_tensor(
+                weight.detach(), dp_mesh, [Replicate()], src_data_rank=None
+            )
             moe.routers[i] = nn.Parameter(replicated, requires_grad=weight.requires_grad)
             routers.add(moe.routers[i])
     return routers
