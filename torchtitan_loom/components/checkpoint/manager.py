@@ -452,6 +452,7 @@ class CheckpointManager:
                 return None
             key = "initial_load_path" if choice.model_only else "load_step"
             asked = self.cfg.load_step >= 0 or choice.model_only  # no other one to fall back on
+            self._log(f"loading checkpoint {choice.path} ...")
             try:
                 step = self._load_choice(choice)
             except ckstate.CheckpointUnreadable as exc:  # a refused entry, a read that failed
