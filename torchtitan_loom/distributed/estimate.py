@@ -69,7 +69,7 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
         local += comm_plan.replicated_numel(cost, dims)
         keep_all = cfg.parallelism.fsdp_reshard_after_forward != "always"
         gathered_bytes = pb * (sum(gathered) if keep_all else 2 * max(gathered))
-        per_segment_sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch") == "segment"
+        per_segment_sync = cfg.parallelism.fsdp_sync == "segment"
         # Accumulated in the parameters' own (unpadded) shapes; padding lives in the gather buffers only.
         full = sum(math.prod(shape) for u in cost.units for shape in u.shapes)
         unsharded_grads = rb * full if per_segment_sync else 0
@@ -135,7 +135,7 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
     for part, nbytes in est.memory.items():
         if nbytes or part == "total":
             lines.append(f"    {part:<44} {nbytes / _GIB:8.2f}")
-    sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch")
+    sync = cfg.parallelism.fsdp_sync
     lines.append(
         f"  communication per step ({n_seg} segments × {micro} micro-batches, FSDP sync per {sync}):"
     )
