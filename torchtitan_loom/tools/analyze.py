@@ -403,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return exit_codes.BAD_INPUT
+    print(
+        f"analyze: loading {ns.ckpt}, then routing {ns.tokens:,} held-out tokens through it ...",
+        flush=True,
+    )
     try:
         with torch.no_grad():  # scoped: main() may run inside another program (tests do)
             path = analyze(

@@ -42,6 +42,7 @@ from torchtitan_loom.protocols import cast_for_inference
 from torchtitan_loom.tools.export_format import (
     ExportError,
     find_checkpoint,
+    give_umask_mode,
     model_spec,
     read_export,
 )
@@ -125,9 +126,12 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
             "file": name,
         },
     )
+    written = [name, MODEL_ARGS_FILE]
     if os.path.isfile(os.path.join(ckpt, "config.toml")):
         with open(os.path.join(ckpt, "config.toml"), "rb") as fh:
             safe_files.atomic_write(os.path.join(out, "config.toml"), fh.read())
+        written.append("config.toml")
+    give_umask_mode(out, written)
     return path
 
 
@@ -232,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         note = integrity.unverified_note(ckpt)
         if note:
             print(f"warning: {note}", file=sys.stderr)
+        print(f"export: reading the model of {ckpt} ...", flush=True)
         path = export(ckpt, ns.out, ns.dtype, force=ns.force)
         print(f"exported {ckpt} → {path} ({ns.dtype})")
         if ns.verify:
@@ -249,6 +254,7 @@ def _main_hf(ns: argparse.Namespace) -> int:
         return exit_codes.BAD_INPUT
     try:
         check_out(ns.out, ns.force)
+        print(f"export: loading {ns.ckpt} ...", flush=True)
         loaded = load(ns.ckpt, need_tokenizer=False)
         try:
             loaded.tokenizer = load_tokenizer(
@@ -262,7 +268,8 @@ def _main_hf(ns: argparse.Namespace) -> int:
         return exit_codes.BAD_INPUT
     except ImportError as exc:
         print(
-            f"export error: --format hf needs safetensors ({exc}); pip install 'torchtitan_loom[hf]'",
+            f"export error: --format hf needs safetensors and tokenizers ({exc}); "
+            "pip install 'torchtitan_loom[hf]'",
             file=sys.stderr,
         )
         return exit_codes.BAD_INPUT
