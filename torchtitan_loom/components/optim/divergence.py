@@ -14,7 +14,6 @@ import sys
 from torchtitan_loom.components.runtime import safe_files
 
 ABORT_FILE = "SPIKE_ABORT.txt"
-EXIT_CODE = 2
 
 
 class DivergenceMonitor:
