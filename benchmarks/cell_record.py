@@ -41,8 +41,12 @@ def kernels(trainer: Any, device_type: str, compiling: bool) -> dict[str, str]:
         )
     attention = next((ln for ln in lines if ln.startswith("attention backend:")), "unknown")
     fallbacks = [ln for ln in lines if "per-expert loop" in ln]
+    from torchtitan_loom.protocols import GroupedKernel
+
     experts = {
-        getattr(m, "kernel", None) for m in trainer.model.modules() if hasattr(m, "alignment")
+        m.kernel.name
+        for m in trainer.model.modules()
+        if isinstance(getattr(m, "kernel", None), GroupedKernel)
     }
     if fallbacks:
         expert = f"per-expert loop ({len(fallbacks)} layers; {fallbacks[0]})"

@@ -202,7 +202,7 @@ def float8_convert(cfg, tokens: int):
         dataclasses.replace(cfg.float8, experts=False), "cuda", (9, 0), "NVIDIA H200"
     )
     assert not errors, errors
-    return Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls, tokens).convert
+    return Float8Converter(plan, spec.float8_never_convert, spec.float8_experts_fn, tokens).convert
 
 
 def trace_preset(preset: str):

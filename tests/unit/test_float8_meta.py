@@ -5,8 +5,9 @@ dim divisible by 16, for one), which CPU tensors and the emulated path skip.
 The plan is the one the preset gets on the GPU it is written for (an H200, SM90). The dense
 linears go through torchao's Float8Linear as converted by the project's Float8Converter; the
 routed experts' torchao wrapper needs triton (fp8 rowwise) or SM100 kernels (MXFP8), neither
-reachable here, so the experts run the project's padded layout (float8_experts.swiglu_grouped)
-into torch._scaled_grouped_mm itself, the GEMM that wrapper ends in.
+reachable here, so the experts run the project's padded layout (models/loom/float8_experts.py,
+swiglu_grouped on grouped_gemm.padded_layout) into torch._scaled_grouped_mm itself, the GEMM that
+wrapper ends in.
 
 Legend: M tokens of a micro-batch, A expert-assignment rows, D model dim, E routed experts.
 """
@@ -53,7 +54,7 @@ def converted_meta_model(cfg, tokens: int | None):
     assert not errors and not plan.emulate, errors
     with torch.device("meta"):
         model = spec.model_cls(resolve_model_args(cfg)).to(torch.bfloat16)  # FSDP's param dtype
-    converter = Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls, tokens)
+    converter = Float8Converter(plan, spec.float8_never_convert, spec.float8_experts_fn, tokens)
     return model, converter.convert(model)
 
 
@@ -134,7 +135,8 @@ class ScaledGroupedMM(torch.autograd.Function):
 
 def run_experts(preset: str, alignment: int) -> None:
     """Forward + backward of one layer's routed experts at the preset's assignment count."""
-    from torchtitan_loom.components.quantization.float8_experts import swiglu_grouped
+    from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel
+    from torchtitan_loom.models.loom.float8_experts import swiglu_grouped
 
     cfg = load_config(["--job.config_file", f"train_configs/{preset}"])
     args = resolve_model_args(cfg)
@@ -149,7 +151,8 @@ def run_experts(preset: str, alignment: int) -> None:
     # on the device from them, as in training).
     counts_E = torch.full((E,), A // E)
     counts_E[0] += A - int(counts_E.sum())
-    y = swiglu_grouped(x_AD, counts_E.to("meta"), w13, w2, ScaledGroupedMM.apply, alignment)
+    kernel = grouped_kernel("fp8_rowwise", alignment, 16, ScaledGroupedMM.apply)
+    y = swiglu_grouped(x_AD, counts_E.to("meta"), w13, w2, kernel)
     y.sum().backward()
     assert y.shape == (A, D) and w13.grad.shape == w13.shape and w2.grad.shape == w2.shape
 
