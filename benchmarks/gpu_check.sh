@@ -34,10 +34,11 @@
 #   machine start + transfers          ~180 s            -> the call's timeout_s = 540
 #   call: start-up, env, final rename    40 s            -> TOTAL_S = 500 for the stages
 #   caps: deps 30 + peak 25 + bf16_compiled 170 + bf16_eager 75 + float8_compiled 150 = 450 s
-#         (a cold compile of loom_1p7b at H = 9 takes ~85-185 s; eager compiles flex only)
-#   each stage's limit = min(cap, time left - KILL_GRACE_S - SUMMARY_S); gpu_tests gets what is
-#   left after the cells (>= 500 - 450 - 5 x (10 + 2) = -10: when the cells use every cap the
-#   tests do not run; a typical run leaves them 100+ s). 900 - 540 = 360 s >= the start.
+#         (a cold compile of loom_1p7b at H = 9 is estimated at 85-185 s; eager compiles flex only)
+#   each stage's limit = min(cap, TOTAL_S - elapsed - KILL_GRACE_S - SUMMARY_S); gpu_tests gets
+#   what the cells leave: with every stage at its cap, 500 - 450 - 5 x ~2 s publishing - 12 = ~28 s
+#   (every cell that ends before its cap leaves the rest to them); 900 - 540 = 360 s >= the machine
+#   start. No second try.
 set -uo pipefail  # no -e: a failed stage is a result, the next one runs
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
