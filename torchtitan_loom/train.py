@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchtitan_loom import launch
-from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.checkpoint import CheckpointManager
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
@@ -395,8 +395,7 @@ class Trainer:
         if (
             self.info.rank == 0
         ):  # after the resume succeeded, so a refused one leaves the run as it was
-            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
-                fh.write(to_toml(cfg))
+            safe_files.atomic_write(os.path.join(cfg.job.dump_folder, "config.toml"), to_toml(cfg))
             record_launch(cfg, self.run_id, "running", self.state.step, resumed)
             self.launch_recorded = True
 
