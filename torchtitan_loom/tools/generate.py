@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
@@ -87,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         text = run(ns)
     except LoadError as exc:
         print(f"generate error: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
     print(ns.prompt + text)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":
