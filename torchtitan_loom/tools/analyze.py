@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 ns.layer,
             )
     except AnalyzeError as exc:
-        print(f"analyze error: {exc}", file=sys.stderr)
+        print(shorten_line(f"analyze error: {exc}"), file=sys.stderr)
         return exit_codes.BAD_INPUT
     print(f"report written: {path}")
     return exit_codes.OK

@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stats = verify(args.verify)
         except PackError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(shorten_line(f"error: {e}"), file=sys.stderr)
             return exit_codes.BAD_INPUT
         for k, v in stats.items():
             print(f"{k}: {v}")
