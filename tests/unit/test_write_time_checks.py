@@ -154,23 +154,21 @@ TB = ("--metrics.enable_tensorboard", "true")
 
 
 def test_tensorboard_stops_at_a_link_planted_mid_run(tiny_pack, tmp_path, capsys):
-    dump, outside = tmp_path / "run", tmp_path / "outside"
+    dump, outside, seen = tmp_path / "run", tmp_path / "outside", {}
 
-    def plant(t):  # the launch folder moved away and replaced by a link to a copy elsewhere
+    def plant(t):  # the launch folder moved away and replaced by a link to it, elsewhere
         tb_dir = t.metrics.tb_dir
         os.rename(tb_dir, outside)
         os.symlink(outside, tb_dir)
-        t.planted = listing(outside)
+        seen["at plant"] = listing(outside)
 
-    cls = planting(2, plant)
-    assert launch_with(cls, tiny_pack, dump, *TB, steps=4) == 0  # training itself goes on
+    assert launch_with(planting(2, plant), tiny_pack, dump, *TB, steps=4) == 0  # training goes on
     err = one_line(capsys, "warning: TensorBoard stopped for this launch: ")
     assert "symbolic link" in err
-    events = [n for n in os.listdir(outside) if n.startswith("events.")]
-    assert events and all(os.path.getsize(outside / n) > 0 for n in events)
-    sizes = {n: os.path.getsize(outside / n) for n in events}
+    events = [n for n, data in seen["at plant"] if n.startswith("events.") and data]
+    assert events  # step 1 was written before the link appeared
+    assert listing(outside) == seen["at plant"]  # nothing written through the link after it
     assert len((dump / "metrics.jsonl").read_text().splitlines()) == 4  # every step logged
-    assert sizes == {n: os.path.getsize(outside / n) for n in events}  # nothing after step 2
 
 
 def test_a_tb_folder_linked_before_the_launch_is_refused(tiny_pack, tmp_path, capsys):
@@ -215,3 +213,16 @@ def test_make_dirs_and_real_dir_refuse_a_link_on_the_way(tmp_path):
     assert os.listdir(tmp_path / "outside") == ["step-8"]
     with pytest.raises(safe_files.UnsafePathError, match="outside"):
         safe_files.check_inside(str(tmp_path.parent / "x"), str(tmp_path))
+
+
+def test_overwrite_never_moves_the_old_run_through_a_planted_link(tiny_pack, tmp_path, capsys):
+    dump, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    assert launch_with(Trainer, tiny_pack, dump, steps=2) == 0
+    run_id = layout.read_json(str(dump / "run.json"))["run_id"]
+    os.symlink(outside, dump / f"replaced-{run_id}")  # where job.overwrite moves the old run
+    capsys.readouterr()
+    assert launch_with(Trainer, tiny_pack, dump, "--job.overwrite", "true", steps=2) == 2
+    err = one_line(capsys, "run folder error: ")
+    assert f"replaced-{run_id} is a symbolic link" in err, err
+    assert os.listdir(outside) == [] and (dump / "run.json").is_file()

@@ -68,9 +68,9 @@ def link_errors(cfg: Any) -> str | None:
     from torchtitan_loom.components.runtime import run_folder
     from torchtitan_loom.components.checkpoint import layout
 
-    links = run_folder.planted_links(
-        cfg.job.dump_folder, [cfg.metrics.tb_folder] if cfg.metrics.enable_tensorboard else []
-    )
+    folders = [cfg.metrics.tb_folder] if cfg.metrics.enable_tensorboard else []
+    folders += [cfg.profiling.save_traces_folder] if cfg.profiling.enable_profiling else []
+    links = run_folder.planted_links(cfg.job.dump_folder, folders)
     if cfg.checkpoint.enable:
         links += layout.planted_links(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
     if not links:

@@ -202,7 +202,7 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
     if not cfg.job.overwrite or not present:
         return None
     dest = os.path.join(dump, f"replaced-{(run or {}).get('run_id') or new_run_id()}")
-    os.makedirs(dest, exist_ok=True)
+    safe_files.make_dirs(dest, dump)  # a link planted at that name would take the old run away
     for n in present:
         os.rename(os.path.join(dump, n), os.path.join(dest, n))
     log(f"job.overwrite: moved the previous run's {', '.join(present)} to {dest}")
