@@ -18,6 +18,7 @@ from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
 from torchtitan_loom.components.observability.progress import final_line
 from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime.preemption import ElasticRestarts
 from torchtitan_loom.components.runtime.run_folder import (
     RunFolderError,
@@ -26,14 +27,15 @@ from torchtitan_loom.components.runtime.run_folder import (
     record_launch,
     replace_old_run,
 )
+from torchtitan_loom.components.runtime.safe_files import UnsafePathError
 from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
-from torchtitan_loom.config.validate import resolve
+from torchtitan_loom.config.validate import load_and_resolve, resolve
 from torchtitan_loom.distributed import utils as dist_utils
 
 
 def _errors(kind: str, exc: BaseException) -> int:
     for line in str(exc).splitlines():
-        print(f"{kind} error: {line}", file=sys.stderr)
+        print(shorten_line(f"{kind} error: {line}"), file=sys.stderr)
     return exit_codes.BAD_INPUT
 
 
@@ -45,11 +47,11 @@ def run(argv: list[str], trainer_cls: Any) -> int:
     checks = [a for a in argv if a == "--check-config" or a.startswith("--check-config=")]
     argv = [a for a in argv if a not in checks]
     try:
-        cfg = load_config(argv)
-        world_size = cfg.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
         if checks and checks[-1].startswith("--check-config="):
-            return _check_world_sizes(cfg, checks[-1].split("=", 1)[1])
-        resolved = resolve(cfg, world_size)
+            return _check_world_sizes(argv, checks[-1].split("=", 1)[1])
+        cfg, resolved = load_and_resolve(
+            argv, lambda c: c.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
+        )
     except ConfigError as exc:
         return _errors("config", exc)
     if checks:  # run_train.sh checks the config for the whole world before starting ranks
@@ -74,7 +76,7 @@ def run(argv: list[str], trainer_cls: Any) -> int:
         except (RunFolderError, OSError) as exc:
             if lock is not None:
                 lock.release()
-            print(f"run folder error: {exc}", file=sys.stderr)
+            print(shorten_line(f"run folder error: {exc}"), file=sys.stderr)
             return exit_codes.BAD_INPUT
     info = dist_utils.init_distributed(cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds)
     peers_alive = False
@@ -89,7 +91,7 @@ def run(argv: list[str], trainer_cls: Any) -> int:
             lock.release()
 
 
-def _check_world_sizes(cfg: Any, sizes: str) -> int:
+def _check_world_sizes(argv: list[str], sizes: str) -> int:
     """``--check-config=W,W,...`` (run_train.sh's elastic mode): the config at every world size a
     restart may bring, before any rank starts; on success prints the absolute dump folder (the
     default rendezvous id is derived from it)."""
@@ -103,6 +105,10 @@ def _check_world_sizes(cfg: Any, sizes: str) -> int:
             file=sys.stderr,
         )
         return exit_codes.BAD_INPUT
+    try:
+        cfg = load_config(argv)
+    except ConfigError:  # every problem of the keys and values at once, as for one world size
+        return _errors("config", _config_error(argv, worlds[0]))
     failed = 0
     for world in worlds:
         try:
@@ -110,7 +116,7 @@ def _check_world_sizes(cfg: Any, sizes: str) -> int:
         except ConfigError as exc:
             failed += 1
             for line in str(exc).splitlines():
-                print(f"config error: at world size {world}: {line}", file=sys.stderr)
+                print(shorten_line(f"config error: at world size {world}: {line}"), file=sys.stderr)
             if failed == 3:
                 break
     if failed:
@@ -123,6 +129,14 @@ def _check_world_sizes(cfg: Any, sizes: str) -> int:
         return exit_codes.BAD_INPUT
     print(os.path.abspath(cfg.job.dump_folder))
     return exit_codes.OK
+
+
+def _config_error(argv: list[str], world: int) -> ConfigError:
+    try:
+        load_and_resolve(argv, lambda _: world)
+    except ConfigError as exc:
+        return exc
+    raise AssertionError("load_config refused what load_and_resolve accepts")
 
 
 def _train(
@@ -143,6 +157,9 @@ def _train(
             trainer, "failed"
         )  # a refused resume recorded nothing: run.json stays as it was
         return _errors("checkpoint", exc), False
+    except UnsafePathError as exc:  # a link planted where the run writes, since the launch check
+        _record_end(trainer, "failed")
+        return _errors("run folder", exc), False
     except PackError as exc:  # a pack that does not fit this run
         _record_end(trainer, "failed")
         return _errors("data", exc), False
@@ -160,7 +177,9 @@ def _train(
             print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
             return exit_codes.INTERRUPTED, False
         _record_end(trainer, "failed")
-        print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
+        print(
+            shorten_line(f"checkpoint error: {exc}"), file=sys.stderr
+        )  # the older checkpoints are untouched
         return exit_codes.FAILED, False
     except Exception as exc:
         why = dist_utils.lost_peer(exc)
@@ -218,7 +237,10 @@ def _lost_peer(trainer: Any, cfg: Any, why: str) -> int:
         else f"relaunch to continue; the run {resume}"
     )
     _record_end(trainer, "stopped" if code == exit_codes.RESTART else "failed")
-    print(f"lost a peer during step {step + 1} ({why}): exiting {code}; {then}", file=sys.stderr)
+    print(
+        shorten_line(f"lost a peer during step {step + 1} ({why}): exiting {code}; {then}"),
+        file=sys.stderr,
+    )
     return code
 
 

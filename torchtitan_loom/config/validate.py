@@ -13,11 +13,12 @@ import importlib.util
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
 from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
-from torchtitan_loom.config.manager import ConfigError
+from torchtitan_loom.config.manager import ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import get_train_spec
@@ -423,6 +424,26 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if errors:
         raise ConfigError("\n".join(errors))
     return Resolved(args, dims)
+
+
+def load_and_resolve(
+    argv: list[str], world_size_of: Callable[[JobConfig], int]
+) -> tuple[JobConfig, Resolved]:
+    """``load_config`` then ``resolve``, every problem of both in one ConfigError: when keys or
+    values are bad, the config built from the valid ones is still checked (unknown keys, TorchTitan
+    keys without meaning, bad values and flavor errors come out together). ``world_size_of``: the
+    world size a config runs at (the launcher's environment, or the dry run's)."""
+    try:
+        cfg = load_config(argv)
+    except ConfigError as exc:
+        if exc.partial is None:
+            raise
+        try:
+            resolve(exc.partial, world_size_of(exc.partial))
+        except ConfigError as more:
+            raise ConfigError(f"{exc}\n{more}") from None
+        raise
+    return cfg, resolve(cfg, world_size_of(cfg))
 
 
 def _diagnostics_errors(cfg: JobConfig) -> list[str]:
