@@ -71,6 +71,7 @@ def run(argv: list[str], trainer_cls: Any) -> int:
                 cfg.job.dump_folder,
                 run_id,
                 log=lambda m: print(f"[torchtitan_loom] {m}", flush=True),
+                elastic_run=ElasticRestarts.from_env(os.environ).elastic_run,
             )
             replace_old_run(cfg)
         except (RunFolderError, OSError) as exc:
@@ -109,6 +110,13 @@ def _check_world_sizes(argv: list[str], sizes: str) -> int:
         cfg = load_config(argv)
     except ConfigError:  # every problem of the keys and values at once, as for one world size
         return _errors("config", _config_error(argv, worlds[0]))
+    if cfg.job.overwrite:
+        print(
+            "config error: job.overwrite: an elastic run would move its own files aside at every "
+            "restart; start a fresh run in a new job.dump_folder instead",
+            file=sys.stderr,
+        )
+        return exit_codes.BAD_INPUT
     failed = 0
     for world in worlds:
         try:
@@ -212,6 +220,10 @@ def _log_elastic_restart(trainer: Any, info: dist_utils.DistInfo) -> None:
     )
 
 
+def _steps(first: int, last: int) -> str:
+    return f"step {first} is" if first == last else f"steps {first}-{last} are"
+
+
 def _lost_peer(trainer: Any, cfg: Any, why: str) -> int:
     """A collective failed because a peer is gone: one line, no traceback, and the exit code that
     makes an elastic agent restart the group (1 without restarts left: relaunch by hand)."""
@@ -225,7 +237,7 @@ def _lost_peer(trainer: Any, cfg: Any, why: str) -> int:
     newest = layout.scan(checkpoint_root(cfg.job.dump_folder, cfg.checkpoint.folder))
     newest = newest.newest() if cfg.checkpoint.enable else None
     resume = (
-        f"resumes from step {newest.step} (steps {newest.step + 1}-{step} are trained again)"
+        f"resumes from step {newest.step} ({_steps(newest.step + 1, step)} trained again)"
         if newest is not None and newest.step < step
         else f"resumes from step {newest.step}"
         if newest is not None

@@ -521,7 +521,7 @@ class Trainer:
         if reason is None:
             return None
         saved = f"saved {where}" if where else "nothing saved (checkpoints off)"
-        return f"{reason}, {saved}; {self.stop_signals.exit_note()}"
+        return f"{reason}, {saved}; {self.stop_signals.exit_note(saved=bool(where))}"
 
     def _shorten_timeouts(self) -> None:
         cfg = self.cfg

@@ -119,6 +119,12 @@ def test_a_lost_node_restarts_the_job_at_world_size_1(tiny_pack, tmp_path, launc
         try:
             _wait_trained(dump, 8, [node1, node2], deadline)  # past the step-6 save
             _kill_node(node2)
+            killed = time.monotonic()
+            while "world size was 2, now 1" not in Path(log1.name).read_text():
+                assert node1.poll() is None and time.monotonic() < deadline, "no restart"
+                time.sleep(0.2)
+            # Seen with -s: from the kill to the restarted worker's resume line.
+            print(f"elastic restart: resumed {time.monotonic() - killed:.1f} s after the kill")
             out = _finish(node1, log1, deadline)
         finally:
             _stop([node1, node2])
@@ -183,3 +189,59 @@ def test_a_node_that_joins_restarts_the_job_at_world_size_2(tiny_pack, tmp_path,
     rows = [json.loads(r)["step"] for r in (dump / "metrics.jsonl").read_text().splitlines()]
     assert rows == list(range(1, STEPS + 1))
     assert json.loads((dump / "run.json").read_text())["status"] == "finished"
+
+
+def _alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killing_torchrun_with_checkpoints_off_stops_every_rank_cleanly(
+    tiny_pack, tmp_path, launch_cost_s
+):
+    # Without stop handlers (checkpoints off) each rank used to SIGTERM itself: one died at once,
+    # the other on a gloo "Connection reset by peer" traceback inside its next collective.
+    dump = tmp_path / "unsaved"
+    args = common(tiny_pack, steps=100000) + ["--job.dump_folder", str(dump)]
+    args.remove("--checkpoint.enable")  # off by default
+    # torchrun keeps each rank's output in a folder under TMPDIR (--tee): read it after its death.
+    env = dict(os.environ, NGPU="2", TMPDIR=str(tmp_path), **ENV)
+    proc = subprocess.Popen(
+        ["./run_train.sh", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    ranks = []
+    try:
+        deadline = time.monotonic() + LAUNCHES * launch_cost_s
+        _wait_trained(dump, 2, [proc], deadline)
+        ranks = _children(proc.pid)  # run_train.sh exec'd torchrun, whose children are the ranks
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        proc.wait()
+        while any(_alive(p) for p in ranks):
+            assert time.monotonic() < deadline, "the ranks kept training after their launcher died"
+            time.sleep(0.2)
+    finally:
+        for p in ranks:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    logs = {
+        f"{p.parent.name}/{p.name}": p.read_text()
+        for p in tmp_path.glob("torchelastic_*/**/attempt_0/*/std*.log")
+    }
+    assert sorted(logs) == ["0/stderr.log", "0/stdout.log", "1/stderr.log", "1/stdout.log"]
+    stopped = max(losses(dump))
+    assert f"stopped after step {stopped}, nothing saved (checkpoints off)" in logs["0/stdout.log"]
+    # Each rank notices within a second; one noticing is enough (the stop flag is agreed).
+    assert any(
+        "is gone: stopping after this step as on SIGTERM" in logs[f"{r}/stdout.log"] for r in "01"
+    )
+    for rank in "01":
+        assert "Traceback" not in logs[f"{rank}/stderr.log"], logs[f"{rank}/stderr.log"][-2000:]
+    assert json.loads((dump / "run.json").read_text())["status"] == "stopped"

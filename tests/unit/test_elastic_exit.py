@@ -119,3 +119,35 @@ def test_the_elastic_config_check_covers_every_world_size_a_restart_may_bring(tm
     assert err[0].startswith("config error: at world size 1: parallelism.dp_shard = 2:")
     assert err[1].startswith("config error: at world size 3: parallelism.dp_shard = 2:")
     assert "elastic run restarts at any of the world sizes 1, 2, 3" in err[2] and len(err) == 3
+
+
+def test_a_later_round_of_the_same_elastic_run_takes_the_run_lock_over(tmp_path):
+    import json
+
+    from torchtitan_loom.components.runtime.run_folder import LOCK, RunFolderError, RunLock
+
+    # Rank 0 of the earlier round ran on a host that is gone: its pid cannot be checked from here.
+    held = {"host": "lost-node-7", "pid": 4242, "run_id": "r0", "elastic_run": "loom-1"}
+    (tmp_path / LOCK).write_text(json.dumps(held))
+    with pytest.raises(RunFolderError, match="in use by a live run: pid 4242 on host lost-node-7"):
+        RunLock(str(tmp_path), "r1", log=lambda m: None)  # not an elastic launch
+    with pytest.raises(RunFolderError, match="in use by a live run"):
+        RunLock(str(tmp_path), "r1", log=lambda m: None, elastic_run="loom-2")  # another run
+    said = []
+    lock = RunLock(str(tmp_path), "r1", log=said.append, elastic_run="loom-1")
+    assert json.loads((tmp_path / LOCK).read_text())["run_id"] == "r1"
+    assert said == [
+        f"taking over {tmp_path / LOCK} from an earlier round of elastic run loom-1 "
+        "(pid 4242 on lost-node-7)"
+    ]
+    lock.release()
+    # torchrun's default run id of a static launch is "none": never an elastic run of its own.
+    assert ElasticRestarts("none", 0, 3).elastic_run == ""
+    assert ElasticRestarts("loom-1", 0, 0).elastic_run == ""
+    assert ElasticRestarts("loom-1", 2, 3).elastic_run == "loom-1"
+
+
+def test_the_elastic_config_check_refuses_job_overwrite(tmp_path, capsys):
+    argv = ["--job.dump_folder", str(tmp_path / "run"), "--job.overwrite", "--check-config=1,2"]
+    assert launch.run(["--job.config_file", "train_configs/debug_model.toml", *argv], None) == 2
+    assert "job.overwrite: an elastic run would move its own files aside" in capsys.readouterr().err

@@ -134,11 +134,14 @@ class PreemptionWatcher:
             return exit_codes.RESTART
         return exit_codes.OK
 
-    def exit_note(self) -> str:
-        """How the stop line ends: the exit code and what follows it."""
+    def exit_note(self, saved: bool = True) -> str:
+        """How the stop line ends: the exit code and what follows it (``saved``: this stop saved
+        a checkpoint to resume from)."""
         code = self.exit_code()
         if code == exit_codes.RESTART:
             return f"exiting {code}: {self.elastic.describe()} restarts the workers"
+        if not saved:
+            return f"exiting {code}"
         if self.elastic.restarts_left:
             return (
                 f"exiting {code}; an elastic restart or a relaunch of the same command resumes here"
@@ -188,6 +191,12 @@ class ElasticRestarts(NamedTuple):
     def restarts_left(self) -> bool:
         """A non-zero exit makes the agent restart the group (rather than fail the job)."""
         return bool(self.run_id) and self.restart_count < self.max_restarts
+
+    @property
+    def elastic_run(self) -> str:
+        """The run id of an elastic launch (restarts configured and a real ``--rdzv-id``), else ""."""
+        elastic = self.max_restarts > 0 and self.run_id not in ("", "none")
+        return self.run_id if elastic else ""
 
     def describe(self) -> str:
         return (
