@@ -12,10 +12,15 @@ segment, E routed experts.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not {"--help", "-h"} & set(sys.argv):
+    # `python -m`: importing torch and the trainer takes seconds on a cold start; say so first.
+    print("[torchtitan_loom] importing torch and the trainer ...", flush=True)
+
 import contextlib
 import math
 import os
-import sys
 from typing import Any
 
 import torch
