@@ -96,7 +96,7 @@ class Trainer:
             ):
                 self.log(line)
         self.float8 = build_float8_converter(
-            cfg.float8, t.device, self.spec
+            cfg.float8, t.device, self.spec, t.micro_batch_size * t.seq_len
         )  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
