@@ -21,8 +21,9 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from torchtitan_loom.models.loom.swiglu import swiglu_activation
 
 GroupedGemm = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -71,8 +72,7 @@ def swiglu_grouped(
     x_PD = x_AD.new_zeros(P, D).index_copy(0, dest_A, x_AD)
     # Weights stay [E, out, in]; the kernels take the transposed (column-major) view.
     h_P2I = gemm(x_PD, w13_E2ID.transpose(-2, -1), ends_E)
-    gate_PI, up_PI = h_P2I.chunk(2, dim=-1)
-    y_PD = gemm(F.silu(gate_PI) * up_PI, w2_EDI.transpose(-2, -1), ends_E)
+    y_PD = gemm(swiglu_activation(h_P2I), w2_EDI.transpose(-2, -1), ends_E)
     return y_PD.index_select(0, dest_A)
 
 
