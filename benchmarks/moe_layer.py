@@ -1,18 +1,25 @@
-"""One loom_1p7b-shaped MoE layer, forward + backward: the dispatch/combine as it was ("before":
-rows gathered in fp32 then cast, outputs copied into an [N, K, D] buffer, weighted sum over K)
-against `LoomMoE.forward` ("after": rows gathered in the experts' dtype, gate-weighted `index_add_`
-into [N, D]), side by side in one run, alternating, on the same module, weights and tokens.
+"""One loom_1p7b-shaped MoE layer, forward + backward: the plain compositions ("before": the
+SwiGLU as chunk / silu / mul, the combine as a gate multiply + index_add_, exactly LoomMoE's math
+before models/loom/swiglu.py) against `LoomMoE.forward` ("after": the fused SwiGLU and combine),
+side by side in one run, on the same module, weights and tokens.
 
-    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py                      # 2048 tokens, every precision
-    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --tokens 4096 --precision autocast --rounds 5
+    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --table by_op       # bytes per aten op, fp32 eager
+    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --table compiled --rounds 5
+    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --table precision --tokens 4096 --precision autocast
 
-Per variant: bytes allocated during one forward + backward (sum of the profiler's allocation
-events), peak live bytes above the start of the call (the same events in time order), and the
-median time of the rounds. The layer is loom_1p7b's (D = 1280, 30 routed experts of width 768,
-top-6, 2 shared, capacity factor 1.5) at a reduced token count, in three precisions: `fsdp_bf16`
-(weights and tokens bf16, as FSDP's MixedPrecisionPolicy hands them to a block; routers fp32),
-`autocast` (fp32 weights and tokens under bf16 autocast: one process) and `float32`. Also printed: max |after - before| of the output and of
-every gradient, relative to the largest entry (the K terms of a token add up in another order).
+Tables (all three by default):
+- by_op: per aten op, calls, bytes of its outputs in new storage (allocated) and bytes it writes
+  (in-place and out= targets included), eager fp32; then the totals outside and inside the GEMMs.
+- compiled: the median fwd+bwd time of both variants under torch.compile (fullgraph, inductor,
+  fp32), alternating, after one compiling call each.
+- precision: bytes allocated during one forward + backward (sum of the profiler's allocation
+  events), peak live bytes above the start of the call (the same events in time order), and the
+  median time of the rounds, alternating, in three precisions: `fsdp_bf16` (weights and tokens
+  bf16, as FSDP's MixedPrecisionPolicy hands them to a block; routers fp32), `autocast` (fp32
+  weights and tokens under bf16 autocast: one process) and `float32`; with max |after - before|
+  of the output and of every gradient, relative to the largest entry.
+The layer is loom_1p7b's (D = 1280, 30 routed experts of width 768, top-6, 2 shared, capacity
+factor 1.5) at a reduced token count.
 """
 
 from __future__ import annotations

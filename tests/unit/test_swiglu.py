@@ -130,7 +130,8 @@ def test_gate_combine_compiles_without_a_break():
     assert dict(counters["graph_break"]) == {}
     torch._dynamo.reset()
     assert torch.equal(y, y0) and torch.equal(d_out, d_out0)
-    assert torch.allclose(d_gate, d_gate0, rtol=1e-6, atol=0)
+    rel = ((d_gate - d_gate0).abs().max() / d_gate0.abs().max()).item()
+    assert rel <= 1e-6, rel  # eager: the row-wise dot product; compiled: the plain sum
 
 
 def test_eager_moe_layer_allocates_less_outside_the_gemms():

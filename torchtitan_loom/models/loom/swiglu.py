@@ -13,8 +13,9 @@ composition: the same kernels (silu, mul, silu_backward) on the same operands.
 the gate weighting of the routed outputs and their sum into their tokens' rows. Its backward
 gathers the output gradient's rows once and scales them in place (the plain composition writes
 [A, D] three times there: the gather, the gradient of the outputs, and grad * out for the gates'
-gradient); the gates' gradient is a row-wise dot product (a batched GEMM of [A, 1, D] by
-[A, D, 1]), fp32 rounding away from the plain sum over D; every other value is bitwise the same.
+gradient); the gates' gradient is, in eager, a row-wise dot product (a batched GEMM of [A, 1, D]
+by [A, D, 1]), fp32 rounding away from the plain sum over D; every other value is bitwise the
+same. Compiled, it is the plain product and sum, which inductor fuses into one reduction.
 
 Both are plain autograd functions of aten ops, so torch.compile traces them (no graph break;
 SwiGLU's compiled backward is the functional form, which inductor fuses into one kernel) and
@@ -81,8 +82,11 @@ class _GateCombine(torch.autograd.Function):
         grad_gate_A = None
         if ctx.needs_input_grad[1]:
             # Under autocast the outputs are bf16 and the combine fp32: one cast of them here.
-            rows_A1D, out_AD1 = grad_AD.unsqueeze(1), out_AD.to(grad_AD.dtype).unsqueeze(2)
-            grad_gate_A = torch.bmm(rows_A1D, out_AD1).view(-1).to(gate_A.dtype)
+            if torch.compiler.is_compiling():  # inductor fuses the product into the reduction
+                grad_gate_A = (grad_AD * out_AD).sum(-1).to(gate_A.dtype)
+            else:
+                rows_A1D, out_AD1 = grad_AD.unsqueeze(1), out_AD.to(grad_AD.dtype).unsqueeze(2)
+                grad_gate_A = torch.bmm(rows_A1D, out_AD1).view(-1).to(gate_A.dtype)
         grad_out_AD = None
         if ctx.needs_input_grad[0]:
             grad_out_AD = grad_AD.mul_(gate_A.unsqueeze(-1)).to(out_AD.dtype)
