@@ -80,7 +80,7 @@ def before_forward(moe: LoomMoE, x_BSD: torch.Tensor, router_w_ED: torch.Tensor)
     _, expert_NK, gate_NK = route(x_ND, router_w_ED, moe.expert_bias, K)
     capacity = expert_capacity(N, K, moe.num_experts, moe.capacity_factor)
     order_A, counts_E, _, gate_NK = capacity_plan(expert_NK, gate_NK, moe.num_experts, capacity)
-    x_cast_ND = x_ND.to(moe.experts_dtype(x_ND))
+    x_cast_ND = x_ND.to(moe.experts.input_dtype(x_ND))
     gate_A, token_A = gate_NK.reshape(-1)[order_A], order_A // K
     out_AD = plain_experts(moe, x_cast_ND[token_A], counts_E)
     weighted_AD = out_AD * gate_A.unsqueeze(-1)

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
@@ -62,6 +63,8 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError(problems[0])
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
+    # stderr: stdout carries only the text
+    print(f"generate: loading {ns.ckpt} ...", file=sys.stderr, flush=True)
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.args.num_loops)
     ids = loaded.tokenizer.encode(ns.prompt)
@@ -85,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         text = run(ns)
     except LoadError as exc:
         print(f"generate error: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
     print(ns.prompt + text)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.data.pack_format import PackError, open_pack, read_metadata
 from torchtitan_loom.components.data.pack_writer import PackWriter
 from torchtitan_loom.components.data.tokenizer import build_tokenizer
@@ -510,10 +511,10 @@ def main(argv: list[str] | None = None) -> int:
             stats = verify(args.verify)
         except PackError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return exit_codes.BAD_INPUT
         for k, v in stats.items():
             print(f"{k}: {v}")
-        return 0
+        return exit_codes.OK
     if args.out is None or not (args.jsonl or args.text or args.parquet or args.hf_dataset):
         parser.error(
             "packing needs --out and at least one of --jsonl / --text / --parquet / --hf-dataset "
@@ -527,9 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         OSError,
     ) as e:  # PackInputError, a tokenizer, a write that failed
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
     print(f"wrote {out}", file=sys.stderr)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 ABORT_FILE = "SPIKE_ABORT.txt"
-EXIT_CODE = 2
 
 
 class DivergenceMonitor:

@@ -86,21 +86,23 @@ def parallelize_loom(
             unreduced = [p for p in model.parameters() if p.requires_grad]
         reduce_gradients(unreduced, reduce_dtype)
 
-    looped = LoopedBlockSync(model.layers) if parallel_dims.fsdp_enabled else None
+    if not parallel_dims.fsdp_enabled:
+        return Parallelized(model, finish_gradients)
+    looped = LoopedBlockSync(model.layers)
 
-    def before_micro_batch(last: bool) -> None:
-        if looped is None:
-            return
+    def defer_sync_to_segment_end(last: bool) -> None:
         # Deferred sync: gradients accumulate unsharded and the gathered parameters stay until the
         # segment's last backward, which reduces and reshards (before the optimizer step).
-        per_segment = cfg.parallelism.fsdp_sync == "segment"
-        if per_segment:
-            model.set_requires_gradient_sync(last, recurse=True)
-            model.set_reshard_after_backward(last, recurse=True)
-        if last or not per_segment:
+        model.set_requires_gradient_sync(last, recurse=True)
+        model.set_reshard_after_backward(last, recurse=True)
+        if last:
             looped.defer()
 
-    return Parallelized(model, finish_gradients, before_micro_batch)
+    # The sync mode is bound here, once: the step calls whichever hook this layout needs. Either
+    # way a reducing backward reduces each looped block once (LoopedBlockSync).
+    if cfg.parallelism.fsdp_sync == "segment":
+        return Parallelized(model, finish_gradients, defer_sync_to_segment_end)
+    return Parallelized(model, finish_gradients, lambda last: looped.defer())
 
 
 class LoopedBlockSync:
