@@ -12,16 +12,21 @@ segment, E routed experts.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not {"--help", "-h"} & set(sys.argv):
+    # `python -m`: importing torch and the trainer takes seconds on a cold start; say so first.
+    print("[torchtitan_loom] importing torch and the trainer ...", flush=True)
+
 import contextlib
 import math
 import os
-import sys
 from typing import Any
 
 import torch
 
 from torchtitan_loom import launch
-from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.checkpoint import CheckpointManager
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
@@ -91,7 +96,7 @@ class Trainer:
             ):
                 self.log(line)
         self.float8 = build_float8_converter(
-            cfg.float8, t.device, self.spec
+            cfg.float8, t.device, self.spec, t.micro_batch_size * t.seq_len
         )  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
@@ -395,8 +400,7 @@ class Trainer:
         if (
             self.info.rank == 0
         ):  # after the resume succeeded, so a refused one leaves the run as it was
-            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
-                fh.write(to_toml(cfg))
+            safe_files.atomic_write(os.path.join(cfg.job.dump_folder, "config.toml"), to_toml(cfg))
             record_launch(cfg, self.run_id, "running", self.state.step, resumed)
             self.launch_recorded = True
 
@@ -521,7 +525,8 @@ class Trainer:
         where = self.checkpointer.after_step(step, last=last, stopping=reason is not None)
         if reason is None:
             return None
-        return f"{reason}, saved {where}; exiting {self.stop_signals.exit_code()}, relaunch the same command to resume"
+        saved = f"saved {where}" if where else "nothing saved (checkpoints off)"
+        return f"{reason}, {saved}; {self.stop_signals.exit_note(saved=bool(where))}"
 
     def _shorten_timeouts(self) -> None:
         cfg = self.cfg

@@ -11,8 +11,8 @@ load heatmap per layer, for a few documents which experts each token visits in e
 when the run logged branch diagnostics (metrics.diag_interval) their layer × loop heatmaps over
 training (tools/analyze_diag.py).
 
-Needs matplotlib (``pip install 'torchtitan_loom[viz]'``): the figures must carry titles, axis
-labels and colour bars to be readable without the code, which raw PNG pixels cannot.
+The figures carry titles, axis labels and colour bars, to be readable without the code
+(matplotlib, a dependency of the package).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
@@ -303,13 +304,8 @@ def analyze(
     from torchtitan_loom.components.checkpoint.layout import read_json
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError, open_pack
-    from torchtitan_loom.components.observability.routing_plots import have_matplotlib
     from torchtitan_loom.tools.export import ExportError, load_checkpoint_model
 
-    if not have_matplotlib():
-        raise AnalyzeError(
-            "the report's figures need matplotlib: pip install 'torchtitan_loom[viz]'"
-        )
     try:
         model, info, ckpt = load_checkpoint_model(ckpt_arg)
     except (ExportError, OSError) as exc:
@@ -421,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 ns.layer,
             )
     except AnalyzeError as exc:
-        print(f"analyze error: {exc}", file=sys.stderr)
+        print(shorten_line(f"analyze error: {exc}"), file=sys.stderr)
         return exit_codes.BAD_INPUT
     print(f"report written: {path}")
     return exit_codes.OK

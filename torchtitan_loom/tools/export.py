@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import integrity, layout
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.verify:
             print(f"verified: {verify(ns.ckpt, ns.out)} tensors bit-identical to the checkpoint")
     except (ExportError, OSError) as exc:
-        print(f"export error: {exc}", file=sys.stderr)
+        print(shorten_line(f"export error: {exc}"), file=sys.stderr)
         return exit_codes.BAD_INPUT
     return exit_codes.OK
 
@@ -264,7 +265,7 @@ def _main_hf(ns: argparse.Namespace) -> int:
             print(f"export: no tokenizer files ({exc})", file=sys.stderr)
         files = export_hf(loaded, ns.out, SHORT_DTYPES[ns.dtype])
     except (LoadError, ExportError, OSError) as exc:
-        print(f"export error: {exc}", file=sys.stderr)
+        print(shorten_line(f"export error: {exc}"), file=sys.stderr)
         return exit_codes.BAD_INPUT
     except ImportError as exc:
         print(

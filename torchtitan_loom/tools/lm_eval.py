@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         run(ns)
         finished = True
     except LoadError as exc:
-        print(f"lm_eval error: {exc}", file=sys.stderr)
+        print(shorten_line(f"lm_eval error: {exc}"), file=sys.stderr)
         return exit_codes.BAD_INPUT
     finally:
         dist_utils.destroy_distributed(wait_for_all=finished)

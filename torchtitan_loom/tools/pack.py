@@ -32,6 +32,7 @@ from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.data.pack_format import PackError, open_pack, read_metadata
 from torchtitan_loom.components.data.pack_writer import PackWriter
 from torchtitan_loom.components.data.tokenizer import build_tokenizer
+from torchtitan_loom.components.runtime.messages import shorten_line
 
 DOCS_PER_TASK = 256  # documents sent to a worker at a time
 PROGRESS_EVERY_S = 2.0  # seconds between progress lines on stderr
@@ -131,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len",
         type=int,
         default=1024,
-        help="record (chunk) length in tokens, metadata max_seq_len; the model trains at seq_len - 1",
+        help="record (chunk) length in tokens (metadata max_seq_len). A record of N tokens holds "
+        "N - 1 inputs and their next-token targets, so it trains training.seq_len ≤ N - 1: "
+        "--seq-len 1025 for training.seq_len 1024",
     )
     p.add_argument(
         "--epochs",
@@ -390,6 +393,25 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
+def _replace_problem(out: Path) -> str | None:
+    """Why ``--force`` could not replace the existing ``out`` once the pack is written (it is
+    built next to ``out``, then ``out`` is removed and the new pack renamed into place), else None.
+    Checked before any tokenizing, so a long pack never fails at its very end."""
+    from torchtitan_loom.config.io_checks import writable_dir_problem
+
+    if out.is_symlink() or not out.is_dir():
+        return "it is not a directory (a pack is one); remove it or choose another --out"
+    if os.path.ismount(out):
+        return (
+            "it is a mount point, which cannot be removed and replaced; choose a folder inside "
+            f"it, e.g. --out {str(out / 'pack')!r}"
+        )
+    problem = writable_dir_problem(str(out))
+    if problem:
+        return f"its old contents cannot be removed: it {problem}"
+    return None
+
+
 def run_pack(args: argparse.Namespace) -> Path:
     """Tokenise the inputs and write the pack; returns its directory."""
     if args.out.exists() and not args.force:
@@ -403,9 +425,14 @@ def run_pack(args: argparse.Namespace) -> Path:
         raise PackInputError(
             f"--out {str(args.out)!r}: its folder {problem}; choose a writable place"
         )
+    if args.out.exists() or args.out.is_symlink():
+        problem = _replace_problem(args.out)
+        if problem:
+            raise PackInputError(f"--out {str(args.out)!r} --force: {problem}")
     if args.seq_len < 2 or args.epochs < 1 or args.workers < 1 or args.holdout_tokens < 0:
         raise PackInputError(
-            "need --seq-len ≥ 2, --epochs ≥ 1, --workers ≥ 1 and --holdout-tokens ≥ 0"
+            "need --seq-len ≥ 2 (the record length: training.seq_len + 1), --epochs ≥ 1, "
+            "--workers ≥ 1 and --holdout-tokens ≥ 0"
         )
     try:
         tok = build_tokenizer(args.tokenizer, args.eos_token)
@@ -510,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stats = verify(args.verify)
         except PackError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(shorten_line(f"error: {e}"), file=sys.stderr)
             return exit_codes.BAD_INPUT
         for k, v in stats.items():
             print(f"{k}: {v}")
@@ -527,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         ImportError,
         OSError,
     ) as e:  # PackInputError, a tokenizer, a write that failed
-        print(f"error: {e}", file=sys.stderr)
+        print(shorten_line(f"error: {e}"), file=sys.stderr)
         return exit_codes.BAD_INPUT
     print(f"wrote {out}", file=sys.stderr)
     return exit_codes.OK

@@ -51,6 +51,15 @@ from torchtitan_loom.components.checkpoint import state as ckstate
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 
 
+class _CommittedButIncomplete(Exception):
+    """Rank 0 committed the checkpoint, then a later part of the save (its snapshot copy, the
+    index, pruning) failed; ``what`` says exactly what is on disk."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(what)
+        self.what, self.cause = what, cause
+
+
 @dataclass
 class _Pending:
     future: Any
@@ -103,6 +112,7 @@ class CheckpointManager:
         )
         self._pending: _Pending | None = None
         self.loaded_total_steps: int | None = None
+        self.loaded_world_size: int | None = None  # the world size that saved the resumed step
         self._saved: dict[
             str, int
         ] = {}  # kind → the step last saved (or in flight) by this process
@@ -213,6 +223,9 @@ class CheckpointManager:
             self._saved.update(
                 {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
             )
+        except (ckstate.CheckpointError, ckstate.CheckpointSaveError):
+            self._pending = None  # already said on every rank (_agree)
+            raise
         except (
             Exception,
             CheckpointException,
@@ -231,8 +244,21 @@ class CheckpointManager:
     def _failed(self, step: int, tmp: str, exc: BaseException) -> None:
         """A save failed: remove its temporary directory and raise CheckpointSaveError when the
         disk was full, CheckpointError when a planted link was refused (else re-raise)."""
+        final = self._final_error(step, tmp, exc)
+        if final is exc:
+            raise exc
+        raise final from None
+
+    def _final_error(self, step: int, tmp: str, exc: BaseException) -> BaseException:
+        """What ``_failed`` raises for ``exc`` (after removing the temporary directory)."""
+        if isinstance(exc, _CommittedButIncomplete):
+            refused = isinstance(exc.cause, safe_files.UnsafePathError)
+            return (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(exc.what)
         if isinstance(exc, safe_files.UnsafePathError):
-            raise ckstate.CheckpointError(f"checkpoint step {step} not saved: {exc}") from None
+            return ckstate.CheckpointError(
+                f"checkpoint step {step} not saved: {exc}; nothing pruned, the previous "
+                f"checkpoints in {self.root} are untouched"
+            )
         reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
         if self.rank == 0:
             try:
@@ -240,18 +266,39 @@ class CheckpointManager:
             except OSError:
                 pass  # a link or an unremovable directory: a .tmp- name is never loaded
         if reason is None:
-            raise exc
-        raise ckstate.CheckpointSaveError(
+            return exc
+        return ckstate.CheckpointSaveError(
             f"checkpoint step {step} not saved: {reason}; the previous "
             f"checkpoints in {self.root} are untouched"
-        ) from None
+        )
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Rank 0's outcome of a part of a save only it does (preparing the directory, the
+        commit) on every rank, in place of a barrier: the same error is raised everywhere, so no
+        rank is left waiting at the next collective for a rank 0 that stopped."""
+        said = [None if error is None else (type(error).__name__, str(error))]
+        if self._distributed:
+            dist.broadcast_object_list(said, src=0)
+        if error is not None:
+            raise error
+        if said[0] is not None:
+            kind, msg = said[0]
+            raise (
+                ckstate.CheckpointSaveError
+                if kind == "CheckpointSaveError"
+                else ckstate.CheckpointError
+            )(msg if kind.startswith("Checkpoint") else f"rank 0 failed to save: {kind}: {msg}")
 
     def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
+        error = None
         if self.rank == 0:
-            safe_files.remove_dir(tmp, self.root)  # left by a save of this step that died
-            os.makedirs(tmp)
-            self._write_sidecars(tmp, step)
-        self._barrier()  # the directory exists (and is clean) before any rank writes into it
+            try:
+                safe_files.remove_dir(tmp, self.root)  # left by a save of this step that died
+                safe_files.make_dirs(tmp, self.root)  # refuses a link on the way (snapshots/)
+                self._write_sidecars(tmp, step)
+            except (Exception, CheckpointException) as exc:
+                error = self._final_error(step, tmp, exc)
+        self._agree(error)  # the directory exists (and is clean) before any rank writes into it
         started = time.perf_counter()
         sd = self._collect()
         no_dist = not self._distributed
@@ -272,9 +319,13 @@ class CheckpointManager:
         with ckstate.single_process_quiet():
             dcp.save(sd, checkpoint_id=tmp, no_dist=no_dist)
         self._barrier()  # every rank finished writing
+        error = None
         if self.rank == 0:
-            self._commit(step, kind, periodic and snapshot, started)
-        self._barrier()  # committed before anyone goes on (or exits)
+            try:
+                self._commit(step, kind, periodic and snapshot, started)
+            except (Exception, CheckpointException) as exc:
+                error = self._final_error(step, tmp, exc)
+        self._agree(error)  # committed (or failed, on every rank) before anyone goes on
 
     def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
         """Rank 0: marker + rename, the snapshot copy, pruning, index."""
@@ -286,24 +337,75 @@ class CheckpointManager:
         }
         final = layout.final_dir(self.root, step, kind)
         layout.commit(layout.temp_dir(self.root, step, kind), final, marker)
-        where = [final]
+        where, deleted, stage, snap_exc = [final], [], "index", None
         if snapshot_too:
-            snap = layout.final_dir(self.root, step, "snapshot")
-            os.makedirs(os.path.dirname(snap), exist_ok=True)
-            layout.clone(
-                final,
-                layout.temp_dir(self.root, step, "snapshot"),
-                snap,
-                dict(marker, kind="snapshot"),
+            snap, snap_tmp = (
+                f(self.root, step, "snapshot") for f in (layout.final_dir, layout.temp_dir)
             )
-            where.append(snap)
-        c = self.cfg
-        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)  # KEEP-marked ones stay
-        layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+            try:
+                safe_files.make_dirs(os.path.dirname(snap), self.root)
+                layout.clone(final, snap_tmp, snap, dict(marker, kind="snapshot"))
+                where.append(snap)
+            except (Exception, CheckpointException) as exc:
+                snap_exc = exc
+                try:
+                    safe_files.remove_dir(snap_tmp, self.root)
+                except OSError:
+                    pass  # a link (refused) or unremovable: a .tmp- name is never loaded
+        try:
+            # The index before pruning: one that cannot be written prunes nothing, so it never
+            # lists a checkpoint that is gone; rewritten once more after pruning.
+            layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+            if snap_exc is None:  # a save that did not finish prunes nothing
+                c = self.cfg
+                deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)  # not KEEP ones
+                stage = "reindex"
+                if deleted:
+                    layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+        except (Exception, CheckpointException) as exc:
+            raise _CommittedButIncomplete(
+                self._incomplete_message(final, step, stage, deleted, exc, snap_exc), exc
+            ) from exc
+        if snap_exc is not None:
+            raise _CommittedButIncomplete(
+                self._incomplete_message(final, step, "done", [], None, snap_exc), snap_exc
+            )
         msg = f"checkpoint step {step} saved to {', '.join(where)} in {time.perf_counter() - started:.1f} s"
         if deleted:
             msg += f"; pruned {', '.join(os.path.relpath(p, self.root) for p in deleted)}"
         self._log(msg)
+
+    def _incomplete_message(
+        self,
+        final: str,
+        step: int,
+        stage: str,
+        deleted: list[str],
+        exc: BaseException | None,
+        snap_exc: BaseException | None,
+    ) -> str:
+        """Exactly what is on disk after a save whose commit succeeded and a later part failed."""
+        parts = [f"checkpoint step {step} saved to {final} (complete: a resume loads it)"]
+        if snap_exc is not None:
+            parts.append(f"its snapshot was not saved ({snap_exc})")
+        files = f"{layout.INDEX} and {layout.LAYOUT_MD}"
+        pruned = ", ".join(os.path.relpath(p, self.root) for p in deleted)
+        if stage == "index":
+            parts += [
+                f"{files} not rewritten ({exc}): they do not list step {step}",
+                "nothing pruned",
+            ]
+        elif stage == "reindex":
+            parts += [
+                f"pruned {pruned}",
+                f"{files} not rewritten after that ({exc}): they still list {pruned}",
+            ]
+        else:
+            parts += [f"{files} rewritten", "nothing pruned"]
+        parts.append(
+            f"a resume reads the folder, not the index: fix that, then relaunch to resume from step {step}"
+        )
+        return "; ".join(parts)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
@@ -344,7 +446,7 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------- load path
     def _decide(
-        self, exclude: frozenset[str]
+        self, exclude: dict[str, str]
     ) -> tuple[Any, list[layout.Entry], list[str], str | None]:
         """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or error."""
         payload: list[Any] = [None]
@@ -369,10 +471,10 @@ class CheckpointManager:
     def _load(self) -> int | None:
         """Newest checkpoint that verifies (checksums, then finite weights once loaded); a failing
         one is skipped with a warning naming the file, unless it was asked for by load_step."""
-        exclude: set[str] = set()
+        exclude: dict[str, str] = {}  # path → why it was refused once loading it began
         warned: set[str] = set()
         while True:
-            choice, incomplete, skipped, error = self._decide(frozenset(exclude))
+            choice, incomplete, skipped, error = self._decide(dict(exclude))
             if error:
                 raise ckstate.CheckpointError(error)
             for line in [layout.incomplete_warning(incomplete)] + skipped:
@@ -382,18 +484,25 @@ class CheckpointManager:
             if choice is None:
                 self._log(f"no checkpoint in {self.root}: starting from scratch")
                 return None
+            key = "initial_load_path" if choice.model_only else "load_step"
+            asked = self.cfg.load_step >= 0 or choice.model_only  # no other one to fall back on
             self._log(f"loading checkpoint {choice.path} ...")
-            step = self._load_choice(choice)
+            try:
+                step = self._load_choice(choice)
+            except ckstate.CheckpointUnreadable as exc:  # a refused entry, a read that failed
+                if asked:
+                    raise ckstate.CheckpointError(f"checkpoint.{key}: {exc}; refused") from None
+                exclude[choice.path] = str(exc)
+                continue
             bad = integrity.model_finite(self.model)
             if not bad:
                 break
-            if self.cfg.load_step >= 0 or choice.model_only:
-                key = "initial_load_path" if choice.model_only else "load_step"
+            if asked:
                 raise ckstate.CheckpointError(
                     f"checkpoint.{key}: {choice.path} holds non-finite weights "
                     f"({', '.join(bad)}); refused"
                 )
-            exclude.add(choice.path)
+            exclude[choice.path] = "refused after loading (non-finite weights)"
         if step is not None and self.rank == 0:
             moved = layout.abandon_newer(self.root, step)
             if moved:
@@ -430,7 +539,7 @@ class CheckpointManager:
         self.loaded_total_steps = saved.get(
             "total_steps"
         )  # training.steps of the run that saved it
-        ws = saved.get("world_size")
+        ws = self.loaded_world_size = saved.get("world_size")
         moved = (
             f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
         )

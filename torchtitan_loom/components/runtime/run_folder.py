@@ -133,13 +133,17 @@ def _pid_alive(pid: int) -> bool:
 class RunLock:
     """``RUN.lock`` held by this process; ``release()`` removes it (only if still ours)."""
 
-    def __init__(self, dump_folder: str, run_id: str, log=print) -> None:
+    def __init__(self, dump_folder: str, run_id: str, log=print, elastic_run: str = "") -> None:
         self.path = os.path.join(dump_folder, LOCK)
+        # ``elastic_run``: torchrun's elastic run id; a later round of the same elastic run takes
+        # the lock over from an earlier one (whose rank 0 may have died on another host).
+        self.elastic_run = elastic_run
         self.payload = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "run_id": run_id,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **({"elastic_run": elastic_run} if elastic_run else {}),
         }
         for _ in range(2):
             try:
@@ -147,8 +151,14 @@ class RunLock:
             except FileExistsError:
                 self._handle_existing(log)
                 continue
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.payload, fh)
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(self.payload, fh)
+            except OSError as exc:  # e.g. a full disk: no empty lock left to refuse the next launch
+                os.remove(self.path)
+                raise RunFolderError(
+                    f"{self.path}: could not write the run lock ({exc.strerror or exc})"
+                ) from None
             return
         raise RunFolderError(
             f"{self.path}: could not take the run lock (another launch is racing for it)"
@@ -163,6 +173,14 @@ class RunLock:
             raise RunFolderError(
                 f"{self.path}: unreadable run lock; if no run uses this folder, delete it"
             ) from None
+        if self.elastic_run and held.get("elastic_run") == self.elastic_run:
+            # torchrun stopped every worker of the earlier round before this round's rendezvous.
+            log(
+                f"taking over {self.path} from an earlier round of elastic run {self.elastic_run} "
+                f"(pid {pid} on {host})"
+            )
+            os.remove(self.path)
+            return
         if host == socket.gethostname() and not _pid_alive(pid):
             log(
                 f"warning: stale run lock {self.path} (pid {pid} of {host}, started {held.get('started')}, "
@@ -196,7 +214,7 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
     if not cfg.job.overwrite or not present:
         return None
     dest = os.path.join(dump, f"replaced-{(run or {}).get('run_id') or new_run_id()}")
-    os.makedirs(dest, exist_ok=True)
+    safe_files.make_dirs(dest, dump)  # a link planted at that name would take the old run away
     for n in present:
         os.rename(os.path.join(dump, n), os.path.join(dest, n))
     log(f"job.overwrite: moved the previous run's {', '.join(present)} to {dest}")
@@ -225,7 +243,8 @@ def record_launch(
     safe_files.atomic_write(os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True))
 
 
-def planted_links(dump_folder: str) -> list[str]:
-    """Symbolic links where a launch writes its run files (a launch refuses them, safe_files.py)."""
-    names = [*_RUN_FILES, RUN_JSON + ".partial", LOCK]
+def planted_links(dump_folder: str, folders: list[str] = ()) -> list[str]:
+    """Symbolic links where a launch writes its run files or the sub-``folders`` it writes into
+    (tb/), which a launch refuses (safe_files.py); each writer checks again when it writes."""
+    names = [*_RUN_FILES, *(f + ".partial" for f in _RUN_FILES), LOCK, *folders]
     return safe_files.planted_links(dump_folder, names) if os.path.isdir(dump_folder) else []
