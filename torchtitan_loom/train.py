@@ -525,7 +525,8 @@ class Trainer:
         where = self.checkpointer.after_step(step, last=last, stopping=reason is not None)
         if reason is None:
             return None
-        return f"{reason}, saved {where}; exiting {self.stop_signals.exit_code()}, relaunch the same command to resume"
+        saved = f"saved {where}" if where else "nothing saved (checkpoints off)"
+        return f"{reason}, {saved}; {self.stop_signals.exit_note(saved=bool(where))}"
 
     def _shorten_timeouts(self) -> None:
         cfg = self.cfg
