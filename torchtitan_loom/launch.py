@@ -1,22 +1,25 @@
 """A launch of the trainer, around the Trainer: arguments → config → checks → run folder → process
-group → train, and every way it ends mapped to its exit code (components/runtime/exit_codes.py).
+group → train, and every exception that is a known way to end mapped to its Outcome
+(``outcome_of``: status, exit code from components/runtime/exit_codes.py, message).
 
 ``run(argv, trainer_cls)`` is what ``python -m torchtitan_loom.train`` calls. Errors of what the run
 was given (config, data, checkpoint, run folder) print one line per problem on stderr, prefixed by
-their kind, and exit 2 before or instead of training.
+their kind, and exit 2 before or instead of training. Once the trainer exists, ``Trainer.train``
+ends the launch itself from its Outcome; ``record_end`` writes run.json's final status for it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Any
 
-from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.checkpoint import CheckpointError
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
-from torchtitan_loom.components.observability.progress import final_line
+from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.components.runtime.outcome import Outcome, Status
 from torchtitan_loom.components.runtime.run_folder import (
     RunFolderError,
     RunLock,
@@ -92,54 +95,49 @@ def _train(
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
         print(to_toml(cfg))
-    trainer = None
     try:
         trainer = trainer_cls(cfg, resolved, info, run_id=run_id)
-        code = trainer.train()
-    except CheckpointError as exc:  # a checkpoint that does not fit this run
-        _record_end(
-            trainer, "failed"
-        )  # a refused resume recorded nothing: run.json stays as it was
-        return _errors("checkpoint", exc)
-    except PackError as exc:  # a pack that does not fit this run
-        _record_end(trainer, "failed")
-        return _errors("data", exc)
-    except (
-        CheckpointSaveError,
-        KeyboardInterrupt,
-    ) as exc:  # disk full; or SIGINT twice / checkpoints off
-        if (
-            trainer is not None
-        ):  # no waiting on an in-flight save: put the handlers back, close the files
-            trainer.stop_signals.close()
-            trainer.metrics.close()
-        if isinstance(exc, KeyboardInterrupt):
-            _record_end(trainer, "stopped")
-            print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
-            return exit_codes.INTERRUPTED
-        _record_end(trainer, "failed")
-        print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
-        return exit_codes.FAILED
-    except BaseException:
-        _record_end(trainer, "failed")
-        raise
-    trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.held_out.last))
-    done = code == exit_codes.OK and trainer.state.step >= cfg.training.steps
-    # train() returns BAD_INPUT only for a divergence abort (every other refusal is an exception).
-    _record_end(
-        trainer, "finished" if done else "diverged" if code == exit_codes.BAD_INPUT else "stopped"
-    )
-    return code
+    except BaseException as exc:  # before run.json says running: it stays as it was
+        outcome = outcome_of(exc)
+        if outcome is None:
+            raise
+        print(outcome.message, file=sys.stderr)
+        return outcome.exit_code
+    return trainer.train()  # ends the launch itself: its last line and run.json's status
 
 
-def _record_end(trainer: Any, status: str) -> None:
-    """run.json's status at the end of a launch that recorded itself as running (rank 0): finished,
-    stopped (resumable: a signal, exit_after_step, Ctrl-C twice), diverged (exit 2) or failed."""
-    if trainer is None or not trainer.launch_recorded:
-        return
+def _lines(kind: str, exc: BaseException) -> str:
+    return "\n".join(f"{kind} error: {line}" for line in str(exc).splitlines())
+
+
+def outcome_of(exc: BaseException) -> Outcome | None:
+    """The Outcome of an exception that ends a launch in a known way; None for anything else (a
+    bug: the caller re-raises it, with its traceback)."""
+    if isinstance(exc, CheckpointSaveError):  # disk full during a save: older checkpoints stay
+        return Outcome(Status.FAILED, exit_codes.FAILED, f"checkpoint error: {exc}", error=True)
+    if isinstance(exc, CheckpointError):  # a checkpoint that does not fit this run
+        return Outcome(Status.FAILED, exit_codes.BAD_INPUT, _lines("checkpoint", exc), error=True)
+    if isinstance(exc, PackError):  # a pack that does not fit this run
+        return Outcome(Status.FAILED, exit_codes.BAD_INPUT, _lines("data", exc), error=True)
+    if isinstance(exc, KeyboardInterrupt):  # SIGINT twice, or once with checkpoints off
+        msg = "interrupted (SIGINT): stopped without saving"
+        return Outcome(Status.STOPPED, exit_codes.INTERRUPTED, msg, error=True)
+    if isinstance(exc, OSError):  # a file of the run could not be written: a full disk, say
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        what = "disk full" if full else "i/o error"
+        where = f" writing {_short(str(exc.filename))}" if exc.filename else ""
+        msg = f"{what}{where}: {exc.strerror or exc}"
+        return Outcome(Status.FAILED, exit_codes.FAILED, msg, error=True)
+    return None
+
+
+def _short(text: str, keep: int = 200) -> str:
+    return text if len(text) <= keep else f"{text[: keep // 2]}…{text[-keep // 2 :]}"
+
+
+def record_end(cfg: Any, run_id: str, status: str, step: int) -> None:
+    """run.json's status at the end of a launch that recorded itself as running (rank 0)."""
     try:
-        record_launch(trainer.cfg, trainer.run_id, status, trainer.state.step)
-    except (
-        OSError
-    ) as exc:  # e.g. the disk that ended the run is still full: say so, keep the exit code
+        record_launch(cfg, run_id, status, step)
+    except OSError as exc:  # the disk that ended the run is still full: say so, keep the exit code
         print(f"warning: run.json not updated to {status!r}: {exc}", file=sys.stderr)

@@ -342,8 +342,8 @@ class Checkpoint:
     interval: int = opt(500, "Save step-N/ every N steps (and always at the last step).")
     keep_latest_k: int = opt(
         2,
-        "Periodic step-N/ checkpoints kept (0 keeps all); the newest complete one "
-        "is never deleted.",
+        "Periodic step-N/ checkpoints kept up to the newest one followed by 2 healthy steps "
+        "(0 keeps all); every newer one, and the newest complete one, is never deleted.",
     )
     snapshot_interval: int = opt(
         0, "Also save an immutable snapshots/step-N/ every N steps; 0 disables."

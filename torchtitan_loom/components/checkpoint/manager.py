@@ -22,6 +22,14 @@ it aborts gloo). ``async_with_pinned_mem`` stages through one ``DefaultStager`` 
 its CPU copies are allocated on the first save and reused by every later one (page-locked on CUDA,
 filled by non-blocking copies), instead of fresh CPU tensors per save. At most one save is in flight; rank 0 commits it (marker + rename) once its
 future is done, which DCP reports only after every rank's data and the metadata are written.
+
+Pruning (``keep_latest_k``, ``snapshot_keep``) waits for proof: a checkpoint may make older ones
+go only once the PROVE_STEPS steps right after it were healthy (StepResult.healthy: every segment
+stepped, nothing non-finite, no spike rule broken, warm-up included). The newest proven
+checkpoint and everything after it always stay, so a finite explosion that gets saved (inside
+the spike guard's warm-up, say) never takes the last good checkpoint with it. A run that stops
+discards a save still in flight when it stopped for divergence or an error (``discard``): nothing
+is committed or pruned after it.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ from torchtitan_loom.components.checkpoint import state as ckstate
 
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+PROVE_STEPS = 2
+"""Healthy steps that must follow a checkpoint before it may prune older ones: the first one's
+loss is computed from exactly the saved weights, the second is the first update made from the
+saved optimizer state (its moments). A step beyond them no longer tests what was saved."""
 
 
 @dataclass
@@ -106,6 +118,10 @@ class CheckpointManager:
         self._saved: dict[
             str, int
         ] = {}  # kind → the step last saved (or in flight) by this process
+        self._unproven: dict[int, int] = {}  # saved step → healthy steps since (all so far)
+        self._proven: int | None = None  # the newest checkpoint proven by PROVE_STEPS healthy steps
+        self._pruned_for: int | None = None
+        self._last_noted = 0
         self._pg = None
         self._async = self.enabled and cfg.async_mode != "disabled"
         if self._async and self._distributed:
@@ -174,12 +190,16 @@ class CheckpointManager:
         )
 
     # ---------------------------------------------------------------------------------- save path
-    def after_step(self, step: int, *, last: bool = False, stopping: bool = False) -> str | None:
+    def after_step(
+        self, step: int, *, last: bool = False, stopping: bool = False, healthy: bool = False
+    ) -> str | None:
         """Save what the policy asks for after global step ``step``; ``last``: no step follows in
         this process; ``stopping``: the run stops now (the stop signals decided), so this step is
-        saved and the save finished. Returns the folder of that final save, else None."""
+        saved and the save finished; ``healthy``: the step proves the checkpoints before it.
+        Returns the folder of that final save, else None."""
         if not self.enabled:
             return None
+        self._note(step, healthy)
         self._poll()
         c = self.cfg
         # One save per step: a stop that follows this step's save (a signal during it) saves nothing more.
@@ -197,6 +217,36 @@ class CheckpointManager:
         self.wait()
         return layout.final_dir(self.root, step, "periodic")
 
+    def _note(self, step: int, healthy: bool) -> None:
+        """Count step ``step`` for every checkpoint still waiting for proof (each step once)."""
+        if step <= self._last_noted:
+            return
+        self._last_noted = step
+        for saved in [s for s in self._unproven if s < step]:
+            if not healthy:  # a checkpoint followed by an unhealthy step never prunes
+                del self._unproven[saved]
+                continue
+            self._unproven[saved] += 1
+            if self._unproven[saved] >= PROVE_STEPS:
+                del self._unproven[saved]
+                self._proven = max(self._proven or 0, saved)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Rank 0: once a committed checkpoint is proven, prune what is older than it."""
+        p = self._proven
+        if self.rank != 0 or p is None or p == self._pruned_for:
+            return
+        if self._pending is not None and self._pending.step == p:
+            return  # proven before its async save committed: pruned at the commit
+        self._pruned_for = p
+        c = self.cfg
+        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep, upto_step=p)
+        if deleted:
+            layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+            rel = ", ".join(os.path.relpath(d, self.root) for d in deleted)
+            self._log(f"checkpoint step {p} proven by {PROVE_STEPS} healthy steps: pruned {rel}")
+
     def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
         """Save global step ``step`` as a periodic checkpoint and/or a snapshot (atomic). A model
         with a non-finite weight is never saved (logged instead). A failed write removes the
@@ -210,6 +260,7 @@ class CheckpointManager:
         tmp = layout.temp_dir(self.root, step, kind)
         try:
             self._save(step, kind, tmp, periodic, snapshot)
+            self._unproven[step] = 0
             self._saved.update(
                 {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
             )
@@ -297,13 +348,9 @@ class CheckpointManager:
                 dict(marker, kind="snapshot"),
             )
             where.append(snap)
-        c = self.cfg
-        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)  # KEEP-marked ones stay
         layout.write_index(self.root, self._policy(), final_step=self.total_steps)
-        msg = f"checkpoint step {step} saved to {', '.join(where)} in {time.perf_counter() - started:.1f} s"
-        if deleted:
-            msg += f"; pruned {', '.join(os.path.relpath(p, self.root) for p in deleted)}"
-        self._log(msg)
+        took = time.perf_counter() - started
+        self._log(f"checkpoint step {step} saved to {', '.join(where)} in {took:.1f} s")
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
@@ -321,18 +368,32 @@ class CheckpointManager:
                 self._commit(p.step, p.kind, p.snapshot_too, p.started)
         except (Exception, CheckpointException) as exc:  # as in save()
             self._failed(p.step, tmp, exc)
+        self._prune()  # proven while it was in flight
 
-    def protect_newest(self) -> str | None:
-        """Rank 0: mark the newest complete checkpoint KEEP so pruning never removes it (called at
-        the first skipped step: the last checkpoint before a divergence). Returns its path."""
-        if not self.enabled or self.rank != 0:
+    def discard(self, *, wait: bool = False) -> int | None:
+        """Never commit the save in flight (the run stops for divergence or an error); returns its
+        step. ``wait``: let its writes end first, then remove its temporary folder (rank 0);
+        without, a ``.tmp-`` folder may stay, which is never loaded."""
+        p, self._pending = self._pending, None
+        if p is None:
             return None
-        self.wait()
-        newest = layout.scan(self.root).newest()
-        if newest is None:
-            return None
-        layout.mark_keep(newest.path)
-        return newest.path
+        self._unproven.pop(p.step, None)
+        if wait:
+            try:
+                p.future.result()
+            except (Exception, CheckpointException):
+                pass  # discarded either way
+            if self.rank == 0:
+                try:
+                    safe_files.remove_dir(layout.temp_dir(self.root, p.step, p.kind), self.root)
+                except OSError:
+                    pass  # a link or an unremovable folder: a .tmp- name is never loaded
+        return p.step
+
+    def newest(self) -> str | None:
+        """The newest complete checkpoint on disk (rank 0's view), None when there is none."""
+        entry = layout.scan(self.root).newest() if self.enabled else None
+        return None if entry is None else entry.path
 
     def close(self) -> None:
         """Finish any in-flight save."""
@@ -393,6 +454,8 @@ class CheckpointManager:
                     f"({', '.join(bad)}); refused"
                 )
             exclude.add(choice.path)
+        if step is not None:
+            self._unproven[step], self._last_noted = 0, step  # the steps after it prove it
         if step is not None and self.rank == 0:
             moved = layout.abandon_newer(self.root, step)
             if moved:
