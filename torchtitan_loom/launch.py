@@ -20,6 +20,8 @@ from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.outcome import Outcome, Status
+from torchtitan_loom.components.runtime.messages import shorten, shorten_line
+from torchtitan_loom.components.runtime.safe_files import UnsafePathError
 from torchtitan_loom.components.runtime.run_folder import (
     RunFolderError,
     RunLock,
@@ -27,14 +29,14 @@ from torchtitan_loom.components.runtime.run_folder import (
     record_launch,
     replace_old_run,
 )
-from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
-from torchtitan_loom.config.validate import resolve
+from torchtitan_loom.config import ConfigError, help_text, to_toml
+from torchtitan_loom.config.validate import load_and_resolve
 from torchtitan_loom.distributed import utils as dist_utils
 
 
 def _errors(kind: str, exc: BaseException) -> int:
     for line in str(exc).splitlines():
-        print(f"{kind} error: {line}", file=sys.stderr)
+        print(shorten_line(f"{kind} error: {line}"), file=sys.stderr)
     return exit_codes.BAD_INPUT
 
 
@@ -46,9 +48,9 @@ def run(argv: list[str], trainer_cls: Any) -> int:
     check_only = "--check-config" in argv
     argv = [a for a in argv if a != "--check-config"]
     try:
-        cfg = load_config(argv)
-        world_size = cfg.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
-        resolved = resolve(cfg, world_size)
+        cfg, resolved = load_and_resolve(
+            argv, lambda c: c.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
+        )
     except ConfigError as exc:
         return _errors("config", exc)
     if check_only:  # run_train.sh checks the config for the whole world before starting ranks
@@ -73,7 +75,7 @@ def run(argv: list[str], trainer_cls: Any) -> int:
         except (RunFolderError, OSError) as exc:
             if lock is not None:
                 lock.release()
-            print(f"run folder error: {exc}", file=sys.stderr)
+            print(shorten_line(f"run folder error: {exc}"), file=sys.stderr)
             return exit_codes.BAD_INPUT
     info = dist_utils.init_distributed(cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds)
     finished = False
@@ -107,16 +109,19 @@ def _train(
 
 
 def _lines(kind: str, exc: BaseException) -> str:
-    return "\n".join(f"{kind} error: {line}" for line in str(exc).splitlines())
+    return "\n".join(shorten_line(f"{kind} error: {line}") for line in str(exc).splitlines())
 
 
 def outcome_of(exc: BaseException) -> Outcome | None:
     """The Outcome of an exception that ends a launch in a known way; None for anything else (a
     bug: the caller re-raises it, with its traceback)."""
     if isinstance(exc, CheckpointSaveError):  # disk full during a save: older checkpoints stay
-        return Outcome(Status.FAILED, exit_codes.FAILED, f"checkpoint error: {exc}", error=True)
+        msg = shorten_line(f"checkpoint error: {exc}")
+        return Outcome(Status.FAILED, exit_codes.FAILED, msg, error=True)
     if isinstance(exc, CheckpointError):  # a checkpoint that does not fit this run
         return Outcome(Status.FAILED, exit_codes.BAD_INPUT, _lines("checkpoint", exc), error=True)
+    if isinstance(exc, UnsafePathError):  # a link planted where the run writes, since the launch
+        return Outcome(Status.FAILED, exit_codes.BAD_INPUT, _lines("run folder", exc), error=True)
     if isinstance(exc, PackError):  # a pack that does not fit this run
         return Outcome(Status.FAILED, exit_codes.BAD_INPUT, _lines("data", exc), error=True)
     if isinstance(exc, KeyboardInterrupt):  # SIGINT twice, or once with checkpoints off
@@ -125,14 +130,10 @@ def outcome_of(exc: BaseException) -> Outcome | None:
     if isinstance(exc, OSError):  # a file of the run could not be written: a full disk, say
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         what = "disk full" if full else "i/o error"
-        where = f" writing {_short(str(exc.filename))}" if exc.filename else ""
+        where = f" writing {shorten(exc.filename)}" if exc.filename else ""
         msg = f"{what}{where}: {exc.strerror or exc}"
         return Outcome(Status.FAILED, exit_codes.FAILED, msg, error=True)
     return None
-
-
-def _short(text: str, keep: int = 200) -> str:
-    return text if len(text) <= keep else f"{text[: keep // 2]}…{text[-keep // 2 :]}"
 
 
 def record_end(cfg: Any, run_id: str, status: str, step: int) -> None:

@@ -18,10 +18,15 @@ segment, E routed experts.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not {"--help", "-h"} & set(sys.argv):
+    # `python -m`: importing torch and the trainer takes seconds on a cold start; say so first.
+    print("[torchtitan_loom] importing torch and the trainer ...", flush=True)
+
 import contextlib
 import math
 import os
-import sys
 from typing import Any
 
 import torch
@@ -47,7 +52,7 @@ from torchtitan_loom.components.optim.lr_scheduler import build_lr_scheduler, ex
 from torchtitan_loom.components.optim.optimizer import apply_config_hyperparameters, build_optimizer
 from torchtitan_loom.components.optim.spike_guard import SpikeGuard
 from torchtitan_loom.components.quantization.float8 import build_float8_converter
-from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.gc_control import GarbageCollection
 from torchtitan_loom.components.runtime.outcome import Outcome, Status
 from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
@@ -57,7 +62,7 @@ from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.config.validate import Resolved
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
-from torchtitan_loom.protocols import ModelProtocol, get_train_spec, segments
+from torchtitan_loom.protocols import ModelProtocol, UpdatesAfterStep, get_train_spec, segments
 
 
 class Trainer:
@@ -96,7 +101,13 @@ class Trainer:
         if self.info.rank == cfg.metrics.log_rank:  # within seconds of start, before any allocation
             n_segments = len(segments(model.num_loops, t.bp_segment_len))
             for line in start_report(
-                cfg, self.parallel_dims, model, n_segments, self.device, self.compute_dtype
+                cfg,
+                self.parallel_dims,
+                model,
+                n_segments,
+                self.device,
+                self.compute_dtype,
+                cost_fn=self.spec.cost_fn,
             ):
                 self.log(line)
         self.float8 = build_float8_converter(cfg.float8, t.device, self.spec)  # None unless enabled
@@ -286,11 +297,13 @@ class Trainer:
             out.n_valid = stats.n_valid
             if not self._update(j, stats, out):
                 break
-        # Expert-bias update once per global step, loads summed over loops, micro-batches and
-        # ranks; discarded when a segment was skipped (§5.2).
-        out.counts_LHE = dist_utils.all_reduce(out.counts_LHE)
-        if out.skip_reason is None:
-            self.model.update_expert_bias(out.counts_LHE.sum(1))
+        # The model's after-step update (LOOM: expert bias, §5.2) once per global step, from the
+        # counts summed over loops, micro-batches and ranks; none when a segment was skipped. A
+        # model without routed experts has no counts to sum (no collective).
+        if self.model.routing is not None:
+            out.counts_LHE = dist_utils.all_reduce(out.counts_LHE)
+        if out.skip_reason is None and isinstance(self.model, UpdatesAfterStep):
+            self.model.after_step(out.counts_LHE.sum(1))
         self.lr_scheduler.step()
         self.state.step += 1
         self.state.tokens_seen += int(out.n_valid)
@@ -407,8 +420,7 @@ class Trainer:
         if (
             self.info.rank == 0
         ):  # after the resume succeeded: a refused one leaves the run as it was
-            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
-                fh.write(to_toml(cfg))
+            safe_files.atomic_write(os.path.join(cfg.job.dump_folder, "config.toml"), to_toml(cfg))
             record_launch(cfg, self.run_id, "running", self.state.step, resumed)
             self.launch_recorded = True
 
@@ -443,6 +455,8 @@ class Trainer:
             device=self.device,
             first_step=self.state.step,
             log=self.log,
+            total_steps=t.steps,
+            compiling=cfg.compile.enable,
         )
         tools = contextlib.ExitStack()  # profiler, memory snapshots and GC control
         profiler = tools.enter_context(
@@ -471,6 +485,7 @@ class Trainer:
                     profiler.step()
                 snapshots.step(step)
                 gc_control.step(step)
+                report.step_done(step)  # before its eval and save: the ETA's pace includes them
                 if step == first_step and self.info.world_size > 1:
                     self._shorten_timeouts()  # init is over
                 outcome = self._after_step(step, out, report)

@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
@@ -62,6 +64,8 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError(problems[0])
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
+    # stderr: stdout carries only the text
+    print(f"generate: loading {ns.ckpt} ...", file=sys.stderr, flush=True)
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.args.num_loops)
     ids = loaded.tokenizer.encode(ns.prompt)
@@ -84,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         text = run(ns)
     except LoadError as exc:
-        print(f"generate error: {exc}", file=sys.stderr)
-        return 2
+        print(shorten_line(f"generate error: {exc}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
     print(ns.prompt + text)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -16,9 +16,13 @@ torchtitan_loom[eval]``. Bad input: one line, exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,11 +30,45 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.distributed.utils import SHORT_DTYPES
+from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
 from torchtitan_loom.tools.holdout import MODES, check
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_THRESHOLD = 0.005
+# A tqdm progress bar as it is drawn ("  40%|████      | 4/10 [00:01<00:01, 3.9it/s]").
+_PROGRESS_BAR = re.compile(r"\d+%\|")
+# lm-eval's hint for its own command line, logged for every task whose data comes from a function.
+_CLI_HINT = "Custom kwargs can be passed to `--metadata`"
+
+
+class _DropCliHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _CLI_HINT not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_scoring():
+    """lm-eval's per-task tqdm bars (drawn on sys.stderr) and its ``--metadata`` hint (meant for
+    lm-eval's own CLI; the bundled tasks build their data with a function) are dropped; any other
+    text written to stderr meanwhile is passed on once scoring ends."""
+    task_logger, hint = logging.getLogger("lm_eval.api.task"), _DropCliHint()
+    task_logger.addFilter(hint)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        task_logger.removeFilter(hint)
+        rest = [
+            line
+            for line in re.split(r"[\r\n]", captured.getvalue())
+            if line.strip() and not _PROGRESS_BAR.search(line)
+        ]
+        if rest:
+            print("\n".join(rest), file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--param-dtype",
         default="fp32",
-        choices=tuple(PARAM_DTYPES),
+        choices=tuple(SHORT_DTYPES),
         help="parameter dtype while scoring",
     )
     p.add_argument(
@@ -197,22 +235,22 @@ def run(ns: argparse.Namespace) -> str | None:
             f"holdout check ({holdout.mode}): recomputed eval loss {holdout.recomputed:.5f}, {logged}"
         )
     model = loaded.model
-    if ns.param_dtype != "fp32":
-        saved = [m.expert_bias.clone() for m in model.moe_layers()]
-        model.to(PARAM_DTYPES[ns.param_dtype])
-        for m, bias in zip(
-            model.moe_layers(), saved
-        ):  # the expert bias decides routing: it stays fp32
-            m.expert_bias = bias
+    if (
+        ns.param_dtype != "fp32"
+    ):  # what stays fp32 is the model's call (TrainSpec.inference_fp32_fn)
+        cast_model_for_inference(get_train_spec(loaded.name), model, SHORT_DTYPES[ns.param_dtype])
     lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
-    res = simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        task_manager=tm,
-        limit=ns.limit,
-        log_samples=True,
-        bootstrap_iters=1000,
-    )
+    if info.rank == 0:
+        print(f"lm_eval: scoring {', '.join(tasks)} (step {loaded.step}) ...", flush=True)
+    with quiet_scoring():
+        res = simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=tm,
+            limit=ns.limit,
+            log_samples=True,
+            bootstrap_iters=1000,
+        )
     if info.rank != 0:
         return None
     payload = {
@@ -254,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         run(ns)
         finished = True
     except LoadError as exc:
-        print(f"lm_eval error: {exc}", file=sys.stderr)
-        return 2
+        print(shorten_line(f"lm_eval error: {exc}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
     finally:
         dist_utils.destroy_distributed(wait_for_all=finished)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

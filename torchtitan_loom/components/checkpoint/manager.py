@@ -63,6 +63,15 @@ loss is computed from exactly the saved weights, the second is the first update 
 saved optimizer state (its moments). A step beyond them no longer tests what was saved."""
 
 
+class _CommittedButIncomplete(Exception):
+    """Rank 0 committed the checkpoint, then a later part of the save (its snapshot copy, the
+    index, pruning) failed; ``what`` says exactly what is on disk."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(what)
+        self.what, self.cause = what, cause
+
+
 @dataclass
 class _Pending:
     future: Any
@@ -242,10 +251,19 @@ class CheckpointManager:
         self._pruned_for = p
         c = self.cfg
         deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep, upto_step=p)
-        if deleted:
+        if not deleted:
+            return
+        rel = ", ".join(os.path.relpath(d, self.root) for d in deleted)
+        try:
             layout.write_index(self.root, self._policy(), final_step=self.total_steps)
-            rel = ", ".join(os.path.relpath(d, self.root) for d in deleted)
-            self._log(f"checkpoint step {p} proven by {PROVE_STEPS} healthy steps: pruned {rel}")
+        except (Exception, CheckpointException) as exc:
+            refused = isinstance(exc, safe_files.UnsafePathError)
+            raise (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(
+                f"pruned {rel} (checkpoint step {p} was proven by {PROVE_STEPS} healthy steps); "
+                f"{layout.INDEX} and {layout.LAYOUT_MD} not rewritten after that ({exc}): they "
+                f"still list {rel}; a resume reads the folder, not the index"
+            ) from None
+        self._log(f"checkpoint step {p} proven by {PROVE_STEPS} healthy steps: pruned {rel}")
 
     def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
         """Save global step ``step`` as a periodic checkpoint and/or a snapshot (atomic). A model
@@ -282,8 +300,16 @@ class CheckpointManager:
     def _failed(self, step: int, tmp: str, exc: BaseException) -> None:
         """A save failed: remove its temporary directory and raise CheckpointSaveError when the
         disk was full, CheckpointError when a planted link was refused (else re-raise)."""
+        if isinstance(exc, _CommittedButIncomplete):
+            refused = isinstance(exc.cause, safe_files.UnsafePathError)
+            raise (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(
+                exc.what
+            ) from None
         if isinstance(exc, safe_files.UnsafePathError):
-            raise ckstate.CheckpointError(f"checkpoint step {step} not saved: {exc}") from None
+            raise ckstate.CheckpointError(
+                f"checkpoint step {step} not saved: {exc}; nothing pruned, the previous "
+                f"checkpoints in {self.root} are untouched"
+            ) from None
         reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
         if self.rank == 0:
             try:
@@ -300,7 +326,7 @@ class CheckpointManager:
     def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
         if self.rank == 0:
             safe_files.remove_dir(tmp, self.root)  # left by a save of this step that died
-            os.makedirs(tmp)
+            safe_files.make_dirs(tmp, self.root)  # refuses a link planted on the way (snapshots/)
             self._write_sidecars(tmp, step)
         self._barrier()  # the directory exists (and is clean) before any rank writes into it
         started = time.perf_counter()
@@ -328,7 +354,7 @@ class CheckpointManager:
         self._barrier()  # committed before anyone goes on (or exits)
 
     def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
-        """Rank 0: marker + rename, the snapshot copy, pruning, index."""
+        """Rank 0: marker + rename, the snapshot copy, index (pruning waits for proof: _prune)."""
         marker = {
             "step": step,
             "kind": kind,
@@ -337,20 +363,59 @@ class CheckpointManager:
         }
         final = layout.final_dir(self.root, step, kind)
         layout.commit(layout.temp_dir(self.root, step, kind), final, marker)
-        where = [final]
+        where, snap_exc = [final], None
         if snapshot_too:
-            snap = layout.final_dir(self.root, step, "snapshot")
-            os.makedirs(os.path.dirname(snap), exist_ok=True)
-            layout.clone(
-                final,
-                layout.temp_dir(self.root, step, "snapshot"),
-                snap,
-                dict(marker, kind="snapshot"),
+            snap, snap_tmp = (
+                f(self.root, step, "snapshot") for f in (layout.final_dir, layout.temp_dir)
             )
-            where.append(snap)
-        layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+            try:
+                safe_files.make_dirs(os.path.dirname(snap), self.root)
+                layout.clone(final, snap_tmp, snap, dict(marker, kind="snapshot"))
+                where.append(snap)
+            except (Exception, CheckpointException) as exc:
+                snap_exc = exc
+                try:
+                    safe_files.remove_dir(snap_tmp, self.root)
+                except OSError:
+                    pass  # a link (refused) or unremovable: a .tmp- name is never loaded
+        try:  # pruning is not part of a commit: it waits for proof (_prune)
+            layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+        except (Exception, CheckpointException) as exc:
+            raise _CommittedButIncomplete(
+                self._incomplete_message(final, step, "index", exc, snap_exc), exc
+            ) from exc
+        if snap_exc is not None:
+            self._unproven.pop(step, None)  # a save that did not finish prunes nothing
+            raise _CommittedButIncomplete(
+                self._incomplete_message(final, step, "done", None, snap_exc), snap_exc
+            )
         took = time.perf_counter() - started
         self._log(f"checkpoint step {step} saved to {', '.join(where)} in {took:.1f} s")
+
+    def _incomplete_message(
+        self,
+        final: str,
+        step: int,
+        stage: str,
+        exc: BaseException | None,
+        snap_exc: BaseException | None,
+    ) -> str:
+        """Exactly what is on disk after a save whose commit succeeded and a later part failed
+        (``stage``: "index" when the index could not be written, "done" when it was)."""
+        parts = [f"checkpoint step {step} saved to {final} (complete: a resume loads it)"]
+        if snap_exc is not None:
+            parts.append(f"its snapshot was not saved ({snap_exc})")
+        files = f"{layout.INDEX} and {layout.LAYOUT_MD}"
+        if stage == "index":
+            parts.append(f"{files} not rewritten ({exc}): they do not list step {step}")
+        else:
+            parts.append(f"{files} rewritten")
+        parts += [
+            "nothing pruned",
+            "a resume reads the folder, not the index: fix that, then relaunch to resume from "
+            f"step {step}",
+        ]
+        return "; ".join(parts)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
@@ -405,7 +470,7 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------- load path
     def _decide(
-        self, exclude: frozenset[str]
+        self, exclude: dict[str, str]
     ) -> tuple[Any, list[layout.Entry], list[str], str | None]:
         """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or error."""
         payload: list[Any] = [None]
@@ -430,10 +495,10 @@ class CheckpointManager:
     def _load(self) -> int | None:
         """Newest checkpoint that verifies (checksums, then finite weights once loaded); a failing
         one is skipped with a warning naming the file, unless it was asked for by load_step."""
-        exclude: set[str] = set()
+        exclude: dict[str, str] = {}  # path → why it was refused once loading it began
         warned: set[str] = set()
         while True:
-            choice, incomplete, skipped, error = self._decide(frozenset(exclude))
+            choice, incomplete, skipped, error = self._decide(dict(exclude))
             if error:
                 raise ckstate.CheckpointError(error)
             for line in [layout.incomplete_warning(incomplete)] + skipped:
@@ -443,17 +508,25 @@ class CheckpointManager:
             if choice is None:
                 self._log(f"no checkpoint in {self.root}: starting from scratch")
                 return None
-            step = self._load_choice(choice)
+            key = "initial_load_path" if choice.model_only else "load_step"
+            asked = self.cfg.load_step >= 0 or choice.model_only  # no other one to fall back on
+            self._log(f"loading checkpoint {choice.path} ...")
+            try:
+                step = self._load_choice(choice)
+            except ckstate.CheckpointUnreadable as exc:  # a refused entry, a read that failed
+                if asked:
+                    raise ckstate.CheckpointError(f"checkpoint.{key}: {exc}; refused") from None
+                exclude[choice.path] = str(exc)
+                continue
             bad = integrity.model_finite(self.model)
             if not bad:
                 break
-            if self.cfg.load_step >= 0 or choice.model_only:
-                key = "initial_load_path" if choice.model_only else "load_step"
+            if asked:
                 raise ckstate.CheckpointError(
                     f"checkpoint.{key}: {choice.path} holds non-finite weights "
                     f"({', '.join(bad)}); refused"
                 )
-            exclude.add(choice.path)
+            exclude[choice.path] = "refused after loading (non-finite weights)"
         if step is not None:
             self._unproven[step], self._last_noted = 0, step  # the steps after it prove it
         if step is not None and self.rank == 0:

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+
+from torchtitan_loom.components.runtime import safe_files
 
 ABORT_FILE = "SPIKE_ABORT.txt"
 
@@ -86,6 +89,9 @@ class DivergenceMonitor:
 
 
 def write_abort(dump_folder: str, msg: str) -> None:
-    """SPIKE_ABORT.txt in the run folder (rank 0 only calls this)."""
-    with open(os.path.join(dump_folder, ABORT_FILE), "w") as fh:
-        fh.write(msg + "\n")
+    """SPIKE_ABORT.txt in the run folder (rank 0 only calls this), never through a link; one that
+    cannot be written is a warning: the stop itself goes on."""
+    try:
+        safe_files.atomic_write(os.path.join(dump_folder, ABORT_FILE), msg + "\n")
+    except OSError as exc:
+        print(f"warning: {ABORT_FILE} not written: {exc}", file=sys.stderr, flush=True)
