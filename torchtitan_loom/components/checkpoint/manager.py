@@ -242,13 +242,24 @@ class CheckpointManager:
         self._prune()
 
     def _prune(self) -> None:
-        """Rank 0: once a committed checkpoint is proven, prune what is older than it."""
+        """Once a committed checkpoint is proven, rank 0 prunes what is older than it. Every rank
+        reaches the same decision (the health flags are agreed), so only a prune costs a
+        broadcast: its outcome, agreed as a save's is."""
         p = self._proven
-        if self.rank != 0 or p is None or p == self._pruned_for:
+        if p is None or p == self._pruned_for:
             return
-        if self._pending is not None and self._pending.step == p:
-            return  # proven before its async save committed: pruned at the commit
         self._pruned_for = p
+        if self._pending is not None and self._pending.step <= p:
+            self.wait()  # its async save committed first (no collective: ranks may differ here)
+        error = None
+        if self.rank == 0:
+            try:
+                self._prune_upto(p)
+            except (ckstate.CheckpointError, ckstate.CheckpointSaveError) as exc:
+                error = exc
+        self._agree(error)
+
+    def _prune_upto(self, p: int) -> None:
         c = self.cfg
         deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep, upto_step=p)
         if not deleted:
@@ -466,7 +477,6 @@ class CheckpointManager:
                 self._commit(p.step, p.kind, p.snapshot_too, p.started)
         except (Exception, CheckpointException) as exc:  # as in save()
             self._failed(p.step, tmp, exc)
-        self._prune()  # proven while it was in flight
 
     def discard(self, *, wait: bool = False) -> int | None:
         """Never commit the save in flight (the run stops for divergence or an error); returns its
