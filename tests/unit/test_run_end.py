@@ -8,18 +8,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from torchtitan_loom import train
+from torchtitan_loom import launch, train
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.observability import metrics
 from torchtitan_loom.components.runtime import safe_files
+from torchtitan_loom.train import Trainer
 from tests.unit.test_checkpoint import make_trainer
 
-ROOT = Path(__file__).resolve().parents[2]
 KEEP_ONE = ("--training.steps", "12", "--checkpoint.keep_latest_k", "1")
 
 
@@ -140,31 +139,35 @@ def _argv(pack, dump):
     ]
 
 
-def test_disk_full_while_logging_on_a_small_tmpfs(tiny_pack, tmp_path):
+class FillsTheDisk(Trainer):
+    """After step 2 another writer fills the disk the run folder is on, leaving a few bytes."""
+
+    def train_step(self, batch):
+        out = super().train_step(batch)
+        if self.state.step == 2:
+            disk = Path(self.cfg.job.dump_folder).parent
+            st = os.statvfs(disk)
+            (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 512))
+        return out
+
+
+def test_disk_full_while_logging_on_a_small_tmpfs(tiny_pack, tmp_path, capsys):
     """A real full disk, checkpoints off: one line, exit 1, run.json says failed."""
     disk = tmp_path / "small"
     disk.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]
+    mount = ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)]
     if subprocess.run(mount, capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root); the test below covers the logic")
     try:
-        st = os.statvfs(disk)  # leave 5 pages: run.json, config.toml, the lock, a few steps
-        (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 5 * 4096))
         dump = disk / "run"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torchtitan_loom.train", *_argv(tiny_pack, dump)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            timeout=600,
-        )
         # Before: a traceback, exit 1, and run.json left at "running".
-        assert proc.returncode == 1, proc.stderr[-3000:]
-        assert proc.stderr.splitlines() == [
+        assert launch.run(_argv(tiny_pack, dump), FillsTheDisk) == 1
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
             f"disk full writing {dump / 'metrics.jsonl'}: No space left on device"
-        ], proc.stderr[-3000:]
-        assert json.loads((dump / "run.json").read_text())["status"] == "failed"
+        ], err
+        run = json.loads((dump / "run.json").read_text())
+        assert run["status"] == "failed" and run["step"] >= 3
     finally:
         subprocess.run(["umount", "-l", str(disk)])
 

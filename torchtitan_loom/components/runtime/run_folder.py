@@ -213,7 +213,7 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
 def record_launch(
     cfg: Any, run_id: str, status: str, step: int, resumed_from: int | None = None
 ) -> None:
-    """Write run.json: identity, status ("running", or how the launch ended: train._record_end), step,
+    """Write run.json: identity, status ("running", or how the launch ended: Trainer._finish), step,
     launches."""
     dump = cfg.job.dump_folder
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
