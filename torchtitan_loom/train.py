@@ -110,7 +110,10 @@ class Trainer:
                 cost_fn=self.spec.cost_fn,
             ):
                 self.log(line)
-        self.float8 = build_float8_converter(cfg.float8, t.device, self.spec)  # None unless enabled
+        # None unless float8.enable
+        self.float8 = build_float8_converter(
+            cfg.float8, t.device, self.spec, t.micro_batch_size * t.seq_len
+        )
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
         if self.spec.parallelize_fn is not None:
