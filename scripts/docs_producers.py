@@ -56,6 +56,7 @@ ESTIMATE_SHOWN = (
 )
 RESHARD = "python benchmarks/memory_time.py --reshard --steps 3"
 METRICS_SIZE = "python benchmarks/metrics_size.py"
+MOE_BY_OP = "python benchmarks/moe_layer.py --table by_op"
 DIAG_COST = "python benchmarks/diag_cost.py --cpu --preset debug --rounds 10 --out /tmp/diag_cost"
 PRESETS = ("debug_model", "loom_329m", "loom_1p7b")
 HEATMAP = "docs/routing_heatmap_debug.png"
@@ -405,6 +406,19 @@ def metrics_size(ctx: Context) -> str:
     )
 
 
+def moe_layer_by_op(ctx: Context) -> str:
+    res = ctx.run(MOE_BY_OP)
+    rows = _table(res.stdout)
+    total = next(r for r in rows if "outside the GEMMs" in r).split("|")[2:-1]
+    gemms = next(r for r in rows if "**GEMMs**" in r).split("|")[2:-1]
+    note = (
+        f"Outside its GEMMs the layer allocates {total[1].strip()} MiB with the plain compositions and "
+        f"{total[4].strip()} MiB with the fused SwiGLU and combine (written, in-place and out= included: "
+        f"{total[2].strip()} and {total[5].strip()} MiB); the GEMMs' {gemms[1].strip()} MiB do not change."
+    )
+    return "```\n$ " + MOE_BY_OP + "\n```\n\n" + "\n".join(rows) + "\n\n" + prose(note)
+
+
 def diag_cost(ctx: Context) -> str:
     res = ctx.run(DIAG_COST)
     rows = _table(res.stdout)
@@ -537,6 +551,7 @@ PRODUCERS: dict[str, Producer] = {
     "checksum-cost": Producer((), checksum_cost),
     "metrics-size": Producer((METRICS_SIZE,), metrics_size),
     "diag-cost": Producer((DIAG_COST,), diag_cost),
+    "moe-layer-by-op": Producer((MOE_BY_OP,), moe_layer_by_op),
     "analysis-tables": Producer((DEFAULT_RUN, ANALYZE), analysis_tables),
     "short-run": Producer((SHORT_RUN,), short_run),
     "generate-console": Producer((GENERATE,), generate_console),

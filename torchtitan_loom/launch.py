@@ -4,7 +4,7 @@ group → train, and every exception that is a known way to end mapped to its Ou
 
 ``run(argv, trainer_cls)`` is what ``python -m torchtitan_loom.train`` calls. Errors of what the run
 was given (config, data, checkpoint, run folder) print one line per problem on stderr, prefixed by
-their kind, and exit 2 before or instead of training. Once the trainer exists, ``Trainer.train``
+their kind, and exit 2 before or instead of training. Once the trainer exists, ``Trainer.run``
 ends the launch itself from its Outcome; ``record_end`` writes run.json's final status for it.
 """
 
@@ -15,13 +15,14 @@ import os
 import sys
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import CheckpointError
+from torchtitan_loom.components.checkpoint import CheckpointError, layout
+from torchtitan_loom.components.checkpoint.resolve import checkpoint_root
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
 from torchtitan_loom.components.runtime import exit_codes
-from torchtitan_loom.components.runtime.outcome import Outcome, Status
 from torchtitan_loom.components.runtime.messages import shorten, shorten_line
-from torchtitan_loom.components.runtime.safe_files import UnsafePathError
+from torchtitan_loom.components.runtime.outcome import Outcome, Status
+from torchtitan_loom.components.runtime.preemption import ElasticRestarts
 from torchtitan_loom.components.runtime.run_folder import (
     RunFolderError,
     RunLock,
@@ -29,8 +30,9 @@ from torchtitan_loom.components.runtime.run_folder import (
     record_launch,
     replace_old_run,
 )
-from torchtitan_loom.config import ConfigError, help_text, to_toml
-from torchtitan_loom.config.validate import load_and_resolve
+from torchtitan_loom.components.runtime.safe_files import UnsafePathError
+from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
+from torchtitan_loom.config.validate import load_and_resolve, resolve
 from torchtitan_loom.distributed import utils as dist_utils
 
 
@@ -45,15 +47,17 @@ def run(argv: list[str], trainer_cls: Any) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return exit_codes.OK
-    check_only = "--check-config" in argv
-    argv = [a for a in argv if a != "--check-config"]
+    checks = [a for a in argv if a == "--check-config" or a.startswith("--check-config=")]
+    argv = [a for a in argv if a not in checks]
     try:
+        if checks and checks[-1].startswith("--check-config="):
+            return _check_world_sizes(argv, checks[-1].split("=", 1)[1])
         cfg, resolved = load_and_resolve(
             argv, lambda c: c.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
         )
     except ConfigError as exc:
         return _errors("config", exc)
-    if check_only:  # run_train.sh checks the config for the whole world before starting ranks
+    if checks:  # run_train.sh checks the config for the whole world before starting ranks
         return exit_codes.OK
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if cfg.parallelism.dry_run:  # the layout for world_size ranks, in this one process
@@ -70,6 +74,7 @@ def run(argv: list[str], trainer_cls: Any) -> int:
                 cfg.job.dump_folder,
                 run_id,
                 log=lambda m: print(f"[torchtitan_loom] {m}", flush=True),
+                elastic_run=ElasticRestarts.from_env(os.environ).elastic_run,
             )
             replace_old_run(cfg)
         except (RunFolderError, OSError) as exc:
@@ -78,43 +83,99 @@ def run(argv: list[str], trainer_cls: Any) -> int:
             print(shorten_line(f"run folder error: {exc}"), file=sys.stderr)
             return exit_codes.BAD_INPUT
     info = dist_utils.init_distributed(cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds)
-    finished = False
+    peers_alive = False
     try:
         if info.world_size > 1:  # rank 0's launch id for every rank's metrics
             run_id = dist_utils.broadcast_object(run_id)
-        code = _train(cfg, resolved, info, run_id, trainer_cls)
-        finished = True
+        code, peers_alive = _train(cfg, resolved, info, run_id, trainer_cls)
         return code
-    finally:
-        dist_utils.destroy_distributed(wait_for_all=finished)
+    finally:  # no barrier with a lost peer, nor after an error (the others may never reach it)
+        dist_utils.destroy_distributed(wait_for_all=peers_alive)
         if lock is not None:
             lock.release()
 
 
+def _check_world_sizes(argv: list[str], sizes: str) -> int:
+    """``--check-config=W,W,...`` (run_train.sh's elastic mode): the config at every world size a
+    restart may bring, before any rank starts; on success prints the absolute dump folder (the
+    default rendezvous id is derived from it)."""
+    try:
+        worlds = [int(w) for w in sizes.split(",")]
+    except ValueError:
+        worlds = []
+    if not worlds or min(worlds) < 1:
+        print(
+            f"config error: --check-config={sizes}: expected world sizes ≥ 1, e.g. 8,16",
+            file=sys.stderr,
+        )
+        return exit_codes.BAD_INPUT
+    try:
+        cfg = load_config(argv)
+    except ConfigError:  # every problem of the keys and values at once, as for one world size
+        return _errors("config", _config_error(argv, worlds[0]))
+    if cfg.job.overwrite:
+        print(
+            "config error: job.overwrite: an elastic run would move its own files aside at every "
+            "restart; start a fresh run in a new job.dump_folder instead",
+            file=sys.stderr,
+        )
+        return exit_codes.BAD_INPUT
+    failed = 0
+    for world in worlds:
+        try:
+            resolve(cfg, world)
+        except ConfigError as exc:
+            failed += 1
+            for line in str(exc).splitlines():
+                print(shorten_line(f"config error: at world size {world}: {line}"), file=sys.stderr)
+            if failed == 3:
+                break
+    if failed:
+        print(
+            "config error: an elastic run restarts at any of the world sizes "
+            f"{', '.join(map(str, worlds))}: leave the degrees free (parallelism.dp_shard = -1) "
+            "and make training.global_batch_size divisible at each",
+            file=sys.stderr,
+        )
+        return exit_codes.BAD_INPUT
+    print(os.path.abspath(cfg.job.dump_folder))
+    return exit_codes.OK
+
+
+def _config_error(argv: list[str], world: int) -> ConfigError:
+    try:
+        load_and_resolve(argv, lambda _: world)
+    except ConfigError as exc:
+        return exc
+    raise AssertionError("load_config refused what load_and_resolve accepts")
+
+
 def _train(
     cfg: Any, resolved: Any, info: dist_utils.DistInfo, run_id: str, trainer_cls: Any
-) -> int:
+) -> tuple[int, bool]:
+    """Train; returns the exit code and whether every peer is still there to say goodbye to."""
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
         print(to_toml(cfg))
     try:
         trainer = trainer_cls(cfg, resolved, info, run_id=run_id)
     except BaseException as exc:  # before run.json says running: it stays as it was
-        outcome = outcome_of(exc)
+        outcome = outcome_of(exc, cfg)
         if outcome is None:
             raise
         print(outcome.message, file=sys.stderr)
-        return outcome.exit_code
-    return trainer.train()  # ends the launch itself: its last line and run.json's status
+        return outcome.exit_code, False
+    outcome = trainer.run()  # ends the launch itself: its last line and run.json's status
+    return outcome.exit_code, not outcome.error  # no barrier after an error: peers may be gone
 
 
 def _lines(kind: str, exc: BaseException) -> str:
     return "\n".join(shorten_line(f"{kind} error: {line}") for line in str(exc).splitlines())
 
 
-def outcome_of(exc: BaseException) -> Outcome | None:
-    """The Outcome of an exception that ends a launch in a known way; None for anything else (a
-    bug: the caller re-raises it, with its traceback)."""
+def outcome_of(exc: BaseException, cfg: Any, step: int = 0) -> Outcome | None:
+    """The Outcome of an exception that ends a launch (of ``cfg``, after global step ``step``) in a
+    known way; None for anything else (a bug: the caller re-raises it, with its traceback)."""
     if isinstance(exc, CheckpointSaveError):  # disk full during a save: older checkpoints stay
         msg = shorten_line(f"checkpoint error: {exc}")
         return Outcome(Status.FAILED, exit_codes.FAILED, msg, error=True)
@@ -127,6 +188,9 @@ def outcome_of(exc: BaseException) -> Outcome | None:
     if isinstance(exc, KeyboardInterrupt):  # SIGINT twice, or once with checkpoints off
         msg = "interrupted (SIGINT): stopped without saving"
         return Outcome(Status.STOPPED, exit_codes.INTERRUPTED, msg, error=True)
+    why = dist_utils.lost_peer(exc) if isinstance(exc, Exception) else None
+    if why is not None:
+        return _lost_peer(cfg, step, why)
     if isinstance(exc, OSError):  # a file of the run could not be written: a full disk, say
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         what = "disk full" if full else "i/o error"
@@ -134,6 +198,48 @@ def outcome_of(exc: BaseException) -> Outcome | None:
         msg = f"{what}{where}: {exc.strerror or exc}"
         return Outcome(Status.FAILED, exit_codes.FAILED, msg, error=True)
     return None
+
+
+def log_elastic_restart(
+    log: Any, resumed_from: int | None, was_world: int | None, world: int
+) -> None:
+    """Under torchrun's elastic agent, the one line that says how this round resumed."""
+    elastic = ElasticRestarts.from_env(os.environ)
+    if not (elastic.run_id and elastic.max_restarts > 0 and resumed_from is not None):
+        return
+    log(
+        f"elastic (run {elastic.run_id}, restart {elastic.restart_count} of "
+        f"{elastic.max_restarts}): world size was {was_world or 'unknown'}, now {world}, "
+        f"resumed from step {resumed_from}"
+    )
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first} is" if first == last else f"steps {first}-{last} are"
+
+
+def _lost_peer(cfg: Any, step: int, why: str) -> Outcome:
+    """A collective failed because a peer is gone: one line, no traceback, and the exit code that
+    makes an elastic agent restart the group (1 without restarts left: relaunch by hand)."""
+    elastic = ElasticRestarts.from_env(os.environ)
+    code = exit_codes.RESTART if elastic.restarts_left else exit_codes.FAILED
+    newest = layout.scan(checkpoint_root(cfg.job.dump_folder, cfg.checkpoint.folder))
+    newest = newest.newest() if cfg.checkpoint.enable else None
+    resume = (
+        f"resumes from step {newest.step} ({_steps(newest.step + 1, step)} trained again)"
+        if newest is not None and newest.step < step
+        else f"resumes from step {newest.step}"
+        if newest is not None
+        else "starts again from step 0 (no checkpoint)"
+    )
+    then = (
+        f"{elastic.describe()} restarts the workers at the new world size and the run {resume}"
+        if code == exit_codes.RESTART
+        else f"relaunch to continue; the run {resume}"
+    )
+    msg = shorten_line(f"lost a peer during step {step + 1} ({why}): exiting {code}; {then}")
+    status = Status.STOPPED if code == exit_codes.RESTART else Status.FAILED
+    return Outcome(status, code, msg, error=True)
 
 
 def record_end(cfg: Any, run_id: str, status: str, step: int) -> None:

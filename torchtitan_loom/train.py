@@ -420,6 +420,8 @@ class Trainer:
                 self.optimizer, self.lr_scheduler, cfg.optimizer
             ):
                 self.log(f"resume: the config wins: {line}")
+        was_world, world = self.checkpointer.loaded_world_size, self.info.world_size
+        launch.log_elastic_restart(self.log, resumed, was_world, world)
         if (
             self.info.rank == 0
         ):  # after the resume succeeded: a refused one leaves the run as it was
@@ -428,9 +430,13 @@ class Trainer:
             self.launch_recorded = True
 
     def train(self) -> int:
-        """Resume, run the steps left and end the launch; returns the exit code (0 also after a
-        stop that saved). Every way it ends is an Outcome that ``_finish`` acts on; an exception
-        that is no known way to end (a bug) is recorded as failed and re-raised."""
+        """``run()``, for callers that want its exit code (0 also after a stop that saved)."""
+        return self.run().exit_code
+
+    def run(self) -> Outcome:
+        """Resume, run the steps left and end the launch. Every way it ends is an Outcome that
+        ``_finish`` acts on; an exception that is no known way to end (a bug) is recorded as
+        failed and re-raised."""
         try:
             if not self.resumed:
                 self.resume()
@@ -438,11 +444,11 @@ class Trainer:
             self.checkpointer.close()  # the save still in flight belongs to the run: committed
         except BaseException as exc:
             self.checkpointer.discard()  # nothing is committed after an error
-            known = launch.outcome_of(exc)
+            known = launch.outcome_of(exc, self.cfg, self.state.step)
             self._finish(known or Outcome(Status.FAILED, exit_codes.FAILED, "", error=True))
             if known is None:
                 raise
-            return known.exit_code
+            return known
         return self._finish(outcome)
 
     def _loop(self) -> Outcome:
@@ -561,10 +567,11 @@ class Trainer:
             return None
         code = self.stop_signals.exit_code()
         done = step >= self.cfg.training.steps and code == exit_codes.OK
+        saved = f"saved {where}" if where else "nothing saved (checkpoints off)"
         return Outcome(
             Status.FINISHED if done else Status.STOPPED,
             code,
-            f"{reason}, saved {where}; exiting {code}, relaunch the same command to resume",
+            f"{reason}, {saved}; {self.stop_signals.exit_note(saved=bool(where))}",
         )
 
     def _shorten_timeouts(self) -> None:
@@ -577,14 +584,15 @@ class Trainer:
             f"{min(now_s):g} s from step 2 on ({len(now_s)} process groups)"
         )
 
-    def _finish(self, outcome: Outcome) -> int:
+    def _finish(self, outcome: Outcome) -> Outcome:
         """The one end of a launch: handlers back, files closed, the last line, and run.json's
         final status from ``outcome`` (rank 0, once this launch recorded itself as running)."""
         self.stop_signals.close()
         try:
             self.metrics.close()
         except OSError as exc:  # e.g. the last flush of a full disk
-            outcome = outcome if outcome.error else launch.outcome_of(exc)
+            if not outcome.error:
+                outcome = launch.outcome_of(exc, self.cfg, self.state.step)
         if outcome.error:
             for line in outcome.message.splitlines():
                 print(line, file=sys.stderr)
@@ -595,7 +603,7 @@ class Trainer:
             self.log(final_line(self.state.step, outcome.exit_code, dump, last_eval))
         if self.launch_recorded:
             launch.record_end(self.cfg, self.run_id, outcome.status.value, self.state.step)
-        return outcome.exit_code
+        return outcome
 
 
 def main(argv: list[str] | None = None) -> int:

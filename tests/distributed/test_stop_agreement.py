@@ -8,7 +8,7 @@ before that step's first update (both exit 0 at step 2).
 Per iteration, with S backprop segments: host syncs = S (the statistics, utils.py) + 2 (the
 divergence monitor's check of the weights: its local read and its agreed flag, integrity.py).
 Before, the stop decision added one all-reduce and one ``.item()`` to every iteration
-(preemption.PreemptionWatcher.stop_after → requested()).
+(PreemptionWatcher.stop_after called requested(), an all-reduce).
 """
 
 import json

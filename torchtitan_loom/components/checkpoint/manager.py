@@ -124,6 +124,7 @@ class CheckpointManager:
         )
         self._pending: _Pending | None = None
         self.loaded_total_steps: int | None = None
+        self.loaded_world_size: int | None = None  # the world size that saved the resumed step
         self._saved: dict[
             str, int
         ] = {}  # kind → the step last saved (or in flight) by this process
@@ -608,7 +609,7 @@ class CheckpointManager:
         self.loaded_total_steps = saved.get(
             "total_steps"
         )  # training.steps of the run that saved it
-        ws = saved.get("world_size")
+        ws = self.loaded_world_size = saved.get("world_size")
         moved = (
             f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
         )
