@@ -52,8 +52,8 @@ class Checkpoint:
     interval: int = opt(500, "Save step-N/ every N steps (and always at the last step).")
     keep_latest_k: int = opt(
         2,
-        "Periodic step-N/ checkpoints kept (0 keeps all); the newest complete one "
-        "is never deleted.",
+        "Periodic step-N/ checkpoints kept up to the newest one followed by 2 healthy steps "
+        "(0 keeps all); every newer one, and the newest complete one, is never deleted.",
     )
     snapshot_interval: int = opt(
         0, "Also save an immutable snapshots/step-N/ every N steps; 0 disables."
@@ -80,9 +80,9 @@ class Checkpoint:
     )
     save_on_signal: bool = opt(
         True,
-        "On SIGTERM, SIGUSR1 or SIGINT (acknowledged at once): stop at the next "
-        "micro-batch (of eval, or of a step before its first update; else after "
-        "the step), save, exit 0 (130 for SIGINT).",
+        "On SIGTERM, SIGUSR1 or SIGINT (acknowledged at once): stop at the next eval "
+        "micro-batch, or after the step in progress (dropped when its first update has not "
+        "happened yet), save, exit 0 (130 for SIGINT).",
     )
     exit_after_step: int = opt(
         0,

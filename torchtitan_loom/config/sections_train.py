@@ -102,7 +102,9 @@ class SpikeGuard:
     hard: float = opt(1.5, "Skip when the rise is at least this, whatever the EMA.")
     ema: float = opt(0.9, "EMA decay of the per-segment baseline.")
     warmup_steps: int = opt(
-        0, "Global steps during which only non-finite losses/gradients are skipped."
+        0,
+        "Global steps during which no spike is skipped (a non-finite loss or gradient still "
+        "stops the run; a warm-up step that breaks a spike rule proves no checkpoint).",
     )
     abort_on_spike: bool = opt(
         True, "Stop after a step with a skipped segment, exit code 2 (that step is not saved)."
