@@ -26,7 +26,7 @@ PKG = Path(torchtitan_loom.__file__).parent
 # Top to bottom; a module may import its own layer and the ones below it.
 LAYERS = (
     ("tools",),
-    ("train", "launch"),
+    ("train", "trainer_build", "trainer_step", "launch"),
     ("config",),
     ("components",),
     ("models",),

@@ -1,0 +1,193 @@
+"""What the Trainer builds, in TorchTitan's order: the model (meta → converters → parallelize →
+materialise → init), what training needs (segments, optimizer, schedule, guards, data, metrics) and
+the services around it (stop signals, evals, checkpoints). ``TrainerBuild`` is a base of
+``train.Trainer``, whose ``__init__`` calls the three builders in turn; they set the Trainer's
+attributes that the step (trainer_step.py) and the loop (train.py) read. The model is reached only
+through ``protocols.ModelProtocol``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan_loom.components.checkpoint import CheckpointManager
+from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
+from torchtitan_loom.components.evaluation.downstream import build_scorer
+from torchtitan_loom.components.evaluation.held_out import HeldOutEval
+from torchtitan_loom.components.observability.diagnostics import build_diagnostics
+from torchtitan_loom.components.observability.metrics import MetricsLogger
+from torchtitan_loom.components.observability.progress import start_report
+from torchtitan_loom.components.optim.divergence import DivergenceMonitor
+from torchtitan_loom.components.optim.lr_scheduler import build_lr_scheduler
+from torchtitan_loom.components.optim.optimizer import build_optimizer
+from torchtitan_loom.components.optim.spike_guard import SpikeGuard
+from torchtitan_loom.components.quantization.float8 import build_float8_converter
+from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
+from torchtitan_loom.components.runtime.train_state import TrainState
+from torchtitan_loom.config import to_toml
+from torchtitan_loom.distributed import utils as dist_utils
+from torchtitan_loom.protocols import ModelProtocol, segments
+
+
+class TrainerBuild:
+    """The Trainer's builders (a base of ``train.Trainer``; not used alone)."""
+
+    def _build_model(self) -> ModelProtocol:
+        """meta → (converters) → parallelize → materialise → layout-independent init."""
+        cfg, t = self.cfg, self.cfg.training
+        with torch.device("meta"):
+            model = self.spec.model_cls(self.model_args)
+        if self.info.rank == cfg.metrics.log_rank:  # within seconds of start, before any allocation
+            n_segments = len(segments(model.num_loops, t.bp_segment_len))
+            for line in start_report(
+                cfg,
+                self.parallel_dims,
+                model,
+                n_segments,
+                self.device,
+                self.compute_dtype,
+                cost_fn=self.spec.cost_fn,
+            ):
+                self.log(line)
+        # None unless float8.enable
+        self.float8 = build_float8_converter(
+            cfg.float8, t.device, self.spec, t.micro_batch_size * t.seq_len
+        )
+        if self.float8 is not None:
+            self.log(self.float8.convert(model).summary(self.float8.plan))
+        if self.spec.parallelize_fn is not None:
+            model, self.finish_gradients, self.before_micro_batch = self.spec.parallelize_fn(
+                model, self.parallel_dims, cfg
+            )
+        else:  # a plain replicated model: every gradient is summed over the ranks
+            self.finish_gradients = lambda: dist_utils.reduce_gradients(
+                self.params, self.reduce_dtype
+            )
+            self.before_micro_batch = lambda last: None
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights()
+        # Tensorwise float8 scale precompute: only when FSDP sharded the float8 weights.
+        self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(model)
+        if self.float8_precompute:
+            self.log(
+                "float8: FSDP shards the float8 weights; their scales are precomputed after each "
+                "optimizer step"
+            )
+        if self.spec.kernel_report_fn is not None:  # which kernels the model picked, said once
+            for line in self.spec.kernel_report_fn(
+                model, self.device.type, self.compute_dtype, cfg.compile.enable
+            ):
+                self.log(line)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        return model.train()
+
+    def _build_training(self) -> None:
+        """Segments, optimizer, schedule, spike guard, train state, divergence, data, metrics."""
+        cfg, t, s, model = self.cfg, self.cfg.training, self.cfg.lr_scheduler, self.model
+        self.num_loops = model.num_loops
+        self.segments = segments(self.num_loops, t.bp_segment_len)
+        self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
+        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer,
+            total_steps=t.steps,
+            warmup_ratio=s.warmup_ratio,
+            decay_ratio=s.decay_ratio,
+            min_ratio=s.min_ratio,
+            kind=s.kind,
+        )
+        self.spike_guard = SpikeGuard(cfg.spike_guard)
+        self.state = TrainState()
+        g = cfg.spike_guard
+        self.divergence = DivergenceMonitor(g.abort_on_spike, g.max_consecutive_skips, self.state)
+        self.data_path = cfg.data.path or bundled_corpus_path(
+            cfg.data.cache_dir or None, log=self.log
+        )
+        self.vocab_size = model.args.vocab_size
+        self.tokenizer_name = cfg.data.tokenizer or None  # checked against the pack's own record
+        self.dataloader = build_train_loader(
+            self.data_path,
+            seq_len=t.seq_len,
+            vocab_size=self.vocab_size,
+            global_batch_rows=t.global_batch_size,
+            dp_rank=self.info.rank,
+            dp_world=self.parallel_dims.dp,
+            tokenizer_name=self.tokenizer_name,
+        )
+        self.metrics = MetricsLogger(
+            cfg.job.dump_folder,
+            cfg.metrics,
+            rank=self.info.rank,
+            run_id=self.run_id,
+            wandb_config=cfg.to_dict(),
+        )
+        # The head runs once per segment, so it counts once per segment (see the model docstring).
+        self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
+        self._log_layout()
+
+    def _log_layout(self) -> None:
+        cfg, t, info, counts = self.cfg, self.cfg.training, self.info, self.model.param_counts()
+        self.log(
+            f"model {cfg.model.name}/{cfg.model.flavor}: {counts['total']:,} parameters "
+            f"({counts['active']:,} active per token), H={self.num_loops}, segments={self.segments}, "
+            f"world={info.world_size}, device={self.device}, compute dtype={t.mixed_precision_param}, "
+            f"init seed={self.model.args.init_seed} (training.seed), data={self.data_path}"
+        )
+        if info.world_size > 1:
+            self.log(
+                "parallelism: "
+                + "; ".join(line.strip() for line in self.parallel_dims.describe().splitlines())
+                + f"; activation_checkpoint={cfg.activation_checkpoint.mode}, "
+                f"compile={cfg.compile.enable}"
+            )
+
+    def _build_services(self) -> None:
+        """Stop signals, the held-out and downstream evals, the checkpoint manager."""
+        cfg, ck, t, info = self.cfg, self.cfg.checkpoint, self.cfg.training, self.info
+        self.stop_signals = PreemptionWatcher(
+            ck.enable and ck.save_on_signal,
+            self.device,
+            exit_after_step=ck.exit_after_step if ck.enable else 0,
+        )
+        common = dict(
+            model=self.model,
+            data_path=self.data_path,
+            tokenizer_name=self.tokenizer_name,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            autocast=self.autocast,
+            stop_requested=self.stop_signals.requested,
+            log=self.log,
+        )
+        self.held_out = HeldOutEval(
+            cfg.eval,
+            val_path=cfg.data.val_path or None,
+            seq_len=t.seq_len,
+            batch_rows=t.global_batch_size,
+            dp_rank=info.rank,
+            dp_world=self.parallel_dims.dp,
+            micro_batches=self.micro_batches,
+            **common,
+        )
+        self.downstream = build_scorer(cfg.eval, **common)
+        self.resumed, self.resumed_from = False, None
+        self.launch_recorded = False  # run.json says "running" for this launch (rank 0)
+        states = {"lr_scheduler": self.lr_scheduler, "dataloader": self.dataloader}
+        states.update(spike_guard=self.spike_guard, train_state=self.state)
+        self.checkpointer = CheckpointManager(
+            ck,
+            dump_folder=cfg.job.dump_folder,
+            model=self.model,
+            optimizer=self.optimizer,
+            states=states,
+            model_args=self.model_args,
+            model_name=cfg.model.name,
+            flavor=cfg.model.flavor,
+            config_toml=to_toml(cfg),
+            total_steps=t.steps,
+            device=self.device,
+            rank=info.rank,
+            world_size=info.world_size,
+            log=self.log,
+        )

@@ -1,0 +1,171 @@
+"""LOOM's segmented step (LOOM_SPEC §6 with the §14 decisions), a base of ``train.Trainer``:
+``train_step`` runs ⌈H/K⌉ backprop segments, each in three pieces: ``_backward_segment``
+(forward/backward of every micro-batch), ``_finish_segment`` (the gradients reduced, the segment's
+one all-reduce of statistics with every rank's stop flag) and ``_update`` (the decision order
+non-finite → spike → clip → step, in one place). It reads the attributes trainer_build.py sets
+(model, optimizer, segments, spike guard, state ...) on every call, so a test or benchmark that
+swaps one on a built Trainer is honoured. The model is reached only through
+``protocols.ModelProtocol``.
+
+Legend (the package's, see protocols.py): B rows, S sequence length, L layers, H loops, T loops of a
+segment, E routed experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+
+from torchtitan_loom.components.loss import count_valid, token_ce_sum
+from torchtitan_loom.components.optim.divergence import non_finite_statistic
+from torchtitan_loom.components.runtime.train_state import StepAbandoned, StepResult
+from torchtitan_loom.data_contract import real_tokens
+from torchtitan_loom.distributed import utils as dist_utils
+from torchtitan_loom.protocols import UpdatesAfterStep
+
+
+class SegmentedStep:
+    """The step and its helpers (a base of ``train.Trainer``; not used alone)."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast without FSDP (a single process included); under FSDP its MixedPrecisionPolicy
+        computes with bf16 parameters instead; fp32 runs are plain."""
+        if not self.use_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        mb = self.cfg.training.micro_batch_size
+        rows = batch["input_ids"].shape[0]
+        return [
+            {k: v[i : i + mb].to(self.device, non_blocking=True) for k, v in batch.items()}
+            for i in range(0, rows, mb)
+        ]
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
+        """One global step: ⌈H/K⌉ segments, each _backward_segment → _finish_segment → _update,
+        then the expert-bias update and the schedule."""
+        micro = self.micro_batches(batch)
+        # The divisor of every micro-batch loss: valid targets of the whole GLOBAL batch, so the
+        # summed gradient is the token mean whatever the world size and micro-batching (§14).
+        # Kept on the device (read with segment 1's statistics, no sync of its own); an integer
+        # < 2^24 is exact in fp32, so ce_sum / denom_t equals the division by the Python count.
+        n_valid_t = dist_utils.all_reduce(
+            sum(count_valid(m["labels"]) for m in micro).to(torch.float64).reshape(1)
+        )
+        n_layers, n_experts = self.model.routing or (0, 0)
+        out = StepResult(
+            counts_LHE=torch.zeros(
+                n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device
+            ),
+            lr=self.optimizer.param_groups[0]["lr"],
+        )
+        carries: list[Any] = [None] * len(micro)
+        diag = self.diagnostics.begin(self.state.step + 1)  # None on most steps: nothing extra
+        for j in range(len(self.segments)):
+            ce_total = self._backward_segment(j, micro, carries, n_valid_t, out.counts_LHE, diag)
+            stats = self._finish_segment(j, ce_total, n_valid_t, diag)
+            out.n_valid = stats.n_valid
+            if not self._update(j, stats, out):
+                break
+        # The model's after-step update (LOOM: expert bias, §5.2) once per global step, from the
+        # counts summed over loops, micro-batches and ranks; none when a segment was skipped. A
+        # model without routed experts has no counts to sum (no collective).
+        if self.model.routing is not None:
+            out.counts_LHE = dist_utils.all_reduce(out.counts_LHE)
+        if out.skip_reason is None and isinstance(self.model, UpdatesAfterStep):
+            self.model.after_step(out.counts_LHE.sum(1))
+        self.lr_scheduler.step()
+        self.state.step += 1
+        self.state.tokens_seen += int(out.n_valid)
+        out.diag = None if diag is None else diag.finish()
+        return out
+
+    def _backward_segment(
+        self,
+        j: int,
+        micro: list[dict[str, torch.Tensor]],
+        carries: list[Any],
+        n_valid_t: torch.Tensor,
+        counts_LHE: torch.Tensor,
+        diag: Any,
+    ) -> torch.Tensor:
+        """Piece 1: zero_grad, then forward/backward of every micro-batch over segment j's loops,
+        each starting from its carry; returns the segment's summed token CE (fp64, on the device)."""
+        a, b = self.segments[j]
+        self.optimizer.zero_grad(set_to_none=True)
+        denom_t = n_valid_t.clamp_min(1.0)
+        aux_divisor = len(micro) * self.parallel_dims.dp
+        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for m, mb in enumerate(micro):
+            self.before_micro_batch(m == len(micro) - 1)  # FSDP reduces after the last one
+            with self.autocast():
+                observe = None if diag is None else diag.observer(m, real_tokens(mb["doc_ids"]))
+                out = self.model(
+                    mb["input_ids"],
+                    mb["positions"],
+                    mb["doc_ids"],
+                    loop_start=a,
+                    loop_end=b,
+                    carry=carries[m],
+                    observe=observe,
+                )
+            ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
+            loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / aux_divisor
+            loss.backward()
+            carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
+            ce_total += ce_sum.detach().double()
+            if out.counts_LTE is not None:
+                counts_LHE[:, a - 1 : b] += out.counts_LTE
+            if diag is not None:
+                diag.add_forward(a, out.observed_LTNK)
+        return ce_total
+
+    def _finish_segment(
+        self, j: int, ce_total: torch.Tensor, n_valid_t: torch.Tensor, diag: Any
+    ) -> dist_utils.StepStatistics:
+        """Piece 2: sum what the parallel wrappers did not reduce (the parallelize seam knows
+        which), then the segment's one all-reduce and host sync (loss, gradient norm², non-finite
+        count, every rank's stop flag), which the decision and the clip both read. A stop agreed
+        at segment 1 abandons the step: no update has happened yet."""
+        self.finish_gradients()
+        if diag is not None:
+            diag.add_gradients(j, self.params)
+        stats = dist_utils.step_statistics(
+            self.params, ce_total, self.stop_signals.flag_tensor(), n_valid_t
+        )
+        if self.stop_signals.observe(stats.stop_flag) and j == 0:
+            raise StepAbandoned
+        return stats
+
+    def _update(self, j: int, stats: dist_utils.StepStatistics, out: StepResult) -> bool:
+        """Piece 3, the decision order in one place: non-finite → spike → clip → step. Records the
+        segment in ``out``; False when it is skipped (the rest of the step with it)."""
+        a, b = self.segments[j]
+        seg_loss = stats.loss_sum / max(stats.n_valid, 1.0)
+        out.seg_losses.append(seg_loss)
+        # Never stepped on, whatever the guard says; the run then stops (components/optim/divergence.py).
+        bad = non_finite_statistic(seg_loss, stats.non_finite)
+        if bad:
+            out.non_finite = f"{bad} in segment {j + 1} (loops {a}-{b})"
+        # Only finite spikes are skipped and trained past.
+        skip = bad or self.spike_guard.check(j, seg_loss, self.state.step + 1)
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.state.skipped_segments += 1
+            out.skip_reason, out.healthy = f"segment {j + 1} (loops {a}-{b}): {skip}", False
+            return False
+        out.healthy = out.healthy and self.spike_guard.breach(j, seg_loss) is None  # warm-up too
+        dist_utils.clip_grads_with_total_norm(
+            self.params, stats.grad_norm_sq_t, self.cfg.training.max_norm
+        )
+        norm_sq = stats.grad_norm_sq  # pre-clip; finite pieces can still overflow their sum
+        out.grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("nan")
+        self.optimizer.step()
+        if self.float8_precompute:
+            self.float8.post_optimizer_hook(self.model)
+        self.spike_guard.accept(j, seg_loss)
+        return True
