@@ -47,6 +47,9 @@ from torchtitan_loom.trainer_step import SegmentedStep
 
 
 class Trainer(TrainerBuild, SegmentedStep):
+    """One launch's training: the builders ``__init__`` calls are TrainerBuild's (trainer_build.py),
+    ``train_step`` is SegmentedStep's (trainer_step.py); resume, the loop and the end are here."""
+
     def __init__(
         self,
         cfg: JobConfig,
