@@ -63,7 +63,7 @@ METRICS_SIZE = "python benchmarks/metrics_size.py"
 DIAG_COST = "python benchmarks/diag_cost.py --cpu --preset debug --rounds 10 --out /tmp/diag_cost"
 PRESETS = ("debug_model", "loom_329m", "loom_1p7b")
 HEATMAP = "docs/routing_heatmap_debug.png"
-STEP_RE = re.compile(r"\] step +(\d+) \|")
+STEP_RE = re.compile(r"\] step +(\d+)(?:/\d+)? \|")  # "step 10 |" or "step 10/180 |"
 
 
 RUNS = (

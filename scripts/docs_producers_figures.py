@@ -23,7 +23,8 @@ from torchtitan_loom.models.loom.moe import expert_capacity
 from torchtitan_loom.protocols import get_train_spec
 
 GIB = float(1 << 30)
-BIG = ['--job.config_file', 'train_configs/loom_1p7b.toml', '--parallelism.dry_run']
+BIG = ['--job.config_file', 'train_configs/loom_1p7b.toml', '--parallelism.dry_run',
+       '--parallelism.layout', 'degrees']  # the degrees as written: dp_shard = all ranks
 
 
 def layout(world, *extra):

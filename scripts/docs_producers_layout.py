@@ -155,27 +155,28 @@ def _estimate(ctx: Context, extra: str) -> tuple[dict, str]:
 
 def dry_run_estimates(ctx: Context) -> str:
     rows = [
-        "| GPUs | layout | step time | MFU | memory per rank | recommended layout | step time | MFU | memory per rank |",
+        "| GPUs | layout = degrees (dp_shard = all) | step time | MFU | memory per rank "
+        "| layout = auto (the preset's) | step time | MFU | memory per rank |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for world, extra in ((8, ""), (64, ""), (512, " --training.micro_batch_size 2")):
-        e, _ = _estimate(ctx, f"--parallelism.dry_run_world_size {world}{extra}")
+        e, _ = _estimate(
+            ctx, f"--parallelism.dry_run_world_size {world}{extra} --parallelism.layout degrees"
+        )
         same = e["rec"] == f"dp_shard {world}"
         rows.append(
-            f"| {world} | dp_shard {world} (the default) | {e['step']} s | {e['mfu']}% | {e['mem']} GiB | "
+            f"| {world} | dp_shard {world} | {e['step']} s | {e['mfu']}% | {e['mem']} GiB | "
             + ("the same" if same else e["rec"])
             + f" | {e['rec_step']} s | {e['rec_mfu']}% | {e['rec_mem']} GiB |"
         )
-    _, est = _estimate(ctx, "--parallelism.dry_run_world_size 64 --parallelism.dp_replicate 8")
+    _, est = _estimate(ctx, "--parallelism.dry_run_world_size 64")
     excerpt = est[: est.index("\n", est.index("  step time:"))]
     return (
         "```bash\n" + ESTIMATE_SHOWN + "\n```\n\n" + "\n".join(rows) + "\n\n"
-        "The estimate at 64 GPUs with the recommended layout (`--parallelism.dp_replicate 8`):\n\n"
+        'The estimate at 64 GPUs with the preset\'s `layout = "auto"`, which chose the '
+        "recommended layout:\n\n"
         "```\n" + excerpt + "\n```"
     )
-
-
-# ----- docs/checkpoints.md
 
 
 def checksum_cost(ctx: Context) -> str:

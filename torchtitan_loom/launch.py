@@ -24,8 +24,8 @@ from torchtitan_loom.components.runtime.run_folder import (
     record_launch,
     replace_old_run,
 )
-from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
-from torchtitan_loom.config.validate import resolve
+from torchtitan_loom.config import ConfigError, help_text, to_toml
+from torchtitan_loom.config.validate import load_and_resolve
 from torchtitan_loom.distributed import utils as dist_utils
 
 
@@ -43,9 +43,9 @@ def run(argv: list[str], trainer_cls: Any) -> int:
     check_only = "--check-config" in argv
     argv = [a for a in argv if a != "--check-config"]
     try:
-        cfg = load_config(argv)
-        world_size = cfg.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
-        resolved = resolve(cfg, world_size)
+        cfg, resolved = load_and_resolve(
+            argv, lambda c: c.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
+        )
     except ConfigError as exc:
         return _errors("config", exc)
     if check_only:  # run_train.sh checks the config for the whole world before starting ranks

@@ -412,6 +412,8 @@ class Trainer:
             device=self.device,
             first_step=self.state.step,
             log=self.log,
+            total_steps=t.steps,
+            compiling=cfg.compile.enable,
         )
         divergence = DivergenceMonitor(
             cfg.spike_guard.abort_on_spike, cfg.spike_guard.max_consecutive_skips
@@ -458,6 +460,7 @@ class Trainer:
                     profiler.step()
                 snapshots.step(step)
                 gc_control.step(step)
+                report.step_done(step)  # before its eval and save: the ETA's pace includes them
                 if step == first_step and self.info.world_size > 1:
                     self._shorten_timeouts()  # init is over
                 exit_code = self._after_step(step, out, report, divergence)

@@ -12,9 +12,12 @@ from torchtitan_loom.tools.loading import load
 
 
 def generate_cli(capsys, *argv):
+    """(exit code, stdout, stderr without the progress line that announces the load)."""
     code = gen_tool.main(list(argv))
     out, err = capsys.readouterr()
-    return code, out, err
+    loading = f"generate: loading {argv[0]} ...\n"
+    assert err.count(loading) <= 1
+    return code, out, err.replace(loading, "")
 
 
 def greedy_by_recompute(model, ids, steps):
@@ -84,6 +87,10 @@ def test_sampling_seed_loops_and_export_folder(trained_run, tmp_path, capsys):
         capsys, str(trained_run), "--prompt", "the cat", "--loops", "1", "--temperature", "0"
     )
     assert early[0] == 0 and early[1].startswith("the cat")
+    # The load is announced on stderr before it runs; stdout holds only the text.
+    assert gen_tool.main([str(trained_run), "--prompt", "the", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert err == f"generate: loading {trained_run} ...\n" and out.startswith("the")
 
 
 def test_bad_input_is_one_line_and_exit_2(trained_run, tmp_path, capsys):

@@ -43,6 +43,8 @@ def test_folder_layout_and_standalone_generated_modeling_file(hf_dir):
                 else [a.name for a in node.names]
             )
             assert not any(n.startswith("torchtitan_loom") for n in names), ast.unparse(node)
+            # transformers imports torchao itself when it is installed; the export adds no import.
+            assert not any(n.startswith("torchao") for n in names), ast.unparse(node)
     # The math is the package's own source, verbatim.
     for fn in (
         looping_residual.looping_residual_write,
@@ -126,3 +128,44 @@ def test_hf_export_of_a_missing_or_incomplete_checkpoint_is_exit_2(trained_run, 
         err = capsys.readouterr().err
         assert err.startswith("export error: ") and err.count("\n") == 1 and expected in err, err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_byte_tokenizer_loads_in_plain_transformers_with_the_training_ids(trained_run, hf_dir):
+    """No remote code for the tokenizer: AutoTokenizer builds PreTrainedTokenizerFast from the
+    exported tokenizer.json (pytest's stdin cannot be read, as a closed one), the ids are the
+    pack's tokenizer's, the text comes back, EOS and PAD are the trained ones."""
+    pack_tok = load(str(trained_run)).tokenizer
+    text = "variables: x = 1\nhéllo wörld\t{ } 🙂"
+    for hf_tok in (
+        transformers.AutoTokenizer.from_pretrained(str(hf_dir)),
+        transformers.PreTrainedTokenizerFast.from_pretrained(str(hf_dir)),
+    ):
+        ids = hf_tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == pack_tok.encode(text) == list(text.encode("utf-8"))
+        assert hf_tok.decode(ids) == text
+        assert (hf_tok.eos_token_id, hf_tok.pad_token_id) == (pack_tok.eos_id, pack_tok.pad_id)
+        assert hf_tok.decode([*ids, pack_tok.eos_id], skip_special_tokens=True) == text
+
+
+def test_text_generation_pipeline_generates_the_project_greedy_text(trained_run, hf_dir):
+    pipe = transformers.pipeline("text-generation", model=str(hf_dir), trust_remote_code=True)
+    prompt = "the cat sat on"
+    got = pipe(prompt, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    ours = load(str(trained_run))
+    ids = torch.tensor([ours.tokenizer.encode(prompt)])
+    ref = generate(ours.model, ids, SamplingConfig(max_new_tokens=8, temperature=0), eos_id=256)
+    assert got.startswith(prompt) and len(got) > len(prompt)
+    assert got == prompt + ours.tokenizer.decode(ref[0].tolist())
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_exported_files_get_the_umask_mode(trained_run, tmp_path, fmt):
+    """0640 under umask 027 (0644 under 022): safetensors alone would write the model file 0600."""
+    old = os.umask(0o027)
+    try:
+        out = tmp_path / fmt
+        assert export_tool.main([str(trained_run), str(out), "--format", fmt]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes and set(modes.values()) == {0o640}, modes

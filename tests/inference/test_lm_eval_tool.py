@@ -6,6 +6,7 @@ do not depend on the batch size; the holdout check trips on perturbed weights; t
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,9 @@ def test_end_to_end_results_scores_and_batch_size_independence(trained_run, tmp_
         f"lm_eval: loading lm-eval, then the checkpoint {trained_run} ...\n"
     )  # before the slow part
     assert code == 0, err
+    assert "lm_eval: scoring loom_tiny_mc (step 40) ..." in stdout
+    # Neither lm-eval's per-task progress bars nor its hint for its own CLI reach the console.
+    assert "Custom kwargs" not in err and not re.search(r"\d+%\|", err), err
     assert r1["step"] == 40 and r1["checkpoint"].endswith("step-40")
     assert r1["commit"] and r1["config"]["training"]["seq_len"] == 32
     assert r1["scoring"]["capacity"] == "off" and r1["scoring"]["param_dtype"] == "fp32"

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -185,7 +186,7 @@ def test_profiling_config_errors():
         resolve(cfg, 1)
 
 
-def test_analyze_writes_report(run, tmp_path, tiny_pack):
+def test_analyze_writes_report(run, tmp_path, tiny_pack, capsys):
     dump, trainer, _ = run
     out = tmp_path / "report"
     # Same eval batches as the trainer's (tokens, rows), so the loss table must match its last eval.
@@ -194,6 +195,9 @@ def test_analyze_writes_report(run, tmp_path, tiny_pack):
             [str(dump), "--out", str(out), "--tokens", "400", "--batch-rows", "4", "--samples", "2"]
         )
         == 0
+    )
+    assert capsys.readouterr().out.startswith(  # said before the slow part
+        f"analyze: loading {dump}, then routing 400 held-out tokens through it ...\n"
     )
     report = (out / "report.md").read_text()
     for name in (
@@ -274,3 +278,16 @@ def test_the_eval_line_announces_the_holdout_tokens_it_reads(run, tiny_pack):
         f"eval at step 4: {scalars['eval_tokens']:,} holdout tokens (the holdout holds fewer "
         f"than eval.tokens = 10,000,000), 3 loops ..."
     )
+
+
+def test_step_lines_say_where_the_run_is(run):
+    """step N/TOTAL on every line; an ETA from the second timed step on, none on the last; the
+    checkpoint load and the eval are announced before they run."""
+    _, _, lines = run
+    step_lines = [ln for ln in lines if ln.startswith("[torchtitan_loom] step ")]
+    assert [ln.split("|")[0].split()[-1] for ln in step_lines] == [
+        f"{s}/{STEPS}" for s in range(1, STEPS + 1)
+    ]
+    etas = [re.search(r"\| eta (\d+ s|\d+ min \d\d s)(?: \||$)", ln) for ln in step_lines]
+    assert etas[0] is None and etas[-1] is None and all(etas[1:-1]), step_lines
+    assert any(ln.startswith("[torchtitan_loom] no checkpoint in ") for ln in lines)

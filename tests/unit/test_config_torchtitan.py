@@ -260,3 +260,29 @@ def test_gc_freq_collects_every_n_steps_and_restores_automatic_gc():
     finally:
         gc.callbacks.remove(count)
         gc.enable()
+
+
+def test_every_config_problem_is_named_in_one_run(tmp_path, capsys):
+    """An unknown model name, two TorchTitan keys without meaning here, a bad value and a flavor
+    error: all named in one run (one line each), exit 2, nothing started."""
+    toml = tmp_path / "tt.toml"
+    toml.write_text(
+        f'[job]\ndump_folder = "{tmp_path / "run"}"\n'
+        '[model]\nname = "llama3"\nflavor = "debugmodel"\n'
+        '[training]\ndataset = "c4"\nsteps = 10\nmicro_batch_size = "eight"\n'
+        '[compile]\nenable = true\ncomponents = ["model", "loss"]\n'
+    )
+    assert main(["--job.config_file", str(toml), "--training.seq_len", "4096"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    expected = [
+        "model.name: unknown train spec 'llama3'",
+        "training.dataset (TorchTitan) has no meaning here",
+        "training.micro_batch_size: expected int, got 'eight'",
+        "compile.components (TorchTitan) has no meaning here",
+        "model.flavor: unknown flavor 'debugmodel' of 'loom'",
+        "training.seq_len = 4096: the bundled corpus",
+    ]
+    assert len(err) == len(expected) and all(line.startswith("config error: ") for line in err)
+    for want in expected:
+        assert sum(want in line for line in err) == 1, (want, err)
+    assert not (tmp_path / "run").exists()

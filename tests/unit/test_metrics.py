@@ -10,6 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torchtitan_loom.components.observability.metrics import (
     MetricsLogger,
     format_console_line,
+    format_duration,
     memory_stats,
     peak_flops,
     peak_flops_for_name,
@@ -144,3 +145,44 @@ def test_console_line():
     )
     line = format_console_line(7, {"loss": math.nan, "mfu": 12.34, "skipped": True})
     assert "loss nan" in line and "mfu 12.3%" in line and line.endswith("SKIPPED")
+
+
+def test_console_line_with_total_and_eta_and_durations():
+    line = format_console_line(10, {"loss": 2.5, "eval_loss": 2.25}, total=20, eta_s=192.4)
+    assert line == "step     10/20 | loss 2.5000 | eval 2.2500 | eta 3 min 12 s"
+    assert [format_duration(s) for s in (0.4, 59.6, 61, 3 * 3600 + 5 * 60 + 9)] == [
+        "0 s",
+        "1 min 00 s",
+        "1 min 01 s",
+        "3 h 05 min",
+    ]
+
+
+def test_step_metrics_eta_and_compile_lines():
+    """The ETA is the recent wall time per step (whatever ran between steps included, the first
+    step's compile not) times the steps left; a compiled run says so before and after step 1."""
+    from torchtitan_loom.components.observability import step_metrics
+
+    clock = iter([0.0, 100.0, 102.0, 110.0, 112.0])  # start, step 1 (compiles), 2, 3 (+ eval), 4
+    logged = []
+    report = step_metrics.StepMetrics(
+        Metrics(),
+        None,
+        tokens_per_step=1,
+        flops_per_token=1.0,
+        peak_flops=None,
+        device=torch.device("cpu"),
+        first_step=0,
+        log=logged.append,
+        total_steps=10,
+        compiling=True,
+        clock=lambda: next(clock),
+    )
+    assert logged == ["compiling blocks (first step) ..."]
+    report.step_done(1)
+    assert logged[-1] == "first step done in 100.0 s (compiling included)"
+    assert report.eta_seconds(1) is None  # one timed step: no pace yet
+    for step in (2, 3, 4):
+        report.step_done(step)
+    assert report.eta_seconds(4) == pytest.approx((112.0 - 100.0) / 3 * 6)
+    assert report.eta_seconds(10) is None and len(logged) == 2

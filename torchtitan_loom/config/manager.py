@@ -26,7 +26,14 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 
 class ConfigError(ValueError):
-    """A bad config: the message is one line naming the key and what would be valid."""
+    """A bad config: one line per problem, each naming the key and what would be valid.
+
+    ``partial`` (set by load_config): the config built from every key that was valid, so the
+    cross-field checks (validate.py) can still run and a user sees every problem in one run."""
+
+    def __init__(self, message: str, partial: JobConfig | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -203,17 +210,20 @@ def _per_step(written: str, key: str, value: Any, from_cli: bool) -> tuple[str, 
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """Build the JobConfig from argv (without the program name). Raises ConfigError."""
+    """Build the JobConfig from argv (without the program name). Raises ConfigError naming every
+    bad key and value (one line each; an unreadable argv or TOML file stops at once)."""
     pairs = parse_cli(argv)
     cfg = JobConfig()
+    errors: list[str] = []
     config_file = next((v for k, v in pairs if k in ("job.config_file", "job.config-file")), "")
     sources: list[tuple[str, Any, bool]] = []
     if config_file:
         for sec, table in _read_toml(config_file).items():
             if not isinstance(table, dict):
-                raise ConfigError(
+                errors.append(
                     f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}"
                 )
+                continue
             sources += [(k, v, False) for k, v in _flatten(sec, table)]
     sources += [(k, v, True) for k, v in pairs]
     # [model]'s keys are the chosen model's: find the name first (the last one given wins).
@@ -221,22 +231,29 @@ def load_config(argv: list[str]) -> JobConfig:
     if names:
         try:
             cfg.model = model_section(get_train_spec(str(names[-1])))()
-        except ValueError as exc:
-            raise ConfigError(f"model.name: {exc}") from None
+        except ValueError as exc:  # the other keys are still checked, against the default model
+            errors.append(f"model.name: {exc}")
+            sources = [src for src in sources if src[0] != "model.name"]
     # Step counts for fraction keys wait for the final training.steps; a later canonical write wins.
     pending: dict[str, tuple[str, str, int]] = {}
     for key, value, from_cli in sources:
-        alias = ALIASES.get(key.replace("-", "_"))
-        if alias is not None and alias.per_training_step:
-            pending[alias.key] = _per_step(key, alias.key, value, from_cli)
-            continue
-        _set(cfg, key, value, from_cli)
-        pending.pop(key.replace("-", "_"), None)
+        try:
+            alias = ALIASES.get(key.replace("-", "_"))
+            if alias is not None and alias.per_training_step:
+                pending[alias.key] = _per_step(key, alias.key, value, from_cli)
+                continue
+            _set(cfg, key, value, from_cli)
+            pending.pop(key.replace("-", "_"), None)
+        except ConfigError as exc:
+            errors.append(str(exc))
     for written, key, steps in pending.values():
         total = cfg.training.steps
         if total < 1 or steps > total:
-            raise ConfigError(f"{written} = {steps}: must lie in [0, training.steps = {total}]")
-        _set(cfg, key, steps / total, from_cli=False)
+            errors.append(f"{written} = {steps}: must lie in [0, training.steps = {total}]")
+        else:
+            _set(cfg, key, steps / total, from_cli=False)
+    if errors:
+        raise ConfigError("\n".join(errors), partial=cfg)
     return cfg
 
 

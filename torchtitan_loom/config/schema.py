@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_loom.components.checkpoint.manager import ASYNC_MODES
+from torchtitan_loom.distributed.estimate import LAYOUTS
 from torchtitan_loom.components.quantization.float8 import DENSE_RECIPES, EXPERT_RECIPES
 from torchtitan_loom.components.optim.lr_scheduler import VALID_KINDS as LR_KINDS
 from torchtitan_loom.components.optim.optimizer import OPTIMIZER_NAMES
@@ -383,6 +384,15 @@ class Checkpoint:
 
 @dataclass
 class Parallelism:
+    layout: str = opt(
+        "degrees",
+        "How the degrees are chosen: degrees = dp_replicate, dp_shard and ep as written; auto = at "
+        "launch (and in the dry run) the layout of this world size with the shortest estimated step "
+        "time that fits in estimate.memory_gib (the dry run's estimate, assumptions under "
+        "[estimate]), logged with the runner-up; a degree set to other than its default "
+        "(dp_replicate 1, dp_shard -1, ep 1) is kept as given. Re-chosen at every (re)start.",
+        choices=LAYOUTS,
+    )
     dp_replicate: int = opt(
         1,
         "Replicated data-parallel degree: HSDP's outer axis when dp_shard > 1, plain "

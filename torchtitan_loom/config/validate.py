@@ -13,11 +13,12 @@ import importlib.util
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
 from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
-from torchtitan_loom.config.manager import ConfigError
+from torchtitan_loom.config.manager import ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import get_train_spec
@@ -219,7 +220,8 @@ def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
 def _parallel_dims(
     cfg: JobConfig, world_size: int, args: Any, errors: list[str]
 ) -> ParallelDims | None:
-    """The degrees (ParallelDims checks every divisibility rule, once), or None with the problems added."""
+    """The degrees (ParallelDims checks every divisibility rule, once), or None with the problems
+    added; with parallelism.layout = "auto", the fastest layout that keeps the pinned degrees."""
     try:
         spec = get_train_spec(cfg.model.name)
         num_experts = (
@@ -227,10 +229,47 @@ def _parallel_dims(
             if spec.num_experts_fn is not None and args is not None
             else None
         )
+        if cfg.parallelism.layout == "auto" and world_size > 1 and args is not None:
+            return _auto_layout(cfg, spec, args, world_size, errors)
         return ParallelDims.from_config(cfg.parallelism, world_size, num_experts=num_experts)
     except ValueError as exc:
         errors.extend(str(exc).splitlines())
         return None
+
+
+# A degree at its schema default is free for parallelism.layout = "auto"; any other value is pinned.
+_FREE_DEGREES = {"dp_replicate": 1, "dp_shard": -1, "ep": 1}
+
+
+def _auto_layout(
+    cfg: JobConfig, spec: Any, args: Any, world_size: int, errors: list[str]
+) -> ParallelDims | None:
+    from torchtitan_loom.distributed.estimate import rank_layouts, choice_line
+
+    if spec.cost_fn is None:
+        errors.append(
+            f"parallelism.layout = 'auto': model '{cfg.model.name}' has no cost model "
+            f"(TrainSpec.cost_fn) to rank layouts with; set parallelism.layout = 'degrees'"
+        )
+        return None
+    pinned = {k: getattr(cfg.parallelism, k) for k, free in _FREE_DEGREES.items()}
+    pinned = {k: v for k, v in pinned.items() if v != _FREE_DEGREES[k]}
+    no_ep = cfg.float8.enable and cfg.float8.experts  # float8 experts do not run under EP yet
+
+    def allowed(dims: ParallelDims) -> bool:
+        if no_ep and dims.ep > 1:
+            return False
+        return all(getattr(dims, k) == v for k, v in pinned.items())
+
+    ranked = rank_layouts(cfg, args, world_size, allowed)
+    if not ranked:
+        given = ", ".join(f"parallelism.{k} = {v}" for k, v in pinned.items()) or "no pinned degree"
+        errors.append(
+            f"parallelism.layout = 'auto': no valid layout of {world_size} ranks with {given}; "
+            f"unpin a degree or set parallelism.layout = 'degrees' to see why"
+        )
+        return None
+    return dataclasses.replace(ranked[0].dims, origin=choice_line(ranked))
 
 
 def parallelism_errors(cfg: JobConfig, dims: ParallelDims | None, args: Any) -> list[str]:
@@ -385,6 +424,26 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if errors:
         raise ConfigError("\n".join(errors))
     return Resolved(args, dims)
+
+
+def load_and_resolve(
+    argv: list[str], world_size_of: Callable[[JobConfig], int]
+) -> tuple[JobConfig, Resolved]:
+    """``load_config`` then ``resolve``, every problem of both in one ConfigError: when keys or
+    values are bad, the config built from the valid ones is still checked (unknown keys, TorchTitan
+    keys without meaning, bad values and flavor errors come out together). ``world_size_of``: the
+    world size a config runs at (the launcher's environment, or the dry run's)."""
+    try:
+        cfg = load_config(argv)
+    except ConfigError as exc:
+        if exc.partial is None:
+            raise
+        try:
+            resolve(exc.partial, world_size_of(exc.partial))
+        except ConfigError as more:
+            raise ConfigError(f"{exc}\n{more}") from None
+        raise
+    return cfg, resolve(cfg, world_size_of(cfg))
 
 
 def _diagnostics_errors(cfg: JobConfig) -> list[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
@@ -32,6 +32,8 @@ from torchtitan_loom.protocols import get_train_spec, segments
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)
 _OVERLAPPED = ("all_gather", "reduce_scatter")
+LAYOUTS = ("degrees", "auto")
+"""parallelism.layout: the degrees as written, or the fastest layout of rank_layouts (auto)."""
 
 
 class Estimate(NamedTuple):
@@ -69,7 +71,7 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
         local += comm_plan.replicated_numel(cost, dims)
         keep_all = cfg.parallelism.fsdp_reshard_after_forward != "always"
         gathered_bytes = pb * (sum(gathered) if keep_all else 2 * max(gathered))
-        per_segment_sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch") == "segment"
+        per_segment_sync = cfg.parallelism.fsdp_sync == "segment"
         # Accumulated in the parameters' own (unpadded) shapes; padding lives in the gather buffers only.
         full = sum(math.prod(shape) for u in cost.units for shape in u.shapes)
         unsharded_grads = rb * full if per_segment_sync else 0
@@ -122,58 +124,112 @@ def assumptions(hw: Any) -> str:
 
 
 def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
-    """The estimate's lines for the dry run, then the layouts ranked."""
+    """The estimate's lines for the dry run, then the layouts ranked. Every figure says whether it is
+    per rank or for the whole step over all ranks."""
     est = estimate(cfg, model_args, dims)
     t, hw = cfg.training, cfg.estimate
     n_seg = len(segments(model_args.num_loops, t.bp_segment_len))
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
     lines = [
-        "estimate per rank (a roofline, not a measurement)",
+        "estimate per rank (a roofline, not a measurement; a figure for all ranks says so)",
         "  " + assumptions(hw),
-        "  memory (GiB):",
+        "  memory per rank (GiB):",
     ]
     for part, nbytes in est.memory.items():
         if nbytes or part == "total":
             lines.append(f"    {part:<44} {nbytes / _GIB:8.2f}")
-    sync = getattr(cfg.parallelism, "fsdp_sync", "micro_batch")
+    sync = cfg.parallelism.fsdp_sync
     lines.append(
-        f"  communication per step ({n_seg} segments × {micro} micro-batches, FSDP sync per {sync}):"
+        f"  communication per step on each rank ({n_seg} segments × {micro} micro-batches, FSDP "
+        f"sync per {sync}):"
     )
     if not est.collectives:
         lines.append("    none (one rank)")
     else:
-        lines.append(
-            f"    {'collective':<15} {'unit / purpose':<36} {'group':<26} {'per segment':>11} "
-            f"{'MiB per call':>12} {'GiB per step':>12} {'ms per step':>11}"
-        )
-        for c in _folded(est.collectives):
-            link = "node" if c.span <= hw.gpus_per_node else "network"
-            per_seg = f"{c.calls / n_seg:g}" if c.calls % n_seg == 0 else "-"
+        lines += _collective_table(est.collectives, hw, n_seg)
+        lines += _padding_notes(cfg, model_args, dims)
+        if dims.ep_enabled:
             lines.append(
-                f"    {c.kind:<15} {c.what:<36} {f'{c.group} {c.size} ({link})':<26} {per_seg:>11} "
-                f"{c.nbytes / _MIB:12.3f} {c.calls * c.nbytes / _GIB:12.3f} "
-                f"{seconds(c, hw) * 1e3:11.2f}"
+                "    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
             )
-        lines.append(
-            "    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
-            if dims.ep_enabled
-            else ""
-        )
     lines.append(
         f"  FLOPs per step: {est.flops / 1e12:,.1f} TFLOP model + {est.recompute_flops / 1e12:,.1f} "
-        f"TFLOP recompute ({cfg.activation_checkpoint.mode})"
+        f"TFLOP recompute ({cfg.activation_checkpoint.mode}) on each rank; "
+        f"{est.flops * dims.world_size / 1e12:,.1f} TFLOP model over all {dims.world_size} ranks"
     )
+    if not est.overlapped_s:
+        hidden = ""
+    elif est.overlapped_s <= est.compute_s:
+        hidden = " (hidden behind the compute)"
+    else:
+        hidden = (
+            f" (longer than the compute by {est.overlapped_s - est.compute_s:.2f} s: the step "
+            f"waits on them)"
+        )
     lines.append(
-        f"  step time: compute {est.compute_s:.2f} s, FSDP collectives {est.overlapped_s:.2f} s "
-        f"(behind the compute), other collectives {est.exposed_s:.2f} s -> {est.step_s:.2f} s per step, "
-        f"MFU {est.mfu:.1f}%, {t.global_batch_size * t.seq_len / est.step_s:,.0f} tokens/s"
+        f"  step time: compute {est.compute_s:.2f} s, FSDP collectives {est.overlapped_s:.2f} s"
+        f"{hidden}, other collectives {est.exposed_s:.2f} s (on the critical path) -> "
+        f"{est.step_s:.2f} s per step, MFU {est.mfu:.1f}%, "
+        f"{t.global_batch_size * t.seq_len / est.step_s:,.0f} tokens/s over all ranks"
     )
     lines += recommend(cfg, model_args, dims.world_size, current=est)
-    return [line for line in lines if line != ""]
+    return lines
 
 
-def _folded(collectives: list[Collective]) -> list[Collective]:
-    """Per-layer units folded into one row per kind (layers.{l}, ×L); calls summed."""
+def _collective_table(collectives: list[Collective], hw: Any, n_seg: int) -> list[str]:
+    """One row per collective; the repeated units' rows (layers.{l}) are per unit and say × n, and
+    the total line sums every unit."""
+    lines = [
+        f"    {'collective':<15} {'unit / purpose':<36} {'group':<26} {'per segment':>11} "
+        f"{'MiB per call':>12} {'GiB per step':>12} {'ms per step':>11}"
+    ]
+    total_gib = total_ms = 0.0
+    repeated = 0
+    for c, n in _folded(collectives):
+        link = "node" if c.span <= hw.gpus_per_node else "network"
+        per_seg = f"{c.calls / n_seg:g}" if c.calls % n_seg == 0 else "-"
+        gib, ms = c.calls * c.nbytes / _GIB, seconds(c, hw) * 1e3
+        total_gib, total_ms = total_gib + n * gib, total_ms + n * ms
+        repeated = max(repeated, n)
+        what = f"{c.what} (per unit, × {n})" if n > 1 else c.what
+        lines.append(
+            f"    {c.kind:<15} {what:<36} {f'{c.group} {c.size} ({link})':<26} {per_seg:>11} "
+            f"{c.nbytes / _MIB:12.3f} {gib:12.3f} {ms:11.2f}"
+        )
+    rows = f" (each per-unit row × its count)" if repeated > 1 else ""
+    lines.append(
+        f"    {'total':<15} {'every unit and purpose' + rows:<64} {'':>11} {'':>12} "
+        f"{total_gib:12.3f} {total_ms:11.2f}"
+    )
+    return lines
+
+
+def _padding_notes(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
+    """Where FSDP's padding grows a unit's gathered size: a split dimension smaller than, or not a
+    multiple of, the shard degree (e.g. 30 routed experts over 64 ranks pad to 64 rows)."""
+    cost = get_train_spec(cfg.model.name).cost_fn(model_args, dims, cfg)
+    notes, seen = [], set()
+    for unit in cost.units:
+        n = comm_plan.shard_degree(unit, dims)
+        real = sum(math.prod(shape) for shape in unit.shapes)
+        padded = comm_plan.padded_numel(unit, n)
+        if n <= 1 or padded == real:
+            continue
+        name = re.sub(r"^layers\.\d+", "layers.{l}", unit.name)
+        uneven = sorted({s[unit.shard_dim] for s in unit.shapes if s[unit.shard_dim] % n})
+        if name in seen:
+            continue
+        seen.add(name)
+        notes.append(
+            f"    padding: {name} gathers and reduce-scatters {padded / real:.2f}× its parameters: "
+            f"FSDP splits dim {unit.shard_dim} over {n} ranks and rounds a size of "
+            f"{', '.join(map(str, uneven))} up to a multiple of {n}"
+        )
+    return notes
+
+
+def _folded(collectives: list[Collective]) -> list[tuple[Collective, int]]:
+    """Per-layer units folded into one row per kind (layers.{l}), with the number of units folded."""
     rows: dict[tuple, Collective] = {}
     layers: dict[tuple, set] = {}
     for c in comm_plan.merged(collectives):
@@ -189,15 +245,17 @@ def _folded(collectives: list[Collective]) -> list[Collective]:
     out = []
     for key, c in rows.items():
         n = len(layers[key])
-        out.append(c._replace(what=f"{c.what} (each of {n})", calls=c.calls // n) if n > 1 else c)
+        out.append((c._replace(calls=c.calls // n), n))
     return out
 
 
-def candidate_layouts(cfg: Any, model_args: Any, world: int) -> list[tuple[Any, ParallelDims]]:
-    """Every valid (dp_replicate, dp_shard, ep) of `world` ranks for this config, as configs + dims."""
-    spec = get_train_spec(
-        cfg.model.name
-    )  # the model's own rules through its TrainSpec, as validate.py asks them
+def candidate_layouts(
+    cfg: Any, model_args: Any, world: int, allowed: Callable[[ParallelDims], bool] | None = None
+) -> list[tuple[Any, ParallelDims]]:
+    """Every valid (dp_replicate, dp_shard, ep) of `world` ranks for this config, as configs + dims;
+    `allowed` filters them further (the config's pinned degrees and rules, see config/validate.py)."""
+    # The model's own rules through its TrainSpec, as validate.py asks them.
+    spec = get_train_spec(cfg.model.name)
     num_experts = spec.num_experts_fn(model_args) if spec.num_experts_fn is not None else None
     out = []
     for replicate in (r for r in range(1, world + 1) if world % r == 0):
@@ -212,42 +270,78 @@ def candidate_layouts(cfg: Any, model_args: Any, world: int) -> list[tuple[Any, 
                 )
             except ValueError:  # a degree rule (ParallelDims checks every one, once)
                 continue
-            if spec.layout_errors_fn is None or not spec.layout_errors_fn(model_args, dims):
+            if spec.layout_errors_fn is not None and spec.layout_errors_fn(model_args, dims):
+                continue
+            if allowed is None or allowed(dims):
                 out.append((candidate, dims))
     return out
+
+
+class Ranked(NamedTuple):
+    dims: ParallelDims
+    estimate: Estimate
+    fits: bool
+    """Its estimated memory per rank is within estimate.memory_gib."""
+
+
+def rank_layouts(
+    cfg: Any, model_args: Any, world: int, allowed: Callable[[ParallelDims], bool] | None = None
+) -> list[Ranked]:
+    """The candidate layouts, those that fit first, fastest first; equal times (compute-bound):
+    the one with less memory per rank first."""
+    ranked = []
+    for candidate, dims in candidate_layouts(cfg, model_args, world, allowed):
+        est = estimate(candidate, model_args, dims)
+        ranked.append(Ranked(dims, est, est.memory["total"] <= cfg.estimate.memory_gib * _GIB))
+    ranked.sort(key=lambda r: (not r.fits, round(r.estimate.step_s, 3), r.estimate.memory["total"]))
+    return ranked
+
+
+def layout_name(dims: ParallelDims) -> str:
+    return f"dp_replicate {dims.dp_replicate} × dp_shard {dims.dp_shard}, ep {dims.ep}"
+
+
+def choice_line(ranked: list[Ranked]) -> str:
+    """The auto layout's one log line: the choice and the runner-up, with their estimates."""
+
+    def one(r: Ranked) -> str:
+        fit = "" if r.fits else ", does not fit in estimate.memory_gib"
+        return (
+            f"{layout_name(r.dims)} (estimated {r.estimate.step_s:.2f} s per step, "
+            f"MFU {r.estimate.mfu:.1f}%{fit})"
+        )
+
+    runner_up = f"; runner-up {one(ranked[1])}" if len(ranked) > 1 else "; the only valid layout"
+    return f"layout auto: {one(ranked[0])}{runner_up}"
 
 
 def recommend(cfg: Any, model_args: Any, world: int, current: Estimate | None = None) -> list[str]:
     """The three fastest layouts of `world` ranks that fit in estimate.memory_gib, by estimated step time."""
     if world == 1:
         return []
-    ranked = []
-    for candidate, dims in candidate_layouts(cfg, model_args, world):
-        est = estimate(candidate, model_args, dims)
-        ranked.append((est.memory["total"] > cfg.estimate.memory_gib * _GIB, est.step_s, dims, est))
-    # Equal times (compute-bound): the layout with less memory per rank first.
-    ranked.sort(key=lambda r: (r[0], round(r[1], 3), r[3].memory["total"]))
+    ranked = rank_layouts(cfg, model_args, world)
     if not ranked:
         return []
     lines = [
-        f"  layouts of {world} ranks, fastest first (this batch geometry and activation_checkpoint mode):"
+        f"  layouts of {world} ranks, fastest first (this batch geometry and activation_checkpoint "
+        f"mode; step times and MFU of the whole step, memory per rank):"
     ]
-    for over, _, dims, est in ranked[:3]:
+    for r in ranked[:3]:
         lines.append(
-            f"    dp_replicate {dims.dp_replicate} × dp_shard {dims.dp_shard}, ep {dims.ep}: "
-            f"{est.step_s:.2f} s per step, MFU {est.mfu:.1f}%, {est.memory['total'] / _GIB:.1f} GiB"
-            + ("  (does not fit in estimate.memory_gib)" if over else "")
+            f"    {layout_name(r.dims)}: {r.estimate.step_s:.2f} s per step, "
+            f"MFU {r.estimate.mfu:.1f}%, {r.estimate.memory['total'] / _GIB:.1f} GiB per rank"
+            + ("" if r.fits else "  (does not fit in estimate.memory_gib)")
         )
-    best = ranked[0][2]
+    best = ranked[0].dims
     lines.append(
         f"  recommended: --parallelism.dp_replicate {best.dp_replicate} --parallelism.dp_shard "
-        f"{best.dp_shard} --parallelism.ep {best.ep}"
+        f"{best.dp_shard} --parallelism.ep {best.ep}, or --parallelism.layout auto"
         + (
-            "  (nothing fits: use activation checkpointing or a smaller micro-batch)"
-            if ranked[0][0]
-            else ""
+            ""
+            if ranked[0].fits
+            else "  (nothing fits: use activation checkpointing or a smaller micro-batch)"
         )
     )
-    if current is not None and not math.isclose(current.step_s, ranked[0][1]):
+    if current is not None and not math.isclose(current.step_s, ranked[0].estimate.step_s):
         lines.append(f"  (this config's layout: {current.step_s:.2f} s per step)")
     return lines

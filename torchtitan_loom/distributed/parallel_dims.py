@@ -103,6 +103,8 @@ class ParallelDims:
     dp_shard: int
     ep: int
     world_size: int
+    origin: str = field(default="", compare=False)
+    """How the degrees were chosen, when not as written (parallelism.layout = "auto"): one line."""
     _meshes: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -263,6 +265,8 @@ class ParallelDims:
                 else ""
             )
         ]
+        if self.origin:
+            lines.append(f"  {self.origin}")
         for name, dims in self.mesh_shapes().items():
             lines.append(f"  mesh {name:<16} " + " × ".join(f"{d}={n}" for d, n in dims))
         if len(lines) == 1:

@@ -402,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    print(
+        f"analyze: loading {ns.ckpt}, then routing {ns.tokens:,} held-out tokens through it ...",
+        flush=True,
+    )
     try:
         with torch.no_grad():  # scoped: main() may run inside another program (tests do)
             path = analyze(

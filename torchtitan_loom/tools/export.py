@@ -38,6 +38,7 @@ from torchtitan_loom.components.checkpoint.state import CheckpointError, load_fu
 from torchtitan_loom.tools.export_format import (
     ExportError,
     find_checkpoint,
+    give_umask_mode,
     model_spec,
     read_export,
 )
@@ -133,9 +134,12 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
             "file": name,
         },
     )
+    written = [name, MODEL_ARGS_FILE]
     if os.path.isfile(os.path.join(ckpt, "config.toml")):
         with open(os.path.join(ckpt, "config.toml"), "rb") as fh:
             safe_files.atomic_write(os.path.join(out, "config.toml"), fh.read())
+        written.append("config.toml")
+    give_umask_mode(out, written)
     return path
 
 
@@ -240,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         note = integrity.unverified_note(ckpt)
         if note:
             print(f"warning: {note}", file=sys.stderr)
+        print(f"export: reading the model of {ckpt} ...", flush=True)
         path = export(ckpt, ns.out, ns.dtype, force=ns.force)
         print(f"exported {ckpt} → {path} ({ns.dtype})")
         if ns.verify:
@@ -257,6 +262,7 @@ def _main_hf(ns: argparse.Namespace) -> int:
         return 2
     try:
         check_out(ns.out, ns.force)
+        print(f"export: loading {ns.ckpt} ...", flush=True)
         loaded = load(ns.ckpt, need_tokenizer=False)
         try:
             loaded.tokenizer = load_tokenizer(
@@ -270,7 +276,8 @@ def _main_hf(ns: argparse.Namespace) -> int:
         return 2
     except ImportError as exc:
         print(
-            f"export error: --format hf needs safetensors ({exc}); pip install 'torchtitan_loom[hf]'",
+            f"export error: --format hf needs safetensors and tokenizers ({exc}); "
+            "pip install 'torchtitan_loom[hf]'",
             file=sys.stderr,
         )
         return 2

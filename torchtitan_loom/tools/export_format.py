@@ -66,6 +66,21 @@ def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise ExportError(f"{path}: unreadable model file ({type(exc).__name__}: {exc})") from None
 
 
+def umask_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (0o644 under umask 022)."""
+    mask = os.umask(0o022)  # the umask is read by setting it; it is put back at once
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def give_umask_mode(folder: str, names: list[str]) -> None:
+    """Exported files get the umask's mode: safetensors and the O_EXCL temporary files create them
+    0600, which another user or an inference server could not read."""
+    mode = umask_mode()
+    for name in names:
+        os.chmod(os.path.join(folder, name), mode)
+
+
 def _export_file(out: str, name: Any) -> str:
     """The model file an export's model_args.json names: a plain file name inside ``out``."""
     if (

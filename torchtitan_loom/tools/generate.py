@@ -62,6 +62,8 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError(problems[0])
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
+    # stderr: stdout carries only the text
+    print(f"generate: loading {ns.ckpt} ...", file=sys.stderr, flush=True)
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.args.num_loops)
     ids = loaded.tokenizer.encode(ns.prompt)

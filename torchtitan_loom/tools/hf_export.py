@@ -9,7 +9,19 @@
                           implementation to keep in sync; it imports nothing from torchtitan_loom.
     model.safetensors     the parameters (fp32 or bf16) and the fp32 expert bias, keys "model.<name>"
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
-                          when the pack was tokenised with a Hugging Face tokenizer.json
+                          the pack's own tokenizer.json when it has one; for the byte tokenizer a
+                          ``tokenizers`` serialisation of it (ids 0..255 the bytes, 256 EOS
+                          "<|endoftext|>", 257 PAD "<pad>"), so ``AutoTokenizer`` needs no remote code
+                          and gives the ids the model was trained on
+
+Every file gets the mode the umask gives (export_format.give_umask_mode).
+
+transformers 5.x's ``AutoTokenizer.from_pretrained(OUT)`` reads config.json first, whose
+``auto_map`` names the remote LoomConfig: without ``trust_remote_code`` it asks the [y/N] question
+(answered "no" at once when stdin is closed, after which the tokenizer loads);
+``PreTrainedTokenizerFast.from_pretrained(OUT)`` or ``trust_remote_code=True`` skip it. A
+model_type transformers registers would silence it, at the price of config.json naming another
+architecture; the export keeps "loom".
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from pathlib import Path
 import torch
 
 import torchtitan_loom
+from torchtitan_loom.tools.export_format import give_umask_mode
 from torchtitan_loom.tools.loading import Loaded
 
 MODELING_FILE = "modeling_loom.py"
@@ -120,24 +133,57 @@ def modeling_source() -> str:
     return "\n".join(parts)
 
 
+# The byte tokenizer's special tokens, spelled as HFTokenizer (components/data/tokenizer.py)
+# finds them again: the first EOS candidate and "<pad>".
+BYTE_EOS, BYTE_PAD = "<|endoftext|>", "<pad>"
+
+
+def _byte_symbols() -> list[str]:
+    """The printable character ByteLevel pre-tokenisation maps each byte 0..255 to: printable
+    Latin-1 bytes stand for themselves, the others take the code points from 256 on, in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def byte_tokenizer_json(path: str) -> None:
+    """Write the byte tokenizer (ByteTokenizer) as a ``tokenizers`` tokenizer.json: a BPE model
+    without merges over the 256 byte symbols (id = byte value), ByteLevel pre-tokenizer and
+    decoder, EOS 256 and PAD 257 as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (BYTE_EOS, BYTE_PAD)])
+    tok.save(path)
+
+
 def _tokenizer_files(loaded: Loaded, out: str) -> list[str]:
-    """Copy the pack's HF tokenizer (tokenizer.json + a tokenizer_config.json naming EOS)."""
-    from torchtitan_loom.components.data.tokenizer import HFTokenizer
+    """tokenizer.json (the pack's, or the byte tokenizer's) + a tokenizer_config.json naming EOS/PAD."""
+    from torchtitan_loom.components.data.tokenizer import ByteTokenizer, HFTokenizer
 
     tok = loaded.tokenizer
-    if not isinstance(tok, HFTokenizer):
+    if isinstance(tok, HFTokenizer):
+        src = Path(tok.name_or_path)
+        src = src / "tokenizer.json" if src.is_dir() else src
+        shutil.copyfile(src, os.path.join(out, "tokenizer.json"))
+        eos = tok._tok.id_to_token(tok.eos_id)
+        pad = None if tok.pad_id is None else tok._tok.id_to_token(tok.pad_id)
+    elif isinstance(tok, ByteTokenizer):
+        byte_tokenizer_json(os.path.join(out, "tokenizer.json"))
+        eos, pad = BYTE_EOS, BYTE_PAD
+    else:
         return []
-    src = Path(tok.name_or_path)
-    src = src / "tokenizer.json" if src.is_dir() else src
-    shutil.copyfile(src, os.path.join(out, "tokenizer.json"))
-    eos = tok._tok.id_to_token(tok.eos_id)
+    # An explicit class: transformers builds PreTrainedTokenizerFast from tokenizer.json, no remote code.
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos,
         "model_max_length": loaded.args.max_seq_len,
     }
-    if tok.pad_id is not None:
-        cfg["pad_token"] = tok._tok.id_to_token(tok.pad_id)
+    if pad is not None:
+        cfg["pad_token"] = pad
     with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)
     with open(os.path.join(out, "special_tokens_map.json"), "w") as fh:
@@ -184,4 +230,6 @@ def export_hf(loaded: Loaded, out: str, dtype: torch.dtype = torch.float32) -> l
     with open(os.path.join(out, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
         fh.write("\n")
-    return ["config.json", MODELING_FILE, "model.safetensors"] + _tokenizer_files(loaded, out)
+    files = ["config.json", MODELING_FILE, "model.safetensors"] + _tokenizer_files(loaded, out)
+    give_umask_mode(out, files)
+    return files

@@ -16,9 +16,13 @@ torchtitan_loom[eval]``. Bad input: one line, exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +35,37 @@ from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_THRESHOLD = 0.005
+# A tqdm progress bar as it is drawn ("  40%|████      | 4/10 [00:01<00:01, 3.9it/s]").
+_PROGRESS_BAR = re.compile(r"\d+%\|")
+# lm-eval's hint for its own command line, logged for every task whose data comes from a function.
+_CLI_HINT = "Custom kwargs can be passed to `--metadata`"
+
+
+class _DropCliHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _CLI_HINT not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_scoring():
+    """lm-eval's per-task tqdm bars (drawn on sys.stderr) and its ``--metadata`` hint (meant for
+    lm-eval's own CLI; the bundled tasks build their data with a function) are dropped; any other
+    text written to stderr meanwhile is passed on once scoring ends."""
+    task_logger, hint = logging.getLogger("lm_eval.api.task"), _DropCliHint()
+    task_logger.addFilter(hint)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        task_logger.removeFilter(hint)
+        rest = [
+            line
+            for line in re.split(r"[\r\n]", captured.getvalue())
+            if line.strip() and not _PROGRESS_BAR.search(line)
+        ]
+        if rest:
+            print("\n".join(rest), file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,14 +240,17 @@ def run(ns: argparse.Namespace) -> str | None:
         ):  # the expert bias decides routing: it stays fp32
             m.expert_bias = bias
     lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
-    res = simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        task_manager=tm,
-        limit=ns.limit,
-        log_samples=True,
-        bootstrap_iters=1000,
-    )
+    if info.rank == 0:
+        print(f"lm_eval: scoring {', '.join(tasks)} (step {loaded.step}) ...", flush=True)
+    with quiet_scoring():
+        res = simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=tm,
+            limit=ns.limit,
+            log_samples=True,
+            bootstrap_iters=1000,
+        )
     if info.rank != 0:
         return None
     payload = {

@@ -382,6 +382,7 @@ class CheckpointManager:
             if choice is None:
                 self._log(f"no checkpoint in {self.root}: starting from scratch")
                 return None
+            self._log(f"loading checkpoint {choice.path} ...")
             step = self._load_choice(choice)
             bad = integrity.model_finite(self.model)
             if not bad:

@@ -270,14 +270,26 @@ def _to_json(value: Any) -> Any:
     return value
 
 
-def format_console_line(step: int, scalars: dict[str, Any]) -> str:
-    """One compact line: step, loss (per-segment losses), lr, grad norm, tokens/s, TFLOP/s,
-    MFU and memory, each shown only when present and not None."""
+def format_duration(seconds: float) -> str:
+    """'42 s', '3 min 12 s', '5 h 03 min' (the README's spelling of durations)."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def format_console_line(
+    step: int, scalars: dict[str, Any], total: int | None = None, eta_s: float | None = None
+) -> str:
+    """One compact line: step (of ``total``), loss (per-segment losses), lr, grad norm, tokens/s,
+    TFLOP/s, MFU, memory, eval loss and the ETA, each shown only when present and not None."""
 
     def has(key: str) -> bool:
         return scalars.get(key) is not None
 
-    parts = [f"step {step:>6d}"]
+    parts = [f"step {step:>6d}" + ("" if total is None else f"/{total}")]
     if has("loss"):
         parts.append(f"loss {scalars['loss']:.4f}")
     seg = sorted(
@@ -303,6 +315,8 @@ def format_console_line(step: int, scalars: dict[str, Any]) -> str:
             break
     if has("eval_loss"):
         parts.append(f"eval {scalars['eval_loss']:.4f}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     if scalars.get("skipped"):
         parts.append("SKIPPED")
     return " | ".join(parts)

@@ -3,7 +3,9 @@
 A log step (every ``metrics.log_freq`` steps, the last step and every skipped one) writes the loss of
 the last segment and of each segment, the lr, the pre-clip gradient norm, tokens/s, TFLOP/s and MFU
 over the steps since the previous log line (eval time excluded), memory, and the eval scalars when
-an eval ran; diagnostic steps add the ``diag/…`` keys and downstream steps ``downstream/…``. The expert load per layer, loop and expert rides along every ``expert_load_every``
+an eval ran; the console line also shows ``step N/TOTAL`` and an ETA: the wall time per step over
+the last ``ETA_WINDOW`` steps (eval, checkpoint saves and everything else between steps included;
+the first step, which compiles, is not), times the steps left; diagnostic steps add the ``diag/…`` keys and downstream steps ``downstream/…``. The expert load per layer, loop and expert rides along every ``expert_load_every``
 steps (0: with each eval); eval steps also write the routing images when enabled.
 
 Legend: L layers, H loops, E routed experts.
@@ -11,6 +13,7 @@ Legend: L layers, H loops, E routed experts.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterator
@@ -21,9 +24,15 @@ import torch
 from torchtitan_loom.components.observability.metrics import (
     MetricsLogger,
     format_console_line,
+    format_duration,
     memory_stats,
     throughput,
 )
+
+
+# Steps whose wall time the ETA averages: long enough to hold two evals of the presets (every 60
+# or 500 steps), short against their 10,000 to 57,000 steps, so it follows a change of pace.
+ETA_WINDOW = 1000
 
 
 class StepMetrics:
@@ -33,6 +42,11 @@ class StepMetrics:
     tokens_per_step: global batch rows × sequence length.
     flops_per_token, peak_flops: for TFLOP/s and MFU (``metrics.throughput``).
     first_step: the step counter when the loop starts (the rate's origin).
+    total_steps: training.steps (the ``step N/TOTAL`` and the ETA).
+    compiling: torch.compile is on: the first step compiles the blocks, said before and after.
+    clock: seconds, for the rates and the ETA (a test passes its own).
+
+    Constructed just before the first step of a launch.
     """
 
     def __init__(
@@ -46,14 +60,35 @@ class StepMetrics:
         device: torch.device,
         first_step: int,
         log: Callable[[str], None],
+        total_steps: int | None = None,
+        compiling: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.cfg, self.logger, self.device, self.log = cfg, logger, device, log
+        self.cfg, self.logger, self.device, self.log, self.clock = cfg, logger, device, log, clock
         self.tokens_per_step, self.flops_per_token, self.peak_flops = (
             tokens_per_step,
             flops_per_token,
             peak_flops,
         )
-        self._since, self._since_step = time.perf_counter(), first_step
+        self._since, self._since_step = self.clock(), first_step
+        self.total_steps, self._compiling, self._started = total_steps, compiling, self._since
+        self._done: collections.deque[tuple[int, float]] = collections.deque(maxlen=ETA_WINDOW + 1)
+        if compiling:
+            self.log("compiling blocks (first step) ...")
+
+    def step_done(self, step: int) -> None:
+        """The training part of ``step`` finished (called before its eval and save)."""
+        now = self.clock()
+        if not self._done and self._compiling:
+            self.log(f"first step done in {now - self._started:.1f} s (compiling included)")
+        self._done.append((step, now))
+
+    def eta_seconds(self, step: int) -> float | None:
+        """Seconds until training.steps at the recent pace; None before two steps are timed."""
+        if self.total_steps is None or len(self._done) < 2 or step >= self.total_steps:
+            return None
+        (s0, t0), (s1, t1) = self._done[0], self._done[-1]
+        return (t1 - t0) / (s1 - s0) * (self.total_steps - step)
 
     def is_log_step(self, step: int, last_step: int, skipped: bool) -> bool:
         return step % self.cfg.log_freq == 0 or step == last_step or skipped
@@ -61,15 +96,15 @@ class StepMetrics:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Time spent inside (an eval) does not count towards tokens/s."""
-        started = time.perf_counter()
+        started = self.clock()
         try:
             yield
         finally:
-            self._since += time.perf_counter() - started
+            self._since += self.clock() - started
 
     def train_scalars(self, step: int, result: Any, tokens_seen: int) -> dict[str, Any]:
         """The step's training scalars (``result``: the trainer's StepResult); resets the rate window."""
-        now = time.perf_counter()
+        now = self.clock()
         rate = throughput(
             self.tokens_per_step * (step - self._since_step),
             now - self._since,
@@ -103,7 +138,7 @@ class StepMetrics:
         if routing is not None:
             self.routing_images(step, scalars, routing)
         if console:
-            self.log(format_console_line(step, scalars))
+            self.log(format_console_line(step, scalars, self.total_steps, self.eta_seconds(step)))
 
     def routing_images(self, step: int, scalars: dict[str, Any], routing: Any) -> None:
         """TensorBoard images of an eval: one loop × expert load heatmap per layer, the loss per loop."""
