@@ -9,6 +9,7 @@ the text; a change to the code they describe fails here until
 instead (scripts/docs_stamps.py), checked by the stamp tests below.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from docs_producers import PRODUCERS, Context, Producer  # noqa: E402
-from docs_regions import all_regions, marker, parse, rewrite  # noqa: E402
+from docs_regions import all_regions, doc_files, marker, parse, rewrite  # noqa: E402
 from docs_runner import Runner  # noqa: E402
 from docs_stamps import digest, stale  # noqa: E402
 
@@ -98,3 +99,25 @@ def test_every_producer_names_sources_that_exist():
     for name, p in PRODUCERS.items():
         assert p.sources, name
         assert digest(p.sources, p.fn)  # raises FileNotFoundError naming a missing path
+
+
+DATE_RE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def _dates_outside_regions(text: str) -> list[int]:
+    inside = {i for r in parse(text) for i in range(r.start, r.end + 1)}
+    return [
+        i + 1 for i, ln in enumerate(text.split("\n")) if DATE_RE.search(ln) and i not in inside
+    ]
+
+
+def test_no_date_outside_a_region():
+    """A date says when a figure was measured, so it lives in the region its producer rewrites."""
+    found = {
+        str(f.relative_to(ROOT)): lines
+        for f in doc_files()
+        if (lines := _dates_outside_regions(f.read_text(encoding="utf-8")))
+    }
+    assert found == {}, f"dates outside a refresh region (page: lines): {found}"
+    probe = "measured 2026-12-01\n<!-- refresh:x -->\non 2026-12-02\n<!-- /refresh -->\n"
+    assert _dates_outside_regions(probe) == [1]
