@@ -17,6 +17,8 @@ from torchtitan_loom.components.checkpoint import CheckpointError
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
 from torchtitan_loom.components.observability.progress import final_line
+from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime.safe_files import UnsafePathError
 from torchtitan_loom.components.runtime.run_folder import (
     RunFolderError,
     RunLock,
@@ -31,7 +33,7 @@ from torchtitan_loom.distributed import utils as dist_utils
 
 def _errors(kind: str, exc: BaseException) -> int:
     for line in str(exc).splitlines():
-        print(f"{kind} error: {line}", file=sys.stderr)
+        print(shorten_line(f"{kind} error: {line}"), file=sys.stderr)
     return exit_codes.BAD_INPUT
 
 
@@ -70,7 +72,7 @@ def run(argv: list[str], trainer_cls: Any) -> int:
         except (RunFolderError, OSError) as exc:
             if lock is not None:
                 lock.release()
-            print(f"run folder error: {exc}", file=sys.stderr)
+            print(shorten_line(f"run folder error: {exc}"), file=sys.stderr)
             return exit_codes.BAD_INPUT
     info = dist_utils.init_distributed(cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds)
     finished = False
@@ -101,6 +103,9 @@ def _train(
             trainer, "failed"
         )  # a refused resume recorded nothing: run.json stays as it was
         return _errors("checkpoint", exc)
+    except UnsafePathError as exc:  # a link planted where the run writes, since the launch check
+        _record_end(trainer, "failed")
+        return _errors("run folder", exc)
     except PackError as exc:  # a pack that does not fit this run
         _record_end(trainer, "failed")
         return _errors("data", exc)
@@ -118,7 +123,9 @@ def _train(
             print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
             return exit_codes.INTERRUPTED
         _record_end(trainer, "failed")
-        print(f"checkpoint error: {exc}", file=sys.stderr)  # the older checkpoints are untouched
+        print(
+            shorten_line(f"checkpoint error: {exc}"), file=sys.stderr
+        )  # the older checkpoints are untouched
         return exit_codes.FAILED
     except BaseException:
         _record_end(trainer, "failed")

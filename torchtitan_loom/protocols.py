@@ -60,14 +60,17 @@ class Routing(NamedTuple):
 class ModelProtocol(Protocol):
     """Everything the trainer uses of a model, and nothing about its internals.
 
-    The trainer reads no model-specific field: shapes of the step's buffers, FLOPs, memory terms, the
-    bias update and the activation-checkpoint seam all come through this surface (a second model
-    registered in tests/unit/test_protocol.py trains through the same trainer).
+    The package reads no model-specific field: shapes of the step's buffers, FLOPs, the
+    activation-checkpoint seam come through this surface; what a model may lack is an optional
+    protocol below (UpdatesAfterStep, DecodesIncrementally) or a TrainSpec field that may be None
+    (memory terms: cost_fn; the inference cast: inference_fp32_fn). A second model registered in
+    tests/unit/test_protocol.py trains, parallelizes, generates, scores and dry-runs through it.
     """
 
     args: Any
-    """The typed model args: a frozen dataclass with ``validate()``, ``init_seed``, ``vocab_size`` and
-    ``max_seq_len``; its other fields are the model's own ``[model]`` config keys."""
+    """The typed model args: a frozen dataclass with ``validate()``, ``init_seed``, ``vocab_size``,
+    ``max_seq_len`` and ``num_loops`` (H; the dry run, the estimate and the inference tools read it
+    from the args before any model exists); its other fields are the model's own ``[model]`` keys."""
     region_wrappers: dict[str, Callable[..., Any]]
     """The AC seam: scope -> wrapper(fn, *args) that must return fn(*args); empty = plain calls.
     Scopes are the model's own; parameter names never change."""
@@ -98,7 +101,8 @@ class ModelProtocol(Protocol):
         observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1.
-        return_topk=True also fills ModelOutput.topk_LTBSK; `observe` (a pure function of one branch
+        return_topk=True also fills ModelOutput.topk_LTBSK (a keyword only a model with ``routing``
+        must take: callers pass it to routed models only); `observe` (a pure function of one branch
         output [B, S, D] returning a 1-D tensor, the same length every call) fills observed_LTNK."""
         ...
 
@@ -116,11 +120,6 @@ class ModelProtocol(Protocol):
         """The [B, S, D] stream held in ``carry`` (the eval's stream statistics read it)."""
         ...
 
-    def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
-        """Once per step, from the loads summed over loops, micro-batches and ranks; a no-op for a
-        model without a routing bias."""
-        ...
-
     def param_counts(self) -> dict[str, int]:
         """{"total": all parameters, "active": parameters used per token}."""
         ...
@@ -130,9 +129,28 @@ class ModelProtocol(Protocol):
         times (once per backprop segment)."""
         ...
 
-    def saved_values_per_token(self, loops: int, checkpointed: bool) -> int:
-        """Activation values one token keeps for the backward of ``loops`` loops (without the logits);
-        ``checkpointed``: activation checkpointing is on. The start line's memory estimate."""
+
+@runtime_checkable
+class UpdatesAfterStep(Protocol):
+    """Optional: a model that updates its own state from each accepted step's statistics (LOOM: the
+    expert-bias sign update). A model without it gets no call and, without ``routing``, no
+    collective for its counts."""
+
+    def after_step(self, counts_LE: torch.Tensor) -> None:
+        """Once per step that no segment skipped, from ``counts_LTE`` summed over the step's loops,
+        micro-batches and data-parallel ranks (the same on every rank)."""
+        ...
+
+
+@runtime_checkable
+class DecodesIncrementally(Protocol):
+    """Optional: a model whose forward also takes ``cache=`` (the sampler's incremental decoding).
+    Without it the sampler recomputes the whole sequence for every new token (same tokens)."""
+
+    def new_decode_cache(self) -> Any:
+        """An empty cache, passed as ``cache=`` to every forward of one generation: the tokens of a
+        call continue the cached positions of every row (one document per row, doc_ids ignored).
+        Raises ValueError when the model's args cannot decode incrementally."""
         ...
 
 
@@ -194,6 +212,26 @@ class ModelCost(NamedTuple):
     """Values of the step's expert-count tensor (summed over the ranks once per step)."""
 
 
+GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(a_PK, b_EKN, ends_E) -> out_PN: group e is rows [ends_E[e-1], ends_E[e]) of a times b[e]."""
+
+
+class GroupedKernel(NamedTuple):
+    """A low-precision grouped GEMM the float8 converter hands to TrainSpec.float8_experts_fn; the
+    model decides what it computes with it and on which of its weights."""
+
+    name: str
+    """'fp8_rowwise', 'mxfp8' or 'mxfp8_emulated' (in the report and the modules' repr)."""
+    alignment: int
+    """Rows: every group must start at a multiple of it in the buffer `gemm` sees."""
+    dim_multiple: int
+    """Both weight dims (reduction and output) must be multiples of it."""
+    gemm: GroupedGemm
+    layout: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int]]
+    """(counts_E, rows A) -> (dest_A padded row of each row, ends_E int32 group ends, P buffer rows):
+    where a model puts its grouped rows so that every group is aligned."""
+
+
 @dataclass(frozen=True)
 class Sharding:
     """How the dry run's parameter report folds the model's repeated units (by parameter name)."""
@@ -234,8 +272,16 @@ class TrainSpec:
     sharding: Sharding = Sharding()
     float8_never_convert: tuple[str, ...] = ()
     """Module-name segments the float8 converter never converts (e.g. embedding, head, routers)."""
-    float8_expert_cls: type[nn.Module] | None = None
-    """The grouped routed-expert module the float8 expert converter targets (None: no experts)."""
+    float8_experts_fn: (
+        Callable[[nn.Module, GroupedKernel, tuple[str, ...]], tuple[list[str], dict[str, str]]]
+        | None
+    ) = None
+    """float8_experts(model, kernel, filter_fqns) -> (names converted, {name skipped: why}): swaps
+    the model's routed experts, in place on the meta model, for modules that compute with `kernel`
+    (same parameter names); `filter_fqns` names modules to keep. None: the model has no experts."""
+    inference_fp32_fn: Callable[[str], bool] | None = None
+    """tensor name -> True when it stays fp32 while the inference tools cast the model (lm_eval
+    --param-dtype, export --dtype); None: every floating tensor casts."""
     portable_args_fn: Callable[[Any, bool], Any] | None = None
     """portable_args(args, decoding) -> the args the inference tools run a trained model with: kernels
     that run on any device, the training math unchanged; ``decoding`` also makes each token's result
@@ -244,6 +290,26 @@ class TrainSpec:
     cost_fn: Callable[..., ModelCost] | None = None
     """cost(model_args, parallel_dims, job_config) -> ModelCost: FSDP units, FLOPs and activation
     bytes per segment, read by the dry run's estimate (None: the dry run prints no estimate)."""
+
+
+def cast_for_inference(
+    spec: TrainSpec, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``tensors`` (a state dict, or a model's named parameters and buffers) with every floating one
+    in ``dtype`` except those ``spec.inference_fp32_fn`` keeps in fp32."""
+    keep = spec.inference_fp32_fn or (lambda name: False)
+    return {
+        name: t.to(dtype) if torch.is_floating_point(t) and not keep(name) else t
+        for name, t in tensors.items()
+    }
+
+
+def cast_model_for_inference(spec: TrainSpec, model: nn.Module, dtype: torch.dtype) -> None:
+    """``cast_for_inference`` applied in place to ``model``'s parameters and buffers."""
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    for name, cast in cast_for_inference(spec, tensors, dtype).items():
+        tensors[name].data = cast
 
 
 def portable_args(spec: TrainSpec, args: Any, decoding: bool) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchtitan_loom import launch
-from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.checkpoint import CheckpointManager
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
@@ -46,7 +46,7 @@ from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.config.validate import Resolved
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
-from torchtitan_loom.protocols import ModelProtocol, get_train_spec, segments
+from torchtitan_loom.protocols import ModelProtocol, UpdatesAfterStep, get_train_spec, segments
 
 
 class Trainer:
@@ -87,6 +87,7 @@ class Trainer:
                 len(segments(model.num_loops, t.bp_segment_len)),
                 self.device,
                 self.compute_dtype,
+                cost_fn=self.spec.cost_fn,
             ):
                 self.log(line)
         self.float8 = build_float8_converter(
@@ -348,11 +349,13 @@ class Trainer:
             if self.float8_precompute:
                 self.float8.post_optimizer_hook(self.model)
             self.spike_guard.accept(j, seg_loss)
-        # Expert-bias update once per global step, loads summed over loops, micro-batches and
-        # ranks; discarded when a segment was skipped (§5.2).
-        counts_LHE = dist_utils.all_reduce(counts_LHE)
-        if skip_reason is None:
-            self.model.update_expert_bias(counts_LHE.sum(1))
+        # The model's after-step update (LOOM: expert bias, §5.2) once per global step, from the
+        # counts summed over loops, micro-batches and ranks; none when a segment was skipped. A
+        # model without routed experts has no counts to sum (no collective).
+        if self.model.routing is not None:
+            counts_LHE = dist_utils.all_reduce(counts_LHE)
+        if skip_reason is None and isinstance(self.model, UpdatesAfterStep):
+            self.model.after_step(counts_LHE.sum(1))
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
         self.state.step += 1
@@ -392,8 +395,7 @@ class Trainer:
         if (
             self.info.rank == 0
         ):  # after the resume succeeded, so a refused one leaves the run as it was
-            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as fh:
-                fh.write(to_toml(cfg))
+            safe_files.atomic_write(os.path.join(cfg.job.dump_folder, "config.toml"), to_toml(cfg))
             record_launch(cfg, self.run_id, "running", self.state.step, resumed)
             self.launch_recorded = True
 

@@ -3,7 +3,8 @@
 1. Async save over the manager's own gloo group while the "training" goes on: default-group
    collectives and in-place parameter/optimizer updates right after ``save()`` returns must
    neither abort gloo nor leak into the checkpoint; rank 0 commits it once DCP is done.
-2. Preemption: a signal that reaches only rank 1 stops both ranks after the same step.
+2. A refused entry in the newest checkpoint: every rank falls back to the previous one.
+3. Preemption: a signal that reaches only rank 1 stops both ranks after the same step.
 """
 
 from __future__ import annotations
@@ -109,6 +110,26 @@ def check_async_save(rank: int, world: int, dump: str) -> None:
     mgr2.close()
 
 
+def check_unreadable_entry_falls_back(rank: int, world: int, dump: str) -> None:
+    """A pickle planted in a .distcp entry of the newest checkpoint (checksums matched): every rank
+    falls back to the previous checkpoint together (DCP gathers the refusal to all of them)."""
+    from tests.unit.planted_checkpoint import plant_entry_payload
+
+    mgr, model, opt, counter = _manager(dump, rank, world, "disabled")
+    assert mgr.load() == 1
+    counter.value = 9
+    mgr.save(2)
+    mark = os.path.join(dump, "CODE_RAN")
+    if rank == 0:
+        plant_entry_payload(os.path.join(dump, "checkpoint", "step-2"), mark)
+    dist.barrier()
+    mgr2, _, _, counter2 = _manager(dump, rank, world, "disabled")
+    assert mgr2.load() == 1 and counter2.value == 7, "every rank resumes from step 1"
+    assert not os.path.exists(mark)
+    mgr.close()
+    mgr2.close()
+
+
 def check_preemption_agreement(rank: int) -> None:
     watcher = PreemptionWatcher(enabled=True)
     assert watcher.requested() == 0
@@ -127,6 +148,7 @@ def run(rank: int, world: int, store_path: str, dump: str) -> None:
     )
     try:
         check_async_save(rank, world, dump)
+        check_unreadable_entry_falls_back(rank, world, dump)
         check_preemption_agreement(rank)
         dist.barrier()
     finally:

@@ -174,8 +174,9 @@ def test_real_float8_training_tracks_bf16(recipe, tiny_pack, tmp_path):
     expert_kernel() is None, reason="float8 grouped GEMMs need SM90 (fp8 rowwise) or SM100 (MXFP8)"
 )
 def test_real_float8_grouped_experts_close_to_bf16():
-    from torchtitan_loom.components.quantization.float8 import EXPERT_ALIGNMENT
-    from torchtitan_loom.components.quantization.float8_experts import Float8GroupedExperts
+    from torchtitan_loom.components.quantization.float8 import EXPERT_ALIGNMENT, EXPERT_DIM_MULTIPLE
+    from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel
+    from torchtitan_loom.models.loom.float8_experts import Float8GroupedExperts
     from torchtitan_loom.models.loom.moe import RoutedExperts
 
     kernel = expert_kernel()
@@ -191,7 +192,9 @@ def test_real_float8_grouped_experts_close_to_bf16():
     )
     ref = experts(x_AD, counts_E)
     ref_grads = torch.autograd.grad(ref.float().square().sum(), (x_AD, experts.w13, experts.w2))
-    f8 = Float8GroupedExperts(experts, kernel, EXPERT_ALIGNMENT[kernel])
+    f8 = Float8GroupedExperts(
+        experts, grouped_kernel(kernel, EXPERT_ALIGNMENT[kernel], EXPERT_DIM_MULTIPLE[kernel])
+    )
     out = f8(x_AD, counts_E)
     grads = torch.autograd.grad(out.float().square().sum(), (x_AD, f8.w13, f8.w2))
     assert out.shape == ref.shape and out.dtype == torch.bfloat16

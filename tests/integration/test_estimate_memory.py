@@ -1,4 +1,4 @@
-"""The dry run's activation memory (models/loom/cost.py through distributed/estimate.py) against what
+"""The dry run's activation memory (models/loom/infra/cost.py through distributed/estimate.py) against what
 benchmarks/memory_time.py measures for the debug model, for every activation-checkpoint mode.
 
 Each cell runs in its own process (its peak is its own): the resident-set growth over the steps, which

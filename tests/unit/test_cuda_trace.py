@@ -129,7 +129,7 @@ def test_float8_segment_converts_what_it_claims():
         seq_len=S,
         loops=LOOPS,
         precision="autocast",
-        convert=Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls).convert,
+        convert=Float8Converter(plan, spec.float8_never_convert, spec.float8_experts_fn).convert,
     )
     per_layer = (
         "attention.wqkv",

@@ -1,4 +1,4 @@
-"""The dry run's cost estimate (distributed/estimate.py, comm_plan.py, models/loom/cost.py): its
+"""The dry run's cost estimate (distributed/estimate.py, comm_plan.py, models/loom/infra/cost.py): its
 hardware keys are validated and change the result, its per-rank parameter count equals the shards
 the parallelized model really holds, its FLOPs equal the trainer's formula, and its layout ranking
 follows its own numbers. Collective counts: tests/distributed/test_estimate_comm.py; activation

@@ -13,11 +13,11 @@ from torchtitan_loom.components.quantization.float8 import (
     Float8Converter,
     plan_float8,
     select_dense,
-    select_experts,
 )
-from torchtitan_loom.components.quantization.float8_experts import (
+from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel, padded_layout
+from torchtitan_loom.models.loom.float8_experts import (
     Float8GroupedExperts,
-    padded_layout,
+    convert_float8_experts,
     swiglu_grouped,
 )
 from torchtitan_loom.config import ConfigError, load_config
@@ -72,7 +72,7 @@ def meta_model(**changes):
 def converted(model, **changes):
     plan, errors = plan_float8(f8_section(emulate=True, **changes), "cpu", None, "cpu")
     assert not errors, errors
-    return Float8Converter(plan, LOOM.float8_never_convert, LOOM.float8_expert_cls).convert(model)
+    return Float8Converter(plan, LOOM.float8_never_convert, LOOM.float8_experts_fn).convert(model)
 
 
 # ------------------------------------------------------------------ which modules convert
@@ -114,10 +114,12 @@ def test_layers_whose_dims_are_not_multiples_of_16_are_skipped_and_named():
     dense, skipped = select_dense(model, LOOM.float8_never_convert)
     assert sorted(dense) == sorted(n for n in DENSE if not n.endswith(".w2") or "attention" in n)
     assert skipped["layers.1.moe.shared_experts.0.w2"] == "weight [128, 120] not multiples of 16"
-    experts, skipped_experts = select_experts(model, RoutedExperts, "mxfp8_emulated")
+    # The model's own factory decides on its layout; the kernel's gemm is never called on meta.
+    experts, skipped_experts = convert_float8_experts(model, kernel("mxfp8_emulated", 32, 32))
     assert experts == [] and set(skipped_experts) == set(EXPERTS)
     assert "expert width 120 not multiples of 32" in skipped_experts["layers.0.moe.experts"]
-    assert select_experts(meta_model(), RoutedExperts, "fp8_rowwise")[0] == EXPERTS
+    assert all(type(m.experts) is RoutedExperts for m in model.moe_layers())
+    assert convert_float8_experts(meta_model(), kernel("fp8_rowwise", 16, 16))[0] == EXPERTS
 
 
 @needs_torchao
@@ -153,6 +155,10 @@ def plain_grouped_gemm(a_PK, b_EKN, ends_E):
     return torch._grouped_mm(a_PK, b_EKN, offs=ends_E)
 
 
+def kernel(name, alignment, dim_multiple, gemm=plain_grouped_gemm):
+    return grouped_kernel(name, alignment, dim_multiple, gemm)
+
+
 @pytest.mark.parametrize("alignment", [16, 32])
 def test_padding_does_not_change_the_expert_math(alignment):
     # With a high-precision grouped GEMM the padded path must equal the model's own experts
@@ -166,7 +172,7 @@ def test_padding_does_not_change_the_expert_math(alignment):
     g_AD = torch.randn(x_AD.shape[0], D)
     ref = run_experts(x_AD, counts_E, w13, w2, "loop")
     ref_grads = torch.autograd.grad(ref, (x_AD, w13, w2), g_AD)
-    out = swiglu_grouped(x_AD, counts_E, w13, w2, plain_grouped_gemm, alignment)
+    out = swiglu_grouped(x_AD, counts_E, w13, w2, kernel("plain", alignment, 16))
     grads = torch.autograd.grad(out, (x_AD, w13, w2), g_AD)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, ref_grads):
@@ -181,7 +187,7 @@ def test_emulated_mxfp8_experts_are_close_to_high_precision_but_not_equal():
         experts.w13.normal_(std=128**-0.5), experts.w2.normal_(std=128**-0.5)
     counts_E = torch.tensor([30, 0, 70, 5, 64, 1, 33, 53])
     x_AD = torch.randn(int(counts_E.sum()), 128)
-    f8 = Float8GroupedExperts(experts, "mxfp8_emulated", 32)
+    f8 = Float8GroupedExperts(experts, grouped_kernel("mxfp8_emulated", 32, 32))
     assert f8.w13 is experts.w13 and f8.w2 is experts.w2
     ref, out = experts(x_AD, counts_E), f8(x_AD, counts_E).float()
     rel = ((out - ref).norm() / ref.norm()).item()

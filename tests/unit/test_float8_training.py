@@ -73,7 +73,7 @@ def loss_curve(pack, dump, *extra, steps=10):
 def test_emulated_float8_loss_curve_tracks_bf16(tiny_pack, tmp_path):
     from torchao.float8.float8_linear import Float8Linear
 
-    from torchtitan_loom.components.quantization.float8_experts import Float8GroupedExperts
+    from torchtitan_loom.models.loom.float8_experts import Float8GroupedExperts
 
     ref, _ = loss_curve(tiny_pack, tmp_path / "bf16")
     for recipe in ("tensorwise", "rowwise"):

@@ -8,7 +8,7 @@ from torchtitan_loom.components.observability.progress import estimate_step, sta
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer
-from torchtitan_loom.protocols import segments
+from torchtitan_loom.protocols import get_train_spec, segments
 
 CPU = torch.device("cpu")
 
@@ -18,14 +18,11 @@ def _estimate(argv, world=1):
     args, dims = resolve(cfg, world)
     with torch.device("meta"):
         model = LoomTransformer(args)
-    segs = segments(model.num_loops, cfg.training.bp_segment_len)
+    H = model.num_loops
+    segs = segments(H, cfg.training.bp_segment_len)
     fpt = model.flops_per_token(cfg.training.seq_len, head_calls=len(segs))
-    return (
-        cfg,
-        model,
-        estimate_step(cfg, model, dims, model.param_counts(), fpt, model.num_loops, len(segs)),
-        fpt,
-    )
+    cost = get_train_spec("loom").cost_fn(args, dims, cfg)
+    return cfg, model, estimate_step(cfg, dims, model.param_counts(), fpt, cost, H), fpt
 
 
 def test_state_and_flops_follow_the_model():
@@ -45,6 +42,22 @@ def test_state_and_flops_follow_the_model():
         abs(est4.state_gib - est.state_gib / 4) < 1e-12
         and abs(est4.step_tflop - est.step_tflop / 4) < 1e-12
     )
+
+
+def test_the_activation_term_is_the_dry_runs():
+    # One activation model: the start line reads the same ModelCost as distributed/estimate.py.
+    from torchtitan_loom.distributed.estimate import estimate
+
+    argv = [
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.micro_batch_size",
+        "2",
+    ]
+    cfg, _, est, _ = _estimate(argv)
+    memory = estimate(cfg, *resolve(cfg, 1)).memory
+    acts = sum(v for k, v in memory.items() if k.startswith(("activations", "logits", "carries")))
+    assert est.activations_known and est.activation_gib * 2**30 == acts > 0
 
 
 def test_329m_in_bf16_on_cpu_is_warned_not_refused():

@@ -1,6 +1,8 @@
 """The model protocol is real: a second, non-LOOM model (a looped dense toy, its carry a plain tensor,
-no routed experts) registers a TrainSpec and trains, evaluates, checkpoints, resumes at another world
-size and dry-runs through the unchanged trainer, without any LOOM field.
+no routed experts, no decode cache, no after-step update) registers a TrainSpec with its own FSDP
+parallelize function and trains, evaluates, checkpoints, resumes on 2 FSDP ranks, generates, is
+scored by the lm-eval adapter and dry-runs through the unchanged package: it implements only what it
+has (no LOOM hook stubbed).
 
 Legend: B rows, S sequence length, D width, V vocab, T loops of a call.
 """
@@ -20,9 +22,22 @@ from torch import nn
 
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
-from torchtitan_loom.distributed.utils import DistInfo
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
+from torchtitan_loom.distributed import utils as dist_utils
+from torchtitan_loom.distributed.utils import DTYPES, DistInfo, reduce_gradients
 from torchtitan_loom.config import ConfigError
-from torchtitan_loom.protocols import ModelOutput, ModelProtocol, TrainSpec, register_train_spec
+from torchtitan_loom.protocols import (
+    DecodesIncrementally,
+    ModelOutput,
+    ModelProtocol,
+    Parallelized,
+    TrainSpec,
+    UpdatesAfterStep,
+    register_train_spec,
+)
 from torchtitan_loom.train import Trainer, main
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
@@ -53,7 +68,6 @@ class LoopedDenseToy(nn.Module):
         )
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.region_wrappers = {}
-        self.bias_updates = 0
 
     @property
     def num_loops(self) -> int:
@@ -62,7 +76,10 @@ class LoopedDenseToy(nn.Module):
     def init_weights(self) -> None:
         gen = torch.Generator().manual_seed(self.args.init_seed)
         for p in self.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            full = torch.randn(p.shape, generator=gen) * 0.05  # the full tensor on every layout
+            if isinstance(p, DTensor):  # this rank's shard of it (FSDP)
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(full)
 
     def forward(
         self,
@@ -72,7 +89,6 @@ class LoopedDenseToy(nn.Module):
         loop_start=1,
         loop_end=None,
         carry=None,
-        return_topk=False,
         observe=None,
     ):
         loop_end = self.num_loops if loop_end is None else loop_end
@@ -92,10 +108,6 @@ class LoopedDenseToy(nn.Module):
     def param_groups(self) -> dict[str, list[str]]:
         return {"all": [name for name, _ in self.named_parameters()]}
 
-    def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
-        assert counts_LE.shape == (0, 0)
-        self.bias_updates += 1
-
     def param_counts(self) -> dict[str, int]:
         total = sum(p.numel() for p in self.parameters())
         return {"total": total, "active": total}
@@ -104,11 +116,32 @@ class LoopedDenseToy(nn.Module):
         mlp = sum(p.numel() for p in self.mlp.parameters())
         return 6.0 * (mlp * self.num_loops + self.head.weight.numel() * head_calls)
 
-    def saved_values_per_token(self, loops: int, checkpointed: bool) -> int:
-        return 10 * self.args.dim * loops
+
+def parallelize_toy(model: LoopedDenseToy, dims, cfg) -> Parallelized:
+    """FSDP2 over the dp_shard ranks: the MLP and the root as units, gradients summed (the trainer's
+    loss is already a global token mean); a plain replicated model otherwise."""
+    reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
+    if not dims.fsdp_enabled:
+        return Parallelized(model, lambda: reduce_gradients(list(model.parameters()), reduce_dtype))
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[cfg.training.mixed_precision_param], reduce_dtype=reduce_dtype
+    )
+    mesh = dims.get_mesh("fsdp")
+    fully_shard(model.mlp, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return Parallelized(model, lambda: None)  # FSDP reduced every gradient
 
 
-TOY_SPEC = TrainSpec(name="toy_looped", model_cls=LoopedDenseToy, model_args={"tiny": ToyArgs()})
+TOY_SPEC = TrainSpec(
+    name="toy_looped",
+    model_cls=LoopedDenseToy,
+    model_args={"tiny": ToyArgs()},
+    parallelize_fn=parallelize_toy,
+)
 
 
 def toy_argv(pack, dump, *extra, steps=8):
@@ -172,7 +205,8 @@ def test_a_second_model_trains_through_the_same_trainer(tiny_pack, tmp_path):
     assert not any(
         k.startswith("routing_") for k in rows[-1]
     )  # no routed experts, no routing statistics
-    assert trainer.model.bias_updates == 8  # once per step, through the protocol
+    # Only what it has: no after-step update, no decode cache, and nothing stubbed for either.
+    assert not isinstance(trainer.model, (UpdatesAfterStep, DecodesIncrementally))
     assert (dump / "checkpoint" / "step-8").is_dir()
 
 
@@ -199,9 +233,8 @@ def test_the_toy_dry_runs(tiny_pack, tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "dry run: toy_looped/tiny, H=3" in out and "rank 0 parameters" in out
-    assert (
-        "  head.weight  (512, 32) -> (512, 32)  plain" in out
-    )  # replicated: no parallelize function
+    # Laid out by the toy's own parallelize function over a fake 2-rank group.
+    assert "  head.weight  (512, 32) -> (256, 32)  S(0)" in out, out
 
 
 def _resume_rank(rank: int, world: int, store: str, pack: str, dump: str) -> None:
@@ -222,13 +255,25 @@ def _resume_rank(rank: int, world: int, store: str, pack: str, dump: str) -> Non
             resolve(cfg, world),
             DistInfo(rank=rank, world_size=world, device=torch.device("cpu")),
         )
-        assert trainer.train() == 0 and trainer.resumed_from == 4 and trainer.state.step == 8
+        assert isinstance(trainer.model, FSDPModule)  # through the toy's own parallelize
+        # The step's small all-reduces, recorded by dtype: the int64 one is the routing counts', which
+        # a model without routed experts never pays (no collective, no after-step call).
+        reduced = []
+        real_all_reduce = dist_utils.all_reduce
+        dist_utils.all_reduce = lambda t, *a, **k: (
+            reduced.append(t.dtype) or real_all_reduce(t, *a, **k)
+        )
+        try:
+            assert trainer.train() == 0 and trainer.resumed_from == 4 and trainer.state.step == 8
+        finally:
+            dist_utils.all_reduce = real_all_reduce
+        assert reduced and torch.int64 not in reduced, reduced  # int64: the routing counts
     finally:
         dist.destroy_process_group()
 
 
 def test_the_toy_resumes_at_another_world_size(tiny_pack, tmp_path):
-    """4 steps on one process, the last 4 on two: the same losses as 8 steps on one process."""
+    """4 steps on one process, the last 4 on two FSDP ranks: the same losses as 8 steps on one."""
     register_train_spec("toy_looped", TOY_SPEC)
     straight, split = tmp_path / "straight", tmp_path / "split"
     cfg = load_config(toy_argv(tiny_pack, straight))
@@ -249,3 +294,53 @@ def test_the_toy_resumes_at_another_world_size(tiny_pack, tmp_path):
     # Two ranks sum the same token-mean gradient in another order: float32 rounding only.
     for step in range(1, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+
+
+def _toy(seed: int = 3) -> LoopedDenseToy:
+    model = LoopedDenseToy(ToyArgs(init_seed=seed))
+    with torch.no_grad():
+        model.init_weights()
+    return model.eval()
+
+
+def test_the_toy_generates_without_a_decode_cache():
+    # No cache: the sampler recomputes the sequence per token; greedy must pick, at every step, the
+    # argmax of a full forward over the prompt and the tokens chosen so far.
+    model = _toy()
+    prompt_BS = torch.tensor([[5, 9, 2], [7, 7, 1]])
+    new_BS = generate(model, prompt_BS, SamplingConfig(max_new_tokens=6, temperature=0))
+    assert new_BS.shape == (2, 6)
+    seq_BS = prompt_BS
+    with torch.no_grad():
+        for i in range(6):
+            positions_BS = torch.arange(seq_BS.shape[1]).expand_as(seq_BS)
+            logits_BSV = model(seq_BS, positions_BS, torch.zeros_like(seq_BS)).logits_BSV
+            want_B = logits_BSV[:, -1].argmax(-1)
+            assert torch.equal(new_BS[:, i], want_B), i
+            seq_BS = torch.cat([seq_BS, want_B[:, None]], dim=1)
+
+
+def test_the_lm_eval_adapter_scores_the_toy():
+    pytest.importorskip("lm_eval")
+    from types import SimpleNamespace
+
+    from torchtitan_loom.components.data.tokenizer import ByteTokenizer
+    from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM
+
+    model, tok = _toy(), ByteTokenizer()
+    lm = LoomLM(model, tok, torch.device("cpu"), loops=2, batch_size=2)
+    (ll, greedy), (ll_b, _) = lm.loglikelihood(
+        [SimpleNamespace(args=("ab", "cd")), SimpleNamespace(args=("xyz", "w"))]
+    )
+    ids = tok.encode("abcd")
+    x_BS = torch.tensor([ids[:-1]])
+    with torch.no_grad():
+        logits_SV = model(
+            x_BS, torch.arange(3)[None], torch.zeros_like(x_BS), loop_end=2
+        ).logits_BSV[0]
+    logp_SV = torch.log_softmax(logits_SV, dim=-1)
+    want = logp_SV[1, ids[2]] + logp_SV[2, ids[3]]  # log p(c | ab) + log p(d | abc), loops 1-2
+    assert ll == pytest.approx(want.item(), rel=1e-5)
+    assert greedy == bool(
+        (logp_SV[1:].argmax(-1) == torch.tensor(ids[2:])).all()
+    ) and math.isfinite(ll_b)

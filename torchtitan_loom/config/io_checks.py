@@ -5,15 +5,23 @@ before any process group exists."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 
-def writable_dir_problem(path: str) -> str | None:
+# Free space a launch needs for its run files (run.json, config.toml, the first metrics rows and
+# event files); a disk with less is full for a run. Checkpoints check their own size when saved.
+MIN_FREE_BYTES = 1 << 20
+_PROBE = b"\0" * 4096
+
+
+def writable_dir_problem(path: str, min_free: int = MIN_FREE_BYTES) -> str | None:
     """Why a directory could not be created (or written) at ``path``, else None. Probes with a
-    real temporary file: permission bits do not tell for root or read-only mounts."""
+    real temporary file holding a few KiB, fsynced: permission bits do not tell for root or
+    read-only mounts, and an empty file is still created on a full disk or an exhausted quota."""
     probe_dir = os.path.abspath(path)
     while not os.path.exists(probe_dir):
         parent = os.path.dirname(probe_dir)
@@ -22,12 +30,23 @@ def writable_dir_problem(path: str) -> str | None:
         probe_dir = parent
     if not os.path.isdir(probe_dir):
         return f"'{probe_dir}' is a file, so no directory can be made there"
+    what = "is not writable" if probe_dir == os.path.abspath(path) else "cannot be created"
     try:
-        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".write-probe-"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".write-probe-") as fh:
+            fh.write(_PROBE)
+            fh.flush()
+            os.fsync(fh.fileno())
+        st = os.statvfs(probe_dir)
     except OSError as exc:
-        what = "is not writable" if probe_dir == os.path.abspath(path) else "cannot be created"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"{what}: the disk is full ({exc.strerror} in '{probe_dir}'); free some space"
         return f"{what} ({exc.strerror or exc} in '{probe_dir}')"
+    free = st.f_bavail * st.f_frsize
+    if free < min_free:
+        return (
+            f"{what}: the disk is full ({free // 1024} KiB free in '{probe_dir}', a run needs at "
+            f"least {min_free >> 20} MiB); free some space"
+        )
     return None
 
 
@@ -49,7 +68,9 @@ def link_errors(cfg: Any) -> str | None:
     from torchtitan_loom.components.runtime import run_folder
     from torchtitan_loom.components.checkpoint import layout
 
-    links = run_folder.planted_links(cfg.job.dump_folder)
+    folders = [cfg.metrics.tb_folder] if cfg.metrics.enable_tensorboard else []
+    folders += [cfg.profiling.save_traces_folder] if cfg.profiling.enable_profiling else []
+    links = run_folder.planted_links(cfg.job.dump_folder, folders)
     if cfg.checkpoint.enable:
         links += layout.planted_links(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
     if not links:

@@ -79,7 +79,7 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
     t, par = cfg.training, cfg.parallelism
     pb, rb = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
-    per_segment_sync = getattr(par, "fsdp_sync", "micro_batch") == "segment"
+    per_segment_sync = par.fsdp_sync == "segment"
     always = par.fsdp_reshard_after_forward == "always"
     world = dims.world_size
     out: list[Collective] = []

@@ -21,7 +21,11 @@ from torch.distributed.tensor import DTensor
 
 
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # training.mixed_precision_* values
+# The package's one dtype table: (config name, the tools' short name, torch dtype). The config's
+# training.mixed_precision_* take the long names, the tools' --dtype / --param-dtype the short ones.
+_DTYPE_TABLE = (("bfloat16", "bf16", torch.bfloat16), ("float32", "fp32", torch.float32))
+DTYPES = {name: dtype for name, _, dtype in _DTYPE_TABLE}
+SHORT_DTYPES = {short: dtype for _, short, dtype in _DTYPE_TABLE}
 # The knobs every parallelize function honours: compile.backend, parallelism.fsdp_reshard_after_forward
 # and parallelism.fsdp_sync (when FSDP reduces within a segment: after its last micro-batch, or each).
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")

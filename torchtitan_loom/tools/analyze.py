@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.data_contract import real_tokens
@@ -401,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"analyze error: --{key.replace('_', '-')} {getattr(ns, key)}: must be ≥ 1",
                 file=sys.stderr,
             )
-            return 2
+            return exit_codes.BAD_INPUT
     print(
         f"analyze: loading {ns.ckpt}, then routing {ns.tokens:,} held-out tokens through it ...",
         flush=True,
@@ -420,10 +422,10 @@ def main(argv: list[str] | None = None) -> int:
                 ns.layer,
             )
     except AnalyzeError as exc:
-        print(f"analyze error: {exc}", file=sys.stderr)
-        return 2
+        print(shorten_line(f"analyze error: {exc}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
     print(f"report written: {path}")
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ dump folder (the newest complete checkpoint inside is used). OUT must be absent 
     config.toml         the run's resolved config, when the checkpoint has it
 
 Only the model is exported (no optimizer: about a third of the checkpoint). ``--dtype bf16``
-casts the parameters; buffers (the expert bias, which decides routing) stay fp32. ``--verify``
+casts the floating tensors except those the model's TrainSpec keeps in fp32 (LOOM: the
+expert bias, which decides routing). ``--verify``
 reads the written file back and compares every tensor bit for bit with the DCP source (cast the
 same way). ``--format hf`` writes a Hugging Face folder instead (tools/hf_export.py): config.json,
 a generated standalone modeling_loom.py, model.safetensors and the pack's HF tokenizer files. The checkpoint is read without a process group, so any world size's checkpoint works
@@ -31,10 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
 from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
+from torchtitan_loom.distributed.utils import SHORT_DTYPES
+from torchtitan_loom.protocols import cast_for_inference
 from torchtitan_loom.tools.export_format import (
     ExportError,
     find_checkpoint,
@@ -45,25 +50,13 @@ from torchtitan_loom.tools.export_format import (
 from torchtitan_loom.tools.hf_export import export_hf
 from torchtitan_loom.tools.loading import LoadError, load, load_tokenizer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _buffer_names(spec: Any, args: Any) -> set[str]:
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    return {name for name, _ in model.named_buffers()}
-
 
 def cast_for_export(
-    sd: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: set[str]
+    spec: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Floating tensors to ``dtype`` except ``keep_fp32``; contiguous and unshared (safetensors' rule)."""
-    out = {}
-    for name, t in sd.items():
-        if torch.is_floating_point(t) and name not in keep_fp32:
-            t = t.to(dtype)
-        out[name] = t.contiguous().clone()
-    return out
+    """Floating tensors to ``dtype`` except what the model keeps in fp32 (protocols.cast_for_inference);
+    contiguous and unshared (safetensors' rule)."""
+    return {name: t.contiguous().clone() for name, t in cast_for_inference(spec, sd, dtype).items()}
 
 
 def _checkpoint_model(ckpt: str) -> dict[str, torch.Tensor]:
@@ -92,8 +85,8 @@ def check_out(out: str, force: bool) -> None:
 def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str:
     """Write the export of ``ckpt`` into ``out`` (which must be empty unless ``force``); returns the
     model file's path. No file is written through a link (safe_files.py)."""
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype not in SHORT_DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(SHORT_DTYPES)}")
     check_out(out, force)
     ckpt = find_checkpoint(ckpt)
     info = read_model_args(ckpt)
@@ -102,7 +95,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
             f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be exported"
         )
     spec, args = model_spec(info)
-    tensors = cast_for_export(_checkpoint_model(ckpt), DTYPES[dtype], _buffer_names(spec, args))
+    tensors = cast_for_export(spec, _checkpoint_model(ckpt), SHORT_DTYPES[dtype])
     os.makedirs(out, exist_ok=True)
     try:
         from safetensors.torch import save_file
@@ -151,12 +144,12 @@ def verify(ckpt: str, out: str) -> int:
     """Compare every exported tensor bit for bit with the DCP source; returns how many matched."""
     ckpt = find_checkpoint(ckpt)
     info, exported = read_export(out)
-    spec, args = model_spec(info)
+    spec, _ = model_spec(info)
     source = _checkpoint_model(ckpt)
     bad = integrity.nonfinite_names(source)
     if bad:
         raise ExportError(f"{ckpt}: non-finite weights in the checkpoint ({', '.join(bad)})")
-    expected = cast_for_export(source, DTYPES[info["dtype"]], _buffer_names(spec, args))
+    expected = cast_for_export(spec, source, SHORT_DTYPES[info["dtype"]])
     problems = [f"{k}: missing from the export" for k in sorted(expected.keys() - exported.keys())]
     problems += [f"{k}: not in the checkpoint" for k in sorted(exported.keys() - expected.keys())]
     for k in sorted(expected.keys() & exported.keys()):
@@ -218,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("out", help="output directory")
     parser.add_argument(
-        "--dtype", default="fp32", choices=tuple(DTYPES), help="parameter dtype of the export"
+        "--dtype", default="fp32", choices=tuple(SHORT_DTYPES), help="parameter dtype of the export"
     )
     parser.add_argument(
         "--verify", action="store_true", help="re-read the export and compare it bit for bit"
@@ -250,16 +243,16 @@ def main(argv: list[str] | None = None) -> int:
         if ns.verify:
             print(f"verified: {verify(ns.ckpt, ns.out)} tensors bit-identical to the checkpoint")
     except (ExportError, OSError) as exc:
-        print(f"export error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        print(shorten_line(f"export error: {exc}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    return exit_codes.OK
 
 
 def _main_hf(ns: argparse.Namespace) -> int:
 
     if ns.verify:
         print("export error: --verify applies to --format safetensors only", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
     try:
         check_out(ns.out, ns.force)
         print(f"export: loading {ns.ckpt} ...", flush=True)
@@ -270,22 +263,22 @@ def _main_hf(ns: argparse.Namespace) -> int:
             )
         except LoadError as exc:
             print(f"export: no tokenizer files ({exc})", file=sys.stderr)
-        files = export_hf(loaded, ns.out, DTYPES[ns.dtype])
+        files = export_hf(loaded, ns.out, SHORT_DTYPES[ns.dtype])
     except (LoadError, ExportError, OSError) as exc:
-        print(f"export error: {exc}", file=sys.stderr)
-        return 2
+        print(shorten_line(f"export error: {exc}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
     except ImportError as exc:
         print(
             f"export error: --format hf needs safetensors and tokenizers ({exc}); "
             "pip install 'torchtitan_loom[hf]'",
             file=sys.stderr,
         )
-        return 2
+        return exit_codes.BAD_INPUT
     print(
         f"exported {loaded.checkpoint} (step {loaded.step}) → {ns.out} as a Hugging Face folder "
         f"({ns.dtype}): {', '.join(files)}"
     )
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
@@ -86,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         text = run(ns)
     except LoadError as exc:
-        print(f"generate error: {exc}", file=sys.stderr)
-        return 2
+        print(shorten_line(f"generate error: {exc}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
     print(ns.prompt + text)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

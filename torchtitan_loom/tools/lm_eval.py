@@ -30,10 +30,13 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.distributed.utils import SHORT_DTYPES
+from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
 from torchtitan_loom.tools.holdout import MODES, check
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_THRESHOLD = 0.005
 # A tqdm progress bar as it is drawn ("  40%|████      | 4/10 [00:01<00:01, 3.9it/s]").
 _PROGRESS_BAR = re.compile(r"\d+%\|")
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--param-dtype",
         default="fp32",
-        choices=tuple(PARAM_DTYPES),
+        choices=tuple(SHORT_DTYPES),
         help="parameter dtype while scoring",
     )
     p.add_argument(
@@ -232,13 +235,10 @@ def run(ns: argparse.Namespace) -> str | None:
             f"holdout check ({holdout.mode}): recomputed eval loss {holdout.recomputed:.5f}, {logged}"
         )
     model = loaded.model
-    if ns.param_dtype != "fp32":
-        saved = [m.expert_bias.clone() for m in model.moe_layers()]
-        model.to(PARAM_DTYPES[ns.param_dtype])
-        for m, bias in zip(
-            model.moe_layers(), saved
-        ):  # the expert bias decides routing: it stays fp32
-            m.expert_bias = bias
+    if (
+        ns.param_dtype != "fp32"
+    ):  # what stays fp32 is the model's call (TrainSpec.inference_fp32_fn)
+        cast_model_for_inference(get_train_spec(loaded.name), model, SHORT_DTYPES[ns.param_dtype])
     lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
     if info.rank == 0:
         print(f"lm_eval: scoring {', '.join(tasks)} (step {loaded.step}) ...", flush=True)
@@ -292,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         run(ns)
         finished = True
     except LoadError as exc:
-        print(f"lm_eval error: {exc}", file=sys.stderr)
-        return 2
+        print(shorten_line(f"lm_eval error: {exc}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
     finally:
         dist_utils.destroy_distributed(wait_for_all=finished)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ from typing import Iterator
 
 import numpy as np
 
+from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.data.pack_format import PackError, open_pack, read_metadata
 from torchtitan_loom.components.data.pack_writer import PackWriter
 from torchtitan_loom.components.data.tokenizer import build_tokenizer
+from torchtitan_loom.components.runtime.messages import shorten_line
 
 DOCS_PER_TASK = 256  # documents sent to a worker at a time
 PROGRESS_EVERY_S = 2.0  # seconds between progress lines on stderr
@@ -389,6 +391,25 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
+def _replace_problem(out: Path) -> str | None:
+    """Why ``--force`` could not replace the existing ``out`` once the pack is written (it is
+    built next to ``out``, then ``out`` is removed and the new pack renamed into place), else None.
+    Checked before any tokenizing, so a long pack never fails at its very end."""
+    from torchtitan_loom.config.io_checks import writable_dir_problem
+
+    if out.is_symlink() or not out.is_dir():
+        return "it is not a directory (a pack is one); remove it or choose another --out"
+    if os.path.ismount(out):
+        return (
+            "it is a mount point, which cannot be removed and replaced; choose a folder inside "
+            f"it, e.g. --out {str(out / 'pack')!r}"
+        )
+    problem = writable_dir_problem(str(out))
+    if problem:
+        return f"its old contents cannot be removed: it {problem}"
+    return None
+
+
 def run_pack(args: argparse.Namespace) -> Path:
     """Tokenise the inputs and write the pack; returns its directory."""
     if args.out.exists() and not args.force:
@@ -402,6 +423,10 @@ def run_pack(args: argparse.Namespace) -> Path:
         raise PackInputError(
             f"--out {str(args.out)!r}: its folder {problem}; choose a writable place"
         )
+    if args.out.exists() or args.out.is_symlink():
+        problem = _replace_problem(args.out)
+        if problem:
+            raise PackInputError(f"--out {str(args.out)!r} --force: {problem}")
     if args.seq_len < 2 or args.epochs < 1 or args.workers < 1 or args.holdout_tokens < 0:
         raise PackInputError(
             "need --seq-len ≥ 2, --epochs ≥ 1, --workers ≥ 1 and --holdout-tokens ≥ 0"
@@ -509,11 +534,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stats = verify(args.verify)
         except PackError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            print(shorten_line(f"error: {e}"), file=sys.stderr)
+            return exit_codes.BAD_INPUT
         for k, v in stats.items():
             print(f"{k}: {v}")
-        return 0
+        return exit_codes.OK
     if args.out is None or not (args.jsonl or args.text or args.parquet or args.hf_dataset):
         parser.error(
             "packing needs --out and at least one of --jsonl / --text / --parquet / --hf-dataset "
@@ -526,10 +551,10 @@ def main(argv: list[str] | None = None) -> int:
         ImportError,
         OSError,
     ) as e:  # PackInputError, a tokenizer, a write that failed
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(shorten_line(f"error: {e}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
     print(f"wrote {out}", file=sys.stderr)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

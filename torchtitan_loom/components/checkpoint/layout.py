@@ -104,6 +104,9 @@ def scan(root: str) -> Scan:
     """Every checkpoint directory under ``root``, split into complete and incomplete."""
     result = Scan()
     for kind, base in (("periodic", root), ("snapshot", os.path.join(root, SNAPSHOT_DIR))):
+        if kind == "snapshot" and os.path.islink(base):  # planted: nothing in it is ours
+            result.links.append(base)
+            continue
         if not os.path.isdir(base):
             continue
         for name in os.listdir(base):
@@ -154,12 +157,19 @@ def write_json(path: str, payload: dict) -> None:
 def planted_links(root: str) -> list[str]:
     """Symbolic links where the checkpoint code writes, renames or removes under ``root``: its
     index files, snapshots/ and abandoned/, and any step-N / .tmp-* name (a launch refuses them)."""
-    names = [INDEX, INDEX + ".partial", LAYOUT_MD, LAYOUT_MD + ".partial", SNAPSHOT_DIR, ABANDONED]
+    names = [INDEX, INDEX + ".partial", LAYOUT_MD, LAYOUT_MD + ".partial", ABANDONED]
     found = safe_files.planted_links(root, names) if os.path.isdir(root) else []
     abandoned = os.path.join(root, ABANDONED)
     if os.path.isdir(abandoned) and not os.path.islink(abandoned):
         found += safe_files.planted_links(abandoned, [SNAPSHOT_DIR])
-    return found + scan(root).links
+    return found + scan(root).links  # the scan names a linked snapshots/ too
+
+
+def owner(path: str) -> str:
+    """The checkpoint folder that owns the checkpoint directory ``path`` (``<root>/step-N`` or
+    ``<root>/snapshots/step-N``): every rename or removal of ``path`` checks the way from there."""
+    parent = os.path.dirname(path)
+    return os.path.dirname(parent) if os.path.basename(parent) == SNAPSHOT_DIR else parent
 
 
 def _fsync_dir(path: str) -> None:
@@ -188,12 +198,14 @@ def commit(tmp: str, final: str, marker: dict, checksum: bool = True) -> None:
         dict(marker, checksums=integrity.CHECKSUMS, format=integrity.FORMAT),
     )
     _fsync_dir(tmp)
-    owner = os.path.dirname(final)
-    safe_files.real_dir(tmp, owner)
+    root = owner(final)
+    safe_files.real_dir(tmp, root)  # also: no link planted on the way (snapshots/) since the save
     trash = None
     if os.path.lexists(final):  # e.g. a run resumed from an earlier step reaches this step again
-        trash = os.path.join(owner, f"{TMP_PREFIX}trash-{os.path.basename(final)}-{os.getpid()}")
-        os.rename(safe_files.real_dir(final, owner), trash)
+        trash = os.path.join(
+            os.path.dirname(final), f"{TMP_PREFIX}trash-{os.path.basename(final)}-{os.getpid()}"
+        )
+        os.rename(safe_files.real_dir(final, root), trash)
     os.rename(tmp, final)
     _fsync_dir(os.path.dirname(final))
     if trash:
@@ -203,8 +215,8 @@ def commit(tmp: str, final: str, marker: dict, checksum: bool = True) -> None:
 def clone(src: str, tmp: str, final: str, marker: dict) -> None:
     """Commit a copy of the complete checkpoint ``src`` at ``final`` (hard links where possible:
     DCP files are never modified after their save, and a link survives pruning of ``src``)."""
-    safe_files.remove_dir(tmp, os.path.dirname(tmp))
-    os.makedirs(tmp)
+    safe_files.remove_dir(tmp, owner(tmp))
+    safe_files.make_dirs(tmp, owner(tmp))  # refuses a snapshots/ planted as a link
     for name in os.listdir(src):
         if name in (MARKER, KEEP):
             continue
@@ -243,7 +255,7 @@ def prune(
     deleted = []
     for path in doomed:  # links are never in a scan; only what was really removed is reported
         try:
-            safe_files.remove_dir(path, os.path.dirname(path))
+            safe_files.remove_dir(path, owner(path))  # refuses a link on the way (snapshots/)
         except OSError:
             continue
         deleted.append(path)

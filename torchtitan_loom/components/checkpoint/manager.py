@@ -51,6 +51,15 @@ from torchtitan_loom.components.checkpoint import state as ckstate
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 
 
+class _CommittedButIncomplete(Exception):
+    """Rank 0 committed the checkpoint, then a later part of the save (its snapshot copy, the
+    index, pruning) failed; ``what`` says exactly what is on disk."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(what)
+        self.what, self.cause = what, cause
+
+
 @dataclass
 class _Pending:
     future: Any
@@ -231,8 +240,16 @@ class CheckpointManager:
     def _failed(self, step: int, tmp: str, exc: BaseException) -> None:
         """A save failed: remove its temporary directory and raise CheckpointSaveError when the
         disk was full, CheckpointError when a planted link was refused (else re-raise)."""
+        if isinstance(exc, _CommittedButIncomplete):
+            refused = isinstance(exc.cause, safe_files.UnsafePathError)
+            raise (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(
+                exc.what
+            ) from None
         if isinstance(exc, safe_files.UnsafePathError):
-            raise ckstate.CheckpointError(f"checkpoint step {step} not saved: {exc}") from None
+            raise ckstate.CheckpointError(
+                f"checkpoint step {step} not saved: {exc}; nothing pruned, the previous "
+                f"checkpoints in {self.root} are untouched"
+            ) from None
         reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
         if self.rank == 0:
             try:
@@ -249,7 +266,7 @@ class CheckpointManager:
     def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
         if self.rank == 0:
             safe_files.remove_dir(tmp, self.root)  # left by a save of this step that died
-            os.makedirs(tmp)
+            safe_files.make_dirs(tmp, self.root)  # refuses a link planted on the way (snapshots/)
             self._write_sidecars(tmp, step)
         self._barrier()  # the directory exists (and is clean) before any rank writes into it
         started = time.perf_counter()
@@ -286,24 +303,75 @@ class CheckpointManager:
         }
         final = layout.final_dir(self.root, step, kind)
         layout.commit(layout.temp_dir(self.root, step, kind), final, marker)
-        where = [final]
+        where, deleted, stage, snap_exc = [final], [], "index", None
         if snapshot_too:
-            snap = layout.final_dir(self.root, step, "snapshot")
-            os.makedirs(os.path.dirname(snap), exist_ok=True)
-            layout.clone(
-                final,
-                layout.temp_dir(self.root, step, "snapshot"),
-                snap,
-                dict(marker, kind="snapshot"),
+            snap, snap_tmp = (
+                f(self.root, step, "snapshot") for f in (layout.final_dir, layout.temp_dir)
             )
-            where.append(snap)
-        c = self.cfg
-        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)  # KEEP-marked ones stay
-        layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+            try:
+                safe_files.make_dirs(os.path.dirname(snap), self.root)
+                layout.clone(final, snap_tmp, snap, dict(marker, kind="snapshot"))
+                where.append(snap)
+            except (Exception, CheckpointException) as exc:
+                snap_exc = exc
+                try:
+                    safe_files.remove_dir(snap_tmp, self.root)
+                except OSError:
+                    pass  # a link (refused) or unremovable: a .tmp- name is never loaded
+        try:
+            # The index before pruning: one that cannot be written prunes nothing, so it never
+            # lists a checkpoint that is gone; rewritten once more after pruning.
+            layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+            if snap_exc is None:  # a save that did not finish prunes nothing
+                c = self.cfg
+                deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)  # not KEEP ones
+                stage = "reindex"
+                if deleted:
+                    layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+        except (Exception, CheckpointException) as exc:
+            raise _CommittedButIncomplete(
+                self._incomplete_message(final, step, stage, deleted, exc, snap_exc), exc
+            ) from exc
+        if snap_exc is not None:
+            raise _CommittedButIncomplete(
+                self._incomplete_message(final, step, "done", [], None, snap_exc), snap_exc
+            )
         msg = f"checkpoint step {step} saved to {', '.join(where)} in {time.perf_counter() - started:.1f} s"
         if deleted:
             msg += f"; pruned {', '.join(os.path.relpath(p, self.root) for p in deleted)}"
         self._log(msg)
+
+    def _incomplete_message(
+        self,
+        final: str,
+        step: int,
+        stage: str,
+        deleted: list[str],
+        exc: BaseException | None,
+        snap_exc: BaseException | None,
+    ) -> str:
+        """Exactly what is on disk after a save whose commit succeeded and a later part failed."""
+        parts = [f"checkpoint step {step} saved to {final} (complete: a resume loads it)"]
+        if snap_exc is not None:
+            parts.append(f"its snapshot was not saved ({snap_exc})")
+        files = f"{layout.INDEX} and {layout.LAYOUT_MD}"
+        pruned = ", ".join(os.path.relpath(p, self.root) for p in deleted)
+        if stage == "index":
+            parts += [
+                f"{files} not rewritten ({exc}): they do not list step {step}",
+                "nothing pruned",
+            ]
+        elif stage == "reindex":
+            parts += [
+                f"pruned {pruned}",
+                f"{files} not rewritten after that ({exc}): they still list {pruned}",
+            ]
+        else:
+            parts += [f"{files} rewritten", "nothing pruned"]
+        parts.append(
+            f"a resume reads the folder, not the index: fix that, then relaunch to resume from step {step}"
+        )
+        return "; ".join(parts)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
@@ -344,7 +412,7 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------- load path
     def _decide(
-        self, exclude: frozenset[str]
+        self, exclude: dict[str, str]
     ) -> tuple[Any, list[layout.Entry], list[str], str | None]:
         """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or error."""
         payload: list[Any] = [None]
@@ -369,10 +437,10 @@ class CheckpointManager:
     def _load(self) -> int | None:
         """Newest checkpoint that verifies (checksums, then finite weights once loaded); a failing
         one is skipped with a warning naming the file, unless it was asked for by load_step."""
-        exclude: set[str] = set()
+        exclude: dict[str, str] = {}  # path → why it was refused once loading it began
         warned: set[str] = set()
         while True:
-            choice, incomplete, skipped, error = self._decide(frozenset(exclude))
+            choice, incomplete, skipped, error = self._decide(dict(exclude))
             if error:
                 raise ckstate.CheckpointError(error)
             for line in [layout.incomplete_warning(incomplete)] + skipped:
@@ -382,18 +450,25 @@ class CheckpointManager:
             if choice is None:
                 self._log(f"no checkpoint in {self.root}: starting from scratch")
                 return None
+            key = "initial_load_path" if choice.model_only else "load_step"
+            asked = self.cfg.load_step >= 0 or choice.model_only  # no other one to fall back on
             self._log(f"loading checkpoint {choice.path} ...")
-            step = self._load_choice(choice)
+            try:
+                step = self._load_choice(choice)
+            except ckstate.CheckpointUnreadable as exc:  # a refused entry, a read that failed
+                if asked:
+                    raise ckstate.CheckpointError(f"checkpoint.{key}: {exc}; refused") from None
+                exclude[choice.path] = str(exc)
+                continue
             bad = integrity.model_finite(self.model)
             if not bad:
                 break
-            if self.cfg.load_step >= 0 or choice.model_only:
-                key = "initial_load_path" if choice.model_only else "load_step"
+            if asked:
                 raise ckstate.CheckpointError(
                     f"checkpoint.{key}: {choice.path} holds non-finite weights "
                     f"({', '.join(bad)}); refused"
                 )
-            exclude.add(choice.path)
+            exclude[choice.path] = "refused after loading (non-finite weights)"
         if step is not None and self.rank == 0:
             moved = layout.abandon_newer(self.root, step)
             if moved:

@@ -40,21 +40,24 @@ def choose(
     initial_load_path: str,
     *,
     verify: str = "full",
-    exclude: frozenset[str] = frozenset(),
+    exclude: dict[str, str] | None = None,
 ) -> tuple[LoadChoice | None, layout.Scan, list[str]]:
     """The checkpoint to load (or None), the scan it came from, and one warning line per newer
     complete checkpoint that was skipped because it failed verification (checkpoint_problem;
-    ``verify`` = "full", "quick" or "none") or is in ``exclude`` (refused after loading), plus one
+    ``verify`` = "full", "quick" or "none") or is in ``exclude`` (path → why it was refused once
+    its load began: an entry that is not data, a failed read, non-finite weights), plus one
     when the chosen checkpoint predates checksums.
 
     Raises ValueError with a user-facing message when ``load_step`` or ``initial_load_path`` point
     at nothing usable, when the explicitly requested ``load_step`` fails verification, or when
     every complete checkpoint fails it (a run that cannot be continued is never restarted in place)."""
     found = layout.scan(root)
+    exclude = exclude or {}
 
     def problem(entry: layout.Entry) -> str | None:
         if entry.path in exclude:
-            return f"{entry.path}: refused after loading (non-finite weights)"
+            why = exclude[entry.path]
+            return why if why.startswith(entry.path) else f"{entry.path}: {why}"
         return None if verify == "none" else checkpoint_problem(entry.path, quick=verify == "quick")
 
     if load_step >= 0:

@@ -11,8 +11,13 @@ a planted file asks for. Every read of a checkpoint in this project goes through
     SafePlanner   a DefaultLoadPlanner whose non-tensor entries load with ``weights_only=True``
                   (containers of numbers, strings, tensors; nothing callable)
 
-A file that asks for anything else raises ``UnsafeCheckpoint``: the resume treats it like a
-corrupt checkpoint (skipped, with one warning), the tools print one line and exit 2.
+The metadata's storage entries must also fit the data files they name (offset + length within
+the file): a length that does not (checksums can be matched by anyone) would otherwise make the
+reader allocate whatever it says. A file that asks for anything else raises ``UnsafeCheckpoint``;
+``load`` turns any other failure of the read into ``UnreadableCheckpoint``. The resume treats both
+like a corrupt checkpoint (skipped for the previous one, with one warning), the tools print one
+line and exit 2. No message quotes torch's own text about loading with ``weights_only=False``:
+the point is never to do that.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -58,6 +64,24 @@ _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 
 class UnsafeCheckpoint(ValueError):
     """A checkpoint file that is not plain data: it names code, or data outside its directory."""
+
+
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint whose data could not be read (truncated, inconsistent with its metadata)."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """A library exception as one plain line: colour codes stripped, whitespace joined, shortened,
+    and without torch's paragraphs about ``weights_only`` (its advice is to load unsafely)."""
+    from torchtitan_loom.components.runtime.messages import shorten
+
+    paragraphs = re.split(r"\n\s*\n", _ANSI.sub("", str(exc)))
+    kept = [p for p in paragraphs if "weights_only" not in p and p.strip()]
+    text = " ".join(" ".join(kept).split())
+    return shorten(f"{type(exc).__name__}: {text}" if text else type(exc).__name__, limit)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -105,6 +129,30 @@ def _check_fields(md: Any, path: str) -> None:
             or "\\" in rel
         ):
             raise bad(f"data file {rel!r} is not a plain file name inside the checkpoint directory")
+        if not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            for n in (info.offset, info.length)
+        ):
+            raise bad(f"data file {rel!r}: offset and length are not non-negative integers")
+
+
+def _check_extents(md: Any, path: str) -> None:
+    """Every storage entry lies inside the data file it names (offset + length ≤ its size)."""
+    folder, sizes = os.path.dirname(path), {}
+    for key, info in md.storage_data.items():
+        rel = info.relative_path
+        if rel not in sizes:
+            try:
+                sizes[rel] = os.path.getsize(os.path.join(folder, rel))
+            except OSError:
+                raise UnsafeCheckpoint(
+                    f"{path}: refused: names data file {rel!r}, which is missing"
+                ) from None
+        if info.offset + info.length > sizes[rel]:
+            raise UnsafeCheckpoint(
+                f"{path}: refused: entry {key.fqn!r} claims bytes {info.offset}..{info.offset + info.length} "
+                f"of {rel}, which holds {sizes[rel]} (not a file written by torch.distributed.checkpoint)"
+            )
 
 
 def read_metadata_file(path: str) -> dcp_meta.Metadata:
@@ -116,10 +164,9 @@ def read_metadata_file(path: str) -> dcp_meta.Metadata:
         except UnsafeCheckpoint:
             raise
         except Exception as exc:  # a damaged pickle raises anything unpickling does
-            raise UnsafeCheckpoint(
-                f"{file}: unreadable DCP metadata ({type(exc).__name__}: {exc})"
-            ) from None
+            raise UnsafeCheckpoint(f"{file}: unreadable DCP metadata ({_one_line(exc)})") from None
     _check_fields(md, file)
+    _check_extents(md, file)
     return md
 
 
@@ -156,9 +203,13 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # Only what the entry asked for: torch's message goes on to advise weights_only=False.
+            asked = re.search(r"GLOBAL ([\w.]+)", _ANSI.sub("", str(exc)))
+            what = (
+                f"it asks for {asked.group(1)}" if asked else "a pickle of a type that is not data"
+            )
             raise UnsafeCheckpoint(
-                f"entry {read_item.dest_index.fqn!r} refused: not plain data ({first})"
+                f"entry {read_item.dest_index.fqn!r} refused: not plain data ({what})"
             ) from None
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
@@ -183,16 +234,30 @@ def _refusal(exc: BaseException) -> UnsafeCheckpoint | None:
     return _refusal(cause) if cause is not None else None
 
 
+def _first_failure(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside a DCP CheckpointException (else ``exc``)."""
+    for err in getattr(exc, "failures", {}).values():
+        err = err[0] if isinstance(err, tuple) and err else err
+        if isinstance(err, BaseException):
+            return err
+    return exc
+
+
 def load(state_dict: dict[str, Any], path: str, no_dist: bool) -> None:
     """``dcp.load`` of ``path`` into ``state_dict`` in place, through SafeReader and SafePlanner.
-    Raises UnsafeCheckpoint (one line naming the checkpoint) when a file is not plain data."""
+    Raises UnsafeCheckpoint (one line naming the checkpoint) when a file is not plain data, and
+    UnreadableCheckpoint when the read fails otherwise (on every rank alike: DCP gathers the
+    ranks' failures). Out-of-memory is no property of the checkpoint and is raised as it is."""
     try:
         dcp.load(
             state_dict, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist
         )
     except (Exception, CheckpointException) as exc:
         refused = _refusal(exc)
-        if refused is None:
+        if refused is not None:
+            msg = str(refused)
+            raise UnsafeCheckpoint(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+        first = _first_failure(exc)
+        if isinstance(first, torch.OutOfMemoryError):
             raise
-        msg = str(refused)
-        raise UnsafeCheckpoint(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+        raise UnreadableCheckpoint(f"{path}: unreadable ({_one_line(first)})") from None

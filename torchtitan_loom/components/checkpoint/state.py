@@ -42,6 +42,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used with this run; the message says why and what to do."""
 
 
+class CheckpointUnreadable(CheckpointError):
+    """A checkpoint refused or unreadable while loading it; a resume falls back to the previous."""
+
+
 class CheckpointSaveError(RuntimeError):
     """A save that could not be written (disk full, say); older checkpoints are untouched."""
 
@@ -154,12 +158,12 @@ def read_metadata(path: str) -> dict[str, Any]:
 
 def dcp_load(sd: dict[str, Any], path: str, no_dist: bool) -> None:
     """Fill ``sd`` from the checkpoint at ``path`` without running code from it (safe_read.py);
-    a refused file raises CheckpointError naming it."""
+    a refused or unreadable file raises CheckpointUnreadable naming it."""
     try:
         with single_process_quiet():
             safe_read.load(sd, path, no_dist=no_dist)
-    except safe_read.UnsafeCheckpoint as exc:
-        raise CheckpointError(str(exc)) from None
+    except (safe_read.UnsafeCheckpoint, safe_read.UnreadableCheckpoint) as exc:
+        raise CheckpointUnreadable(str(exc)) from None
 
 
 def tensor_shapes(meta: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:

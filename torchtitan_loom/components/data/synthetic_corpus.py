@@ -7,14 +7,21 @@ model; the answers of the multi-step tasks depend on several earlier tokens thro
 operations, which is where more loops of a looped model can help.
 
 `write_bundled_pack` writes the pack (byte tokenizer, records of 257 tokens so the model trains at
-S = 256, ~2% holdout); the CLI over it is `python -m torchtitan_loom.tools.synthetic_corpus`.
+S = 256, ~2% holdout). Run as a module it writes the pack or prints samples:
+
+    python -m torchtitan_loom.components.data.synthetic_corpus [--out DIR] [--sample N] [--seed S]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
+import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterator
+
+from torchtitan_loom.components.runtime import exit_codes
 
 CORPUS_NAME = "bundled-v1"  # bump when the generator or its settings change
 MAX_SEQ_LEN = 257  # record length; model sequence length S = 256
@@ -214,3 +221,34 @@ def write_bundled_pack(out: Path, seed: int = SEED, target_bytes: int = TARGET_B
             w.add_document(tok.encode_array(doc))
         holdout = max(1, int(w.total_tokens * HOLDOUT_FRACTION))
         return w.finish(epochs=TRAINING_ORDERINGS, holdout_tokens=holdout, seed=seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The corpus's own command line: ``--out DIR`` writes the pack, ``--sample N`` prints documents."""
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_loom.components.data.synthetic_corpus",
+        description="Generate the bundled synthetic corpus.",
+    )
+    p.add_argument("--out", type=Path, help="write the pack to this directory (must not exist)")
+    p.add_argument("--sample", type=int, default=0, help="print this many documents to stdout")
+    p.add_argument("--seed", type=int, default=SEED, help=f"generator seed (default {SEED})")
+    p.add_argument(
+        "--target-bytes",
+        type=int,
+        default=TARGET_BYTES,
+        help=f"approximate corpus size in bytes of text (default {TARGET_BYTES})",
+    )
+    args = p.parse_args(argv)
+    if not args.sample and not args.out:
+        p.error("nothing to do: pass --out DIR and/or --sample N")
+    for _, doc in zip(range(args.sample), generate_documents(args.seed, args.target_bytes)):
+        sys.stdout.write(doc + "\n")
+    if args.out:
+        t0 = time.perf_counter()
+        write_bundled_pack(args.out, args.seed, args.target_bytes)
+        print(f"wrote {args.out} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return exit_codes.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -130,6 +130,8 @@ class HeldOutEval:
         n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
         n_layers, n_experts = model.routing or (0, 0)
         routing: RoutingStats | None = None
+        # return_topk is a keyword of routed models only (protocols.ModelProtocol.__call__).
+        topk = {"return_topk": True} if n_experts > 0 else {}
         for mb in self._micro(loader):
             if self._stop_requested():  # a stop signal: drop this eval
                 return None
@@ -143,7 +145,7 @@ class HeldOutEval:
                         loop_start=loop,
                         loop_end=loop,
                         carry=carry,
-                        return_topk=n_experts > 0,
+                        **topk,
                     )
                 carry = out.carry
                 if out.topk_LTBSK is not None:

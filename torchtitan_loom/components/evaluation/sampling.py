@@ -1,10 +1,12 @@
-"""Token sampling from a LOOM model with incremental decoding (a KVCache through the one forward).
+"""Token sampling from a model of the protocol, with incremental decoding when it has it.
 
-`generate` prefills the prompt once, then feeds one token per step; each step runs loops
-[1, loops] of the model over the new position only, its attention reading the cached K/V of every
-(layer, loop). Capacity dropping must be off (the caller builds the model with
-capacity_factor=0): with capacity on, a token's experts would depend on how many tokens share
-the call, and a cached step would differ from recomputing the prefix.
+`generate` prefills the prompt once, then feeds one token per step; for a model with a decode cache
+(protocols.DecodesIncrementally, LOOM's KVCache through its one forward) each step runs loops
+[1, loops] over the new position only, its attention reading the cached K/V of every (layer, loop).
+A model without one recomputes the whole sequence per token (the same tokens, more FLOPs). LOOM
+needs capacity dropping off for that (the caller builds the model with capacity_factor=0): with
+capacity on, a token's experts would depend on how many tokens share the call, and a cached step
+would differ from recomputing the prefix.
 
 Legend: B rows, S positions, V vocab.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from torchtitan_loom.protocols import DecodesIncrementally
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,9 @@ def generate(
     Stops early when every row has produced `eos_id`; later tokens of a finished row repeat eos.
     `loops` = H' runs loops [1, H'] only (early exit); None = all H loops.
     """
-    cache = (
-        model.new_decode_cache()
-    )  # the model's own; it refuses a setup that cannot decode incrementally
+    # Incremental decoding when the model offers it (protocols.DecodesIncrementally; it refuses a
+    # setup that cannot decode so), else every step recomputes the whole sequence: same tokens.
+    cache = model.new_decode_cache() if isinstance(model, DecodesIncrementally) else None
     B, S = prompt_BS.shape
     device = prompt_BS.device
     max_new = min(cfg.max_new_tokens, model.args.max_seq_len - S)
@@ -90,16 +94,21 @@ def generate(
         positions_BS = torch.arange(start, start + tokens_BS.shape[1], device=device).expand_as(
             tokens_BS
         )
-        out = model(
-            tokens_BS, positions_BS, torch.zeros_like(tokens_BS), loop_end=loops, cache=cache
-        )
+        doc_ids_BS = torch.zeros_like(tokens_BS)
+        if cache is None:
+            out = model(tokens_BS, positions_BS, doc_ids_BS, loop_end=loops)
+        else:
+            out = model(tokens_BS, positions_BS, doc_ids_BS, loop_end=loops, cache=cache)
         tok_B = next_token(out.logits_BSV[:, -1], cfg, generator)
         if eos_id is not None:
             tok_B = torch.where(done_B, torch.full_like(tok_B, eos_id), tok_B)
             done_B |= tok_B == eos_id
         new_tokens.append(tok_B)
-        start += tokens_BS.shape[1]
-        tokens_BS = tok_B[:, None]
+        if cache is None:  # the next call runs the prompt and every new token again
+            tokens_BS = torch.cat([tokens_BS, tok_B[:, None]], dim=1)
+        else:
+            start += tokens_BS.shape[1]
+            tokens_BS = tok_B[:, None]
         if eos_id is not None and bool(done_B.all()):
             break
     if not new_tokens:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.runtime import safe_files
+
 # Dense bf16 peak FLOP/s by GPU name substring, most specific names first (first match wins).
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
@@ -155,6 +157,7 @@ class MetricsLogger:
         self.active = rank == section.log_rank
         self.run_id = run_id  # written into every JSON line: one id per launch
         self._launch_note: dict[str, Any] = {}
+        self.dump_folder = dump_folder
         self.jsonl_path = os.path.join(dump_folder, jsonl_name)
         self.tb_dir = (
             launch_dir(os.path.join(dump_folder, tb_folder)) if enable_tensorboard else None
@@ -165,10 +168,12 @@ class MetricsLogger:
         if not self.active:
             return
         os.makedirs(dump_folder, exist_ok=True)
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        # O_NOFOLLOW | O_APPEND: bound to the run's own file, whatever is planted at the name later.
+        self._jsonl = safe_files.open_append(self.jsonl_path, dump_folder)
         if self.tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
 
+            safe_files.make_dirs(self.tb_dir, dump_folder)  # refuses a tb/ planted as a link
             self._writer = SummaryWriter(log_dir=self.tb_dir)
         if enable_wandb:
             import wandb  # optional: validate.py checked that it is installed
@@ -202,7 +207,7 @@ class MetricsLogger:
         self._launch_note = {}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._writer is not None:
+        if self._tb_safe():
             for name, value in values.items():
                 if value is not None:
                     self._writer.add_scalar(tb_tag(name), value, global_step=int(step))
@@ -219,10 +224,29 @@ class MetricsLogger:
 
     def log_image(self, tag: str, image_CHW: Any, step: int) -> None:
         """One uint8 RGB image [3, h, w] to TensorBoard under ``tag`` (no-op without a writer)."""
-        if self._writer is None:
+        if not self._tb_safe():
             return
         self._writer.add_image(tag, image_CHW, global_step=int(step), dataformats="CHW")
         self._writer.flush()
+
+    def _tb_safe(self) -> bool:
+        """Whether TensorBoard may write now. Its writer reopens the event file by name at every
+        flush, so a link planted on the way (tb/, the launch folder, the file) since the last
+        write stops TensorBoard for this launch, with one warning (nothing pending is flushed)."""
+        if self._writer is None:
+            return False
+        try:
+            safe_files.check_inside(self.tb_dir, self.dump_folder)
+            links = [e.path for e in os.scandir(self.tb_dir) if e.is_symlink()]
+            if links:
+                raise safe_files.UnsafePathError(
+                    f"{links[0]} is a symbolic link; refusing to write through it"
+                )
+        except OSError as exc:
+            self._writer = None  # dropped, not closed: closing would flush through the link
+            print(f"warning: TensorBoard stopped for this launch: {exc}", file=sys.stderr)
+            return False
+        return True
 
     def mark_launch(self, resumed_from_step: int | None) -> None:
         """The next JSON line carries ``"launch": {"resumed_from_step": N}`` (null: a fresh start):

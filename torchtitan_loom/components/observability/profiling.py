@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.runtime import safe_files
+
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept for a snapshot
 
 
@@ -54,8 +56,13 @@ def maybe_profile(
 
     def write_trace(prof: torch.profiler.profile) -> None:
         out = os.path.join(folder, f"iteration_{prof.step_num + step_offset}")
-        os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"rank{rank}_trace.json")
+        try:  # never through a link planted on the way (safe_files.py)
+            safe_files.make_dirs(out, dump_folder)
+            safe_files.check_inside(path, dump_folder)
+        except OSError as exc:
+            log(f"warning: profiler trace not written: {exc}")
+            return
         prof.export_chrome_trace(path)
         log(f"profiler trace written: {path}")
 
@@ -85,6 +92,7 @@ class MemorySnapshotter:
     ) -> None:
         self.enabled = bool(cfg.enable_memory_snapshot) and torch.device(device).type == "cuda"
         self.freq = cfg.profile_freq
+        self.dump_folder = dump_folder
         self.folder = os.path.join(dump_folder, cfg.save_memory_snapshot_folder)
         self.rank, self.log = rank, log
         if cfg.enable_memory_snapshot and not self.enabled:
@@ -99,8 +107,13 @@ class MemorySnapshotter:
         if not self.enabled or step % self.freq:
             return
         out = os.path.join(self.folder, f"iteration_{step}")
-        os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"rank{self.rank}_memory_snapshot.pickle")
+        try:  # never through a link planted on the way (safe_files.py)
+            safe_files.make_dirs(out, self.dump_folder)
+            safe_files.check_inside(path, self.dump_folder)
+        except OSError as exc:
+            self.log(f"warning: memory snapshot not written: {exc}")
+            return
         torch.cuda.memory._dump_snapshot(path)
         self.log(f"memory snapshot written: {path}")
 

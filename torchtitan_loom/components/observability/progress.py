@@ -1,11 +1,11 @@
 """What a person waiting on the trainer is told up front: what is being built, a rough memory and
 time estimate of one step on this device, and a warning when that is far beyond the machine.
 
-The estimate is deliberately simple (the dry run and benchmarks/memory_time.py are the precise
-tools): per rank, parameters + gradients + AdamW state in fp32 (16 bytes per parameter, divided by
-the FSDP degree), plus the activations one micro-batch keeps for one backprop segment (K loops × L
-blocks; truncated backprop frees the previous segment, micro-batches run one after another), plus
-the logits and their gradient. Time: the step's training FLOPs on this rank over the rate that a
+The estimate is deliberately simple (the dry run's estimate adds gathered parameters and the
+communication; benchmarks/memory_time.py measures): per rank, parameters + gradients + AdamW state
+in fp32 (16 bytes per parameter, divided by the FSDP degree), plus the activation bytes of the
+model's own cost model (TrainSpec.cost_fn, the one the dry run reads: the largest segment's
+activations of one micro-batch, its logits and gradient, the carries). Time: the step's training FLOPs on this rank over the rate that a
 matmul reaches on this device right now (measured in a fraction of a second), i.e. a lower bound.
 Nothing here refuses to run.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.distributed.utils import DTYPES
+from torchtitan_loom.protocols import ModelCost, segments
 
 _GIB = float(1 << 30)
 # Warn on CPU when one step needs more than this share of the RAM, or at least this many seconds.
@@ -34,9 +34,12 @@ class StepEstimate:
     state_gib: float
     """Parameters, gradients and AdamW moments on one rank."""
     activation_gib: float
-    """Activations one micro-batch keeps for one segment, plus logits and their gradient."""
+    """Activations one micro-batch keeps for the largest segment, its logits and their gradient, and
+    the carries of the rank's micro-batches (TrainSpec.cost_fn's figures)."""
     step_tflop: float
     """Training FLOPs of one step on one rank."""
+    activations_known: bool = True
+    """False when the model's TrainSpec has no cost model (activation_gib is then 0)."""
 
     @property
     def total_gib(self) -> float:
@@ -45,31 +48,34 @@ class StepEstimate:
 
 def estimate_step(
     cfg: Any,
-    meta_model: Any,
     dims: Any,
     counts: dict[str, int],
     flops_per_token: float,
+    cost: ModelCost | None,
     num_loops: int,
-    num_segments: int,
 ) -> StepEstimate:
-    """The activation term from the model's own ``saved_values_per_token`` (ModelProtocol)."""
+    """The activation term is the dry run's own (TrainSpec.cost_fn, one activation model for both):
+    the largest segment's activations of one micro-batch, its logits and the carries of the rank's
+    micro-batches. None (a spec without a cost model): the activation term is not estimated (0)."""
     t = cfg.training
-    act_bytes = DTYPES[t.mixed_precision_param].itemsize
-    tokens_mb = t.micro_batch_size * t.seq_len
-    loops_per_segment = -(-num_loops // num_segments)
-    per_call = meta_model.saved_values_per_token(
-        loops_per_segment, cfg.activation_checkpoint.mode != "none"
-    )
-    logits = 3 * meta_model.args.vocab_size * 4  # fp32 logits, softmax and gradient
-    activation = tokens_mb * (per_call * act_bytes + logits)
-    state = 16 * counts["total"] / max(dims.dp_shard, 1)
     rows_per_rank = t.global_batch_size // dims.dp
+    activation = 0
+    if cost is not None:
+        segs = [cost.segment(a, b) for a, b in segments(num_loops, t.bp_segment_len)]
+        micro = rows_per_rank // t.micro_batch_size
+        activation = (
+            max(s.activation_bytes for s in segs)
+            + segs[0].logits_bytes
+            + micro * segs[0].carry_bytes
+        )
+    state = 16 * counts["total"] / max(dims.dp_shard, 1)
     return StepEstimate(
         params=counts["total"],
         active=counts["active"],
         state_gib=state / _GIB,
         activation_gib=activation / _GIB,
         step_tflop=flops_per_token * rows_per_rank * t.seq_len / 1e12,
+        activations_known=cost is not None,
     )
 
 
@@ -103,11 +109,15 @@ def start_lines(cfg: Any, est: StepEstimate, device: torch.device, rate_tflops: 
         if device.type == "cpu"
         else f"{torch.cuda.get_device_name(device)}, {mem:.0f} GiB"
     )
+    acts = (
+        f"{est.activation_gib:.2f} activations of one micro-batch"
+        if est.activations_known
+        else "activations not estimated: the model's TrainSpec has no cost_fn"
+    )
     lines = [
         f"building {cfg.model.name}/{cfg.model.flavor}: {est.params / 1e6:,.2f}M parameters "
         f"({est.active / 1e6:,.2f}M active per token); estimated per rank: {est.total_gib:.2f} GiB "
-        f"({est.state_gib:.2f} parameters + gradients + AdamW, {est.activation_gib:.2f} activations of one "
-        f"micro-batch), ≥ {seconds:,.1f} s per step at the {rate_tflops * 1e3:,.0f} GFLOP/s a "
+        f"({est.state_gib:.2f} parameters + gradients + AdamW, {acts}), ≥ {seconds:,.1f} s per step at the {rate_tflops * 1e3:,.0f} GFLOP/s a "
         f"{cfg.training.mixed_precision_param} matmul reaches on {device.type} ({where})"
     ]
     if device.type == "cpu" and (
@@ -128,12 +138,13 @@ def start_report(
     num_segments: int,
     device: torch.device,
     dtype: torch.dtype,
+    cost_fn: Any = None,
 ) -> list[str]:
-    """The start lines for a model still on the meta device (nothing allocated yet)."""
+    """The start lines for a model still on the meta device (nothing allocated yet); ``cost_fn``:
+    the TrainSpec's cost model (None: no activation estimate)."""
     fpt = meta_model.flops_per_token(cfg.training.seq_len, head_calls=num_segments)
-    est = estimate_step(
-        cfg, meta_model, dims, meta_model.param_counts(), fpt, meta_model.num_loops, num_segments
-    )
+    cost = None if cost_fn is None else cost_fn(meta_model.args, dims, cfg)
+    est = estimate_step(cfg, dims, meta_model.param_counts(), fpt, cost, meta_model.num_loops)
     return start_lines(cfg, est, device, matmul_tflops(device, dtype))
 
 

@@ -9,9 +9,11 @@ is marked KEEP so pruning never removes it.
 from __future__ import annotations
 
 import os
+import sys
+
+from torchtitan_loom.components.runtime import safe_files
 
 ABORT_FILE = "SPIKE_ABORT.txt"
-EXIT_CODE = 2
 
 
 class DivergenceMonitor:
@@ -73,6 +75,9 @@ class DivergenceMonitor:
 
 
 def write_abort(dump_folder: str, msg: str) -> None:
-    """SPIKE_ABORT.txt in the run folder (rank 0 only calls this)."""
-    with open(os.path.join(dump_folder, ABORT_FILE), "w") as fh:
-        fh.write(msg + "\n")
+    """SPIKE_ABORT.txt in the run folder (rank 0 only calls this), never through a link; one that
+    cannot be written is a warning: the stop itself goes on."""
+    try:
+        safe_files.atomic_write(os.path.join(dump_folder, ABORT_FILE), msg + "\n")
+    except OSError as exc:
+        print(f"warning: {ABORT_FILE} not written: {exc}", file=sys.stderr, flush=True)

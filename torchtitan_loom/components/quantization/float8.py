@@ -4,9 +4,10 @@ What converts (LOOM_SPEC §14: float8 changes precision, never the math or the p
   - dense linears: attention `wqkv` / `wo` and the shared experts' `w13` / `w2` become torchao
     `Float8Linear` (recipe tensorwise or rowwise). The routers, `tok_embeddings` and the `output`
     head never convert; a linear whose weight dims are not multiples of 16 is skipped and named.
-  - routed experts (`float8.experts`): `moe.experts` becomes `Float8GroupedExperts`
-    (components/quantization/float8_experts.py), the same w13 / w2 parameters with a low-precision grouped GEMM:
-    fp8 rowwise (SM90), MXFP8 (SM100) or MXFP8 emulated (any device, CPU tests).
+  - routed experts (`float8.experts`): the converter picks the grouped-GEMM kernel (fp8 rowwise on
+    SM90, MXFP8 on SM100, MXFP8 emulated on any device; components/quantization/grouped_gemm.py)
+    and hands it to the model's TrainSpec.float8_experts_fn, which swaps its experts for modules
+    that compute with it (LOOM: models/loom/float8_experts.py). This file knows no expert layout.
 
 Which kernels a device can run is decided up front by `float8_problems` (called from
 config/validate.py), so a bad request fails before any tensor exists. torchao is imported only
@@ -216,63 +217,23 @@ def select_dense(
     return chosen, skipped
 
 
-def select_experts(
-    model: nn.Module,
-    expert_cls: type[nn.Module] | None,
-    kernel: str | None,
-    filter_fqns: tuple[str, ...] = (),
-) -> tuple[list[str], dict[str, str]]:
-    """(names of the routed-expert modules to convert, {skipped name: reason}). ``expert_cls``: the
-    model's grouped-experts module (w13 [E, 2I, D], w2 [E, D, I]; its TrainSpec names it)."""
-    if kernel is None or expert_cls is None:
-        return [], {}
-    chosen, skipped = [], {}
-    multiple = EXPERT_DIM_MULTIPLE[kernel]
-    for fqn, mod in model.named_modules():
-        if not isinstance(mod, expert_cls):
-            continue
-        _, dim, inter = mod.w2.shape
-        if any(f in fqn for f in filter_fqns):
-            skipped[fqn] = "matches float8.filter_fqns"
-        elif dim % multiple or inter % multiple:
-            skipped[fqn] = (
-                f"dim {dim} / expert width {inter} not multiples of {multiple} ({kernel})"
-            )
-        else:
-            chosen.append(fqn)
-    return chosen, skipped
-
-
-def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, child = fqn.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
-
-
 # ----------------------------------------------------------------------------- the converter
 class Float8Converter:
     """Swaps modules in place (on the meta model, before parallelize); parameter names unchanged."""
 
     def __init__(
-        self,
-        plan: Float8Plan,
-        never_convert: tuple[str, ...] = (),
-        expert_cls: type[nn.Module] | None = None,
+        self, plan: Float8Plan, never_convert: tuple[str, ...] = (), experts_fn: Any = None
     ):
-        self.plan, self.never_convert, self.expert_cls = plan, tuple(never_convert), expert_cls
+        """``experts_fn``: the model's TrainSpec.float8_experts_fn (None: no routed experts)."""
+        self.plan, self.never_convert, self.experts_fn = plan, tuple(never_convert), experts_fn
 
     def convert(self, model: nn.Module) -> Float8Report:
         """Convert `model` in place; returns what was converted and what was skipped (and why)."""
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        from torchtitan_loom.components.quantization.float8_experts import Float8GroupedExperts
-
         plan = self.plan
         report = Float8Report(never_convert=self.never_convert)
         report.dense, report.skipped = select_dense(model, self.never_convert, plan.filter_fqns)
-        experts, skipped_experts = select_experts(
-            model, self.expert_cls, plan.experts_kernel, plan.filter_fqns
-        )
-        report.skipped.update(skipped_experts)
         config = dataclasses.replace(
             Float8LinearConfig.from_recipe_name(plan.recipe),
             emulate=plan.emulate,
@@ -282,16 +243,22 @@ class Float8Converter:
         convert_to_float8_training(
             model, config=config, module_filter_fn=lambda mod, fqn: fqn in chosen
         )
-        for fqn in experts:
-            _set_submodule(
-                model,
-                fqn,
-                Float8GroupedExperts(
-                    model.get_submodule(fqn), plan.experts_kernel, plan.expert_alignment
-                ),
+        # The routed experts after the dense linears: the model swaps them for modules that run
+        # the kernel on its own weight layout (the dense pass never sees them).
+        if plan.experts_kernel is not None and self.experts_fn is not None:
+            experts, skipped_experts = self.experts_fn(
+                model, self.grouped_kernel(), plan.filter_fqns
             )
-        report.experts = experts
+            report.experts = experts
+            report.skipped.update(skipped_experts)
         return report
+
+    def grouped_kernel(self, gemm: Any = None) -> Any:
+        """The plan's routed-expert kernel as a protocols.GroupedKernel (torchao's, or ``gemm``)."""
+        from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel
+
+        k = self.plan.experts_kernel
+        return grouped_kernel(k, EXPERT_ALIGNMENT[k], EXPERT_DIM_MULTIPLE[k], gemm)
 
     def precompute_applies(self, model: nn.Module) -> bool:
         """True when the scale precompute has work: the option is on and FSDP sharded float8 weights."""
@@ -321,5 +288,5 @@ def build_float8_converter(
     return (
         None
         if plan is None
-        else Float8Converter(plan, spec.float8_never_convert, spec.float8_expert_cls)
+        else Float8Converter(plan, spec.float8_never_convert, spec.float8_experts_fn)
     )

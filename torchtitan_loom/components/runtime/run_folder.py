@@ -147,8 +147,14 @@ class RunLock:
             except FileExistsError:
                 self._handle_existing(log)
                 continue
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.payload, fh)
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(self.payload, fh)
+            except OSError as exc:  # e.g. a full disk: no empty lock left to refuse the next launch
+                os.remove(self.path)
+                raise RunFolderError(
+                    f"{self.path}: could not write the run lock ({exc.strerror or exc})"
+                ) from None
             return
         raise RunFolderError(
             f"{self.path}: could not take the run lock (another launch is racing for it)"
@@ -196,7 +202,7 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
     if not cfg.job.overwrite or not present:
         return None
     dest = os.path.join(dump, f"replaced-{(run or {}).get('run_id') or new_run_id()}")
-    os.makedirs(dest, exist_ok=True)
+    safe_files.make_dirs(dest, dump)  # a link planted at that name would take the old run away
     for n in present:
         os.rename(os.path.join(dump, n), os.path.join(dest, n))
     log(f"job.overwrite: moved the previous run's {', '.join(present)} to {dest}")
@@ -225,7 +231,8 @@ def record_launch(
     safe_files.atomic_write(os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True))
 
 
-def planted_links(dump_folder: str) -> list[str]:
-    """Symbolic links where a launch writes its run files (a launch refuses them, safe_files.py)."""
-    names = [*_RUN_FILES, RUN_JSON + ".partial", LOCK]
+def planted_links(dump_folder: str, folders: list[str] = ()) -> list[str]:
+    """Symbolic links where a launch writes its run files or the sub-``folders`` it writes into
+    (tb/), which a launch refuses (safe_files.py); each writer checks again when it writes."""
+    names = [*_RUN_FILES, *(f + ".partial" for f in _RUN_FILES), LOCK, *folders]
     return safe_files.planted_links(dump_folder, names) if os.path.isdir(dump_folder) else []

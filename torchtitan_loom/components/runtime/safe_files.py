@@ -7,10 +7,17 @@ writes (``run.json.partial -> ~/.bashrc``) must not make a relaunch write outsid
                    O_NOFOLLOW (a link there, or at ``<name>`` itself, is refused; a stale regular
                    file from a crash is removed first), fsynced, then renamed over ``<name>``
     create_new     a new file with the same flags (a marker such as KEEP)
+    open_append    a log file (metrics.jsonl) opened O_APPEND | O_NOFOLLOW: the descriptor stays
+                   bound to the run's own file, whatever is planted at the name later
+    check_inside   no component between the owning folder and a path is a link (a folder such as
+                   ``snapshots/`` or ``tb/`` replaced by a link mid-run is refused at the next write)
+    make_dirs      create the folders down to a path, each checked as it is made or found
     real_dir       a path that is about to be renamed or removed must be a directory, not a link,
-                   and lie inside the folder that owns it
+                   and lie inside the folder that owns it with no link on the way
     planted_links  the names of a list that are links (the up-front check of a launch)
 
+Every writer calls these at the moment it writes, not only before the launch: a link planted while
+the run goes on is refused by the next write, rename or removal that would go through it.
 The folders themselves (job.dump_folder, checkpoint.folder) may be links a user made, e.g. to
 another disk: only what the run creates, renames and removes inside them is checked.
 Pure filesystem code; every refusal is ``UnsafePathError`` with one line naming the path.
@@ -42,6 +49,50 @@ def _refuse_link(path: str) -> None:
         )
 
 
+def check_inside(path: str, owner: str) -> str:
+    """``path`` when it lies inside the folder ``owner`` and no existing component below ``owner``
+    (``path`` itself included) is a symbolic link; UnsafePathError otherwise. ``owner`` itself may
+    be a link (a folder a user put on another disk)."""
+    rel = os.path.relpath(os.path.normpath(path), os.path.normpath(owner))
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        raise UnsafePathError(f"{path} lies outside {owner}; refusing to write there")
+    here = os.path.normpath(owner)
+    for part in [] if rel == os.curdir else rel.split(os.sep):
+        here = os.path.join(here, part)
+        _refuse_link(here)
+    return path
+
+
+def make_dirs(path: str, owner: str) -> str:
+    """Create the directories from ``owner`` down to ``path`` (those missing), refusing a link or a
+    file at any of them below ``owner``; returns ``path``."""
+    check_inside(path, owner)
+    os.makedirs(owner, exist_ok=True)  # the user's folder: a link there is theirs to make
+    rel = os.path.relpath(os.path.normpath(path), os.path.normpath(owner))
+    here = os.path.normpath(owner)
+    for part in [] if rel == os.curdir else rel.split(os.sep):
+        here = os.path.join(here, part)
+        try:
+            os.mkdir(here)  # never follows a link at ``here``: EEXIST
+        except FileExistsError:
+            _refuse_link(here)
+            if not os.path.isdir(here):
+                raise UnsafePathError(f"{here} is not a directory; refusing to write into it")
+    return path
+
+
+def open_append(path: str, owner: str):
+    """A text file object appending to ``path`` (created if missing), never through a link."""
+    check_inside(os.path.dirname(path) or owner, owner)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError:
+        _refuse_link(path)  # ELOOP from O_NOFOLLOW: say which link
+        raise
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
 def create_new(path: str, mode: int = 0o644) -> int:
     """A file descriptor of a file created at ``path`` (FileExistsError when something is there;
     UnsafePathError when that something is a link)."""
@@ -63,8 +114,11 @@ def new_temp(path: str) -> tuple[int, str]:
     return create_new(tmp), tmp
 
 
-def atomic_write(path: str, data: str | bytes) -> None:
-    """Replace ``path`` with ``data`` (temp file in the same folder, fsync, rename); refuses links."""
+def atomic_write(path: str, data: str | bytes, owner: str | None = None) -> None:
+    """Replace ``path`` with ``data`` (temp file in the same folder, fsync, rename); refuses links
+    (with ``owner``: also a link on the way from ``owner`` to ``path``'s folder)."""
+    if owner is not None:
+        check_inside(os.path.dirname(path), owner)
     fd, tmp = new_temp(path)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -72,16 +126,18 @@ def atomic_write(path: str, data: str | bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.lexists(tmp) and not os.path.islink(tmp):
             os.remove(tmp)
+        if isinstance(exc, OSError) and not exc.filename and exc.errno:  # say which file
+            raise OSError(exc.errno, exc.strerror, path) from None
         raise
 
 
 def real_dir(path: str, owner: str) -> str:
-    """``path`` when it is a directory (not a link) inside the folder ``owner``; UnsafePathError
-    otherwise."""
-    _refuse_link(path)
+    """``path`` when it is a directory (not a link) inside the folder ``owner``, reached from
+    ``owner`` through no link; UnsafePathError otherwise."""
+    check_inside(path, owner)
     if not os.path.isdir(path):
         raise UnsafePathError(f"{path} is not a directory; refusing to rename or remove it")
     inside = os.path.realpath(owner)

@@ -4,11 +4,12 @@ import torch
 
 from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs
 from torchtitan_loom.models.loom.attention import resolve_attn_backend
-from torchtitan_loom.models.loom.cost import loom_cost
+from torchtitan_loom.models.loom.infra.cost import loom_cost
 from torchtitan_loom.models.loom.infra.checks import config_errors, layout_errors
 from torchtitan_loom.models.loom.infra.parallelize import parallelize_loom
 from torchtitan_loom.models.loom.model import LoomTransformer
-from torchtitan_loom.models.loom.moe import RoutedExperts, moe_gemm_fallbacks
+from torchtitan_loom.models.loom.float8_experts import convert_float8_experts
+from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
 from torchtitan_loom.models.loom.target import flash_attn_available
 from torchtitan_loom.protocols import Sharding, TrainSpec, register_train_spec
 
@@ -91,7 +92,9 @@ register_train_spec(
         cost_fn=loom_cost,
         # LOOM_SPEC §14: the per-loop routers (Parameters, listed so the rule is explicit), the embedding, the head.
         float8_never_convert=("routers", "tok_embeddings", "output"),
-        float8_expert_cls=RoutedExperts,
+        float8_experts_fn=convert_float8_experts,
+        # The expert bias decides routing: the inference tools keep it fp32 in a bf16 model.
+        inference_fp32_fn=lambda name: name.endswith(".expert_bias"),
         portable_args_fn=portable_args,
     ),
 )

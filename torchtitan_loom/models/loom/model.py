@@ -79,8 +79,7 @@ class LoomTransformer(nn.Module):
         self.kernel_target = target
         for layer in self.layers:
             layer.attention.kernel_target = target
-            if hasattr(layer.moe.experts, "kernel_device"):  # a float8 module has its own kernels
-                layer.moe.experts.kernel_device = None if target is None else target.device_type
+            layer.moe.experts.set_kernel_device(None if target is None else target.device_type)
 
     @property
     def num_loops(self) -> int:
@@ -109,8 +108,9 @@ class LoomTransformer(nn.Module):
             )
         return KVCache()
 
-    def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
-        """The sign update of every layer's `expert_bias` at step `load_balance_bias_lr` (spec §5.2)."""
+    def after_step(self, counts_LE: torch.Tensor) -> None:
+        """protocols.UpdatesAfterStep: the sign update of every layer's `expert_bias` at step
+        `load_balance_bias_lr` (spec §5.2), from the step's kept assignments per layer and expert."""
         update_expert_bias(self.moe_layers(), counts_LE, self.args.load_balance_bias_lr)
 
     # ------------------------------------------------------------------ forward
@@ -396,17 +396,6 @@ class LoomTransformer(nn.Module):
         head = self.output.weight.numel()
         attention = 12 * args.n_layers * args.num_loops * args.n_heads * args.head_dim * seq_len
         return float(6 * (p_loop * args.num_loops + head * head_calls) + attention)
-
-    def saved_values_per_token(self, loops: int, checkpointed: bool) -> int:
-        """Per token and block call: attention ~10 D values (norms, qkv, output, gates), each of the
-        k experts its input copy and gate / up / activation (D + 3 I). Checkpointed: the block inputs
-        of every call, plus one block recomputed at a time."""
-        args = self.args
-        k = args.top_k + (0 if args.top_k_includes_shared else args.num_shared_experts)
-        per_block = 10 * args.dim + k * (args.dim + 3 * args.expert_intermediate_size)
-        if checkpointed:
-            return args.dim * args.n_layers * loops + per_block
-        return per_block * args.n_layers * loops
 
     def _active_matmul_params(self, layer: LoomBlock) -> int:
         moe = layer.moe

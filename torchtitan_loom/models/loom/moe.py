@@ -149,19 +149,60 @@ def expert_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
     return weight_dtype
 
 
-class RoutedExperts(nn.Module):
-    """E SwiGLU experts stored packed: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I]."""
+class Experts(nn.Module):
+    """The routed-experts interface LoomMoE calls, one per implementation: the plain experts below,
+    expert parallelism (infra/expert_parallel.py) and a low-precision grouped GEMM
+    (models/loom/float8_experts.py). Every one holds E SwiGLU experts packed under the same names
+    and shapes, w13 [E, 2I, D] (gate rows then up rows) and w2 [E, D, I], so checkpoints, the init
+    rules and the parameter counts do not depend on which one runs."""
+
+    takes_capacity_slots = False
+    """True: with capacity on, forward takes only the kept assignments, in E fixed slots of C rows
+    (moe.capacity_slots) and ``capacity=C``; False: every assignment, grouped by expert."""
+
+    def input_dtype(self, x_ND: torch.Tensor) -> torch.dtype:
+        """The dtype LoomMoE casts the rows to before gathering them (one [A, D] copy, not two)."""
+        return x_ND.dtype
+
+    def set_kernel_device(self, device_type: str | None) -> None:
+        """Choose the GEMM path for ``device_type`` instead of the rows' device (None: the rows');
+        an implementation with a single kernel ignores it."""
+
+    def gemm_fallback(self, device_type: str, dtype: torch.dtype, compiling: bool) -> str | None:
+        """Why these experts will run the per-expert loop on this device and dtype, or None."""
+        return None
+
+    def forward(
+        self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None
+    ) -> torch.Tensor:
+        """Rows grouped by expert (group sizes counts_E, int64 [E]) -> expert outputs, same order."""
+        raise NotImplementedError
+
+
+class RoutedExperts(Experts):
+    """The plain experts: grouped GEMM or the per-expert loop (moe_impl), on any device."""
 
     def __init__(self, num_experts: int, dim: int, inter: int, impl: str):
         super().__init__()
         self.impl = impl
-        self.kernel_device: str | None = (
-            None  # the device the GEMM path is chosen for; None: the rows'
-        )
+        self.kernel_device: str | None = None  # the GEMM path's device; None: the rows'
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter))
 
-    def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def input_dtype(self, x_ND: torch.Tensor) -> torch.dtype:
+        return expert_dtype(x_ND.device.type, self.w13.dtype)
+
+    def set_kernel_device(self, device_type: str | None) -> None:
+        self.kernel_device = device_type
+
+    def gemm_fallback(self, device_type: str, dtype: torch.dtype, compiling: bool) -> str | None:
+        _, dim, inter = self.w2.shape
+        path, why = gemm_path(device_type, dtype, compiling, dim, inter, self.impl)
+        return why if path == "loop" else None
+
+    def forward(
+        self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None
+    ) -> torch.Tensor:
         """Apply expert e to the rows of its group; rows are grouped by expert, group sizes counts_E."""
         return run_experts(
             x_AD, counts_E, self.w13, self.w2, self.impl, device_type=self.kernel_device
@@ -212,14 +253,8 @@ def moe_gemm_fallbacks(
     """
     lines = []
     for index, moe in enumerate(moe_layers):
-        impl = getattr(
-            moe.experts, "impl", None
-        )  # None: a converted module (float8) with its own kernels
-        if impl is None:
-            continue
-        w2 = moe.experts.w2
-        path, why = gemm_path(device_type, dtype, compiling, w2.shape[1], w2.shape[2], impl)
-        if path == "loop":
+        why = moe.experts.gemm_fallback(device_type, dtype, compiling)
+        if why is not None:
             lines.append(f"layer {index}: routed experts use the per-expert loop ({why})")
     return lines
 
@@ -253,17 +288,10 @@ class LoomMoE(nn.Module):
             [nn.Parameter(torch.empty(E, D)) for _ in range(args.num_routers)]
         )
         self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
-        self.experts = RoutedExperts(E, D, I, args.moe_impl)
+        self.experts: Experts = RoutedExperts(E, D, I, args.moe_impl)
         self.shared_experts = nn.ModuleList(
             [SharedExpert(D, I) for _ in range(args.num_shared_experts)]
         )
-
-    def experts_dtype(self, x_ND: torch.Tensor) -> torch.dtype:
-        """The dtype the routed experts cast their rows to (run_experts, expert parallel); a
-        converted module (float8, no `impl`) quantises the rows as they come."""
-        if getattr(self.experts, "impl", None) is None:
-            return x_ND.dtype
-        return expert_dtype(x_ND.device.type, self.experts.w13.dtype)
 
     def select(self, x_BSD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids [B, S, K] that forward() routes x to (before capacity dropping).
@@ -291,10 +319,10 @@ class LoomMoE(nn.Module):
             expert_NK, gate_NK, self.num_experts, capacity
         )
 
-        x_cast_ND = x_ND.to(self.experts_dtype(x_ND))  # before the gather: one [A, D] copy, not two
+        x_cast_ND = x_ND.to(self.experts.input_dtype(x_ND))  # before the gather: one copy
         gate_A = gate_NK.reshape(-1)[order_A]
         token_A = order_A // K
-        if capacity is not None and getattr(self.experts, "takes_capacity_slots", False):
+        if capacity is not None and self.experts.takes_capacity_slots:
             # Only the kept assignments, in E fixed slots of C rows (padding weighted 0): shapes
             # known on the host, so expert parallelism needs no split sizes from the device.
             token_A, gate_A = capacity_slots(token_A, gate_A, counts_E, capacity)  # [X]: X = E*C

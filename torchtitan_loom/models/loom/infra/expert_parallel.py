@@ -56,16 +56,24 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtitan_loom.models.loom.moe import RoutedExperts, expert_dtype, gemm_path, run_experts
+from torchtitan_loom.models.loom.moe import (
+    Experts,
+    RoutedExperts,
+    expert_dtype,
+    gemm_path,
+    run_experts,
+)
 
 
-class ExpertParallelExperts(nn.Module):
-    """RoutedExperts with w13/w2 sharded `Shard(0)` over a 1-D ep mesh; same forward contract."""
+class ExpertParallelExperts(RoutedExperts):
+    """RoutedExperts with w13/w2 sharded `Shard(0)` over a 1-D ep mesh: the same Experts interface,
+    GEMM path and dtype rule (inherited), its rows dispatched to the experts' owners."""
 
     def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh):
-        super().__init__()
+        # nn.Module's init only: RoutedExperts.__init__ would allocate the full weights this replaces.
+        Experts.__init__(self)
         self.impl = experts.impl
-        self.kernel_device = getattr(experts, "kernel_device", None)  # see models/loom/target.py
+        self.kernel_device = experts.kernel_device  # see models/loom/target.py
         self.ep_mesh = ep_mesh
         # src_data_rank=None: each rank keeps its own slice, no communication. The model's init is
         # layout-independent (the same full tensor everywhere), and on meta there is no data at all.

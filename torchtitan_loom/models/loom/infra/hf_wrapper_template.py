@@ -14,7 +14,8 @@ import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from torchtitan_loom.models.loom import LoomModelArgs, LoomTransformer
+from torchtitan_loom.models.loom.args import LoomModelArgs
+from torchtitan_loom.models.loom.model import LoomTransformer
 
 
 class LoomConfig(PretrainedConfig):

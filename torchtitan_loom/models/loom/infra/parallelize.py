@@ -81,14 +81,16 @@ def parallelize_loom(
             unreduced = [p for p in model.parameters() if p.requires_grad]
         reduce_gradients(unreduced, reduce_dtype)
 
-    def before_micro_batch(last: bool) -> None:
+    def defer_sync_to_segment_end(last: bool) -> None:
         # Deferred sync: gradients accumulate unsharded and the gathered parameters stay until the
         # segment's last backward, which reduces and reshards (before the optimizer step).
-        if parallel_dims.fsdp_enabled and cfg.parallelism.fsdp_sync == "segment":
-            model.set_requires_gradient_sync(last, recurse=True)
-            model.set_reshard_after_backward(last, recurse=True)
+        model.set_requires_gradient_sync(last, recurse=True)
+        model.set_reshard_after_backward(last, recurse=True)
 
-    return Parallelized(model, finish_gradients, before_micro_batch)
+    # The sync mode is bound here, once: the step calls whichever hook this layout needs.
+    if parallel_dims.fsdp_enabled and cfg.parallelism.fsdp_sync == "segment":
+        return Parallelized(model, finish_gradients, defer_sync_to_segment_end)
+    return Parallelized(model, finish_gradients)
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True) -> None:

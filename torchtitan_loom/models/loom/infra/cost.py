@@ -1,5 +1,5 @@
 """What a LOOM step costs, for the dry run's estimate (TrainSpec.cost_fn): the FSDP units of
-models/loom/infra/parallelize.py, FLOPs per segment, and the activation bytes of one micro-batch for each
+models/loom/infra/parallelize.py (next to it: a cost of the layout), FLOPs per segment, and the activation bytes of one micro-batch for each
 activation-checkpoint mode.
 
 Activation bytes are counted tensor by tensor from what autograd saves (read off a saved-tensor hook
@@ -27,11 +27,13 @@ from typing import Any
 import torch
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
+from torchtitan_loom.distributed.utils import DTYPES
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import resolve_attn_backend
 from torchtitan_loom.models.loom.target import flash_attn_available
 from torchtitan_loom.models.loom.infra.expert_parallel import all_to_alls_per_call
 from torchtitan_loom.models.loom.infra.parallelize import fsdp_units
+from torchtitan_loom.models.loom.model import LoomTransformer
 from torchtitan_loom.models.loom.moe import expert_capacity
 from torchtitan_loom.protocols import ModelCost, SegmentCost
 
@@ -40,17 +42,14 @@ _F32, _I64 = 4, 8
 
 def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
     """The LOOM cost model for `cfg`'s batch geometry, precision and activation-checkpoint mode."""
-    from torchtitan_loom.models.loom.model import LoomTransformer
-
     with torch.device("meta"):
         model = LoomTransformer(args)
     t = cfg.training
     B, S = t.micro_batch_size, t.seq_len
-    c = torch.finfo(getattr(torch, t.mixed_precision_param)).bits // 8
+    compute_dtype = DTYPES[t.mixed_precision_param]
+    c = compute_dtype.itemsize
     device = "cpu" if t.device == "cpu" else "cuda"
-    backend = resolve_attn_backend(
-        args.attn_backend, device, getattr(torch, t.mixed_precision_param), flash_attn_available()
-    )
+    backend = resolve_attn_backend(args.attn_backend, device, compute_dtype, flash_attn_available())
     acts = _Activations(args, B, S, c, backend)
     mode = cfg.activation_checkpoint.mode
     loop_flops = model.flops_per_token(S, head_calls=0) / args.num_loops  # per token, one loop
