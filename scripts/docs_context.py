@@ -6,8 +6,8 @@ refresh_docs.py (a fresh install into a new virtual environment, or the log of a
 without it, its region keeps its text and the refresh says so. ``sources`` are the paths its
 region describes (scripts/docs_stamps.py); ``check`` says how CI checks the region against the
 tree without a refresh: "exact" (cheap and deterministic: CI reruns the producer and compares the
-text), "figures" (the README tour: CI reruns the command and compares every loss figure,
-tests/unit/test_docs_tour.py), or None (too slow or timed: the stamp says what it was made on).
+text), "figures" (the README tour and the analysis of its run: CI reruns the tour's command and
+compares every loss figure, and the analysis text, tests/unit/test_docs_tour.py), or None (too slow or timed: the stamp says what it was made on).
 """
 
 from __future__ import annotations

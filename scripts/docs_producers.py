@@ -65,7 +65,7 @@ PRODUCERS: dict[str, Producer] = {
     ),
     "debug-routing-shape": Producer((), fig.debug_routing_shape, sources=CODE, check="exact"),
     "diag-cost": Producer((DIAG_COST,), runs.diag_cost, sources=(*CODE, "benchmarks/diag_cost.py")),
-    "analysis-tables": Producer((DEFAULT_RUN, ANALYZE), runs.analysis_tables),
+    "analysis-tables": Producer((DEFAULT_RUN, ANALYZE), runs.analysis_tables, check="figures"),
     "short-run": Producer((SHORT_RUN,), runs.short_run),
     "generate-console": Producer((GENERATE,), runs.generate_console),
     "lm-eval-console": Producer((LM_EVAL,), runs.lm_eval_console, sources=LM_TASKS),

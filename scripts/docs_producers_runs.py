@@ -128,6 +128,14 @@ def diag_cost(ctx: Context) -> str:
 
 
 def analysis_tables(ctx: Context) -> str:
+    body, heatmap = analysis_text(ctx)
+    shutil.copyfile(heatmap, ROOT / HEATMAP)
+    return body
+
+
+def analysis_text(ctx: Context) -> tuple[str, Path]:
+    """The region's text and the heatmap it shows (written by the analysis into the work folder);
+    deterministic given the default run, so the tour's check compares it too."""
     train = ctx.run(DEFAULT_RUN)
     res = ctx.run(ANALYZE)
     out = Path(ctx.runner.real("/tmp/loom_analysis"))
@@ -143,7 +151,6 @@ def analysis_tables(ctx: Context) -> str:
     step = re.search(r"\(step (\d+)\)", "\n".join(report))[1]
     loss = " / ".join(c.strip() for c in losses[2].split("|")[2:-1])
     overlap = float(per_layer[-1].split("|")[3])
-    shutil.copyfile(out / "load_layer_0.png", ROOT / HEATMAP)
     return (
         "```\n$ "
         + train.command
@@ -163,7 +170,7 @@ def analysis_tables(ctx: Context) -> str:
         )
         + "\n\n"
         f"![expert load, layer 0, default debug run](routing_heatmap_debug.png)"
-    )
+    ), out / "load_layer_0.png"
 
 
 # ----- docs/after_training.md

@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{r.name:<20} {r.path}"
                 + (f"  (needs --{p.needs.replace('_', '-')})" if p.needs else "")
+                + (f"  [CI: {p.check}]" if p.check else "")
+                + f"  describes {', '.join(p.sources)}"
             )
             for c in p.commands:
                 print("    $ " + c.replace("\n", "\n      "))

@@ -1,7 +1,9 @@
 """The README's tour excerpt is what its command prints: CI reruns the excerpt's exact command (the
 default run with checkpoints, about 4 min of CPU) and fails when any figure of a run's progress in
 the excerpt (a step line's loss, segment losses, lr, gradient norm and eval loss, an eval's loss
-after every loop, the final line's, the parameter counts) differs from the run's.
+after every loop, the final line's, the parameter counts) differs from the run's. The tables and
+figures of that run's analysis in docs/inside_the_loops.md (tools.analyze on its checkpoint) are
+compared whole.
 
 The run is deterministic (bit-identical from run to run) at a fixed intra-op thread count, and the
 thread count changes the reduction order, so the rerun uses the count the excerpt's first line
@@ -13,9 +15,13 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from docs_context import Context  # noqa: E402
+from docs_producers_runs import analysis_text  # noqa: E402
 from docs_regions import all_regions, displayed_commands  # noqa: E402
 from docs_runner import Runner  # noqa: E402
 
@@ -113,19 +119,53 @@ def test_figures_are_compared_whatever_else_the_lines_show():
     ]
 
 
-def test_the_readme_tour_excerpt_is_what_its_command_prints(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tour(tmp_path_factory):
+    """The README tour's command, run once as its excerpt shows it: (excerpt, command, result,
+    threads, the context that ran it)."""
     region = next(r for r in all_regions() if r.name == REGION)
     (command,) = displayed_commands(region.body)
-    shown = figures(region.body)
-    assert len(shown) >= 15 and "done" in shown, f"README.md: the tour excerpt shows {shown}"
     threads = re.search(r"\((\d+) CPU threads", region.body)
     assert threads, "README.md: the tour excerpt's first line no longer names its thread count"
-    monkeypatch.setenv("OMP_NUM_THREADS", threads[1])
-    result = Runner(tmp_path, log=lambda msg: None).run(command, timeout_s=1500)
-    diff = differences(region.body, result.console)
+    ctx = Context(Runner(tmp_path_factory.mktemp("tour"), log=lambda msg: None))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", threads[1])
+        result = ctx.runner.run(command, timeout_s=1500)
+        ctx.cache[command] = result  # the analysis below reads this run
+        yield region.body, command, result, threads[1], ctx
+
+
+def test_the_readme_tour_excerpt_is_what_its_command_prints(tour):
+    excerpt, command, result, threads, _ = tour
+    shown = figures(excerpt)
+    assert len(shown) >= 15 and "done" in shown, f"README.md: the tour excerpt shows {shown}"
+    diff = differences(excerpt, result.console)
     assert diff == [], (
         f"README.md: the tour excerpt ({len(diff)} of {len(shown)} figures) differs from what "
-        f"`{command}` prints with OMP_NUM_THREADS={threads[1]}:\n  "
+        f"`{command}` prints with OMP_NUM_THREADS={threads}:\n  "
         + "\n  ".join(diff)
         + f"\nrefresh it: OMP_NUM_THREADS=1 python scripts/refresh_docs.py --only {REGION}"
+    )
+
+
+def _after_console(text: str) -> str:
+    """A region's text after its console block: the figures and tables derived from the run, not
+    the lines a tool prints while it works."""
+    return text.strip("\n").split("\n```\n", 1)[1].strip("\n")
+
+
+def test_the_analysis_of_the_tour_run_is_what_the_docs_show(tour):
+    """docs/inside_the_loops.md analyses the tour's run (tools.analyze on its checkpoint, a few
+    seconds): its tables and figures are deterministic given the run, so they are compared whole
+    (the tool's progress lines are not)."""
+    *_, ctx = tour
+    assert ctx.cache  # the run is there: the producer reuses it instead of training again
+    region = next(r for r in all_regions() if r.name == "analysis-tables")
+    body, heatmap = analysis_text(ctx)
+    assert heatmap.is_file()
+    shown, now = (_after_console(t) for t in (region.body, body))
+    assert "| layer |" in shown and "| loop |" in shown, f"{region.path}: {shown}"
+    assert shown == now, (
+        f"{region.path}: region 'analysis-tables' differs from the analysis of the tour's run; "
+        "refresh it: OMP_NUM_THREADS=1 python scripts/refresh_docs.py --only analysis-tables"
     )
