@@ -5,11 +5,18 @@
 #   ./run_train.sh --job.config_file train_configs/loom_1p7b.toml
 #   NGPU=8 CONFIG_FILE=train_configs/loom_329m.toml ./run_train.sh --training.steps 100
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=host0 ./run_train.sh --job.config_file train_configs/loom_1p7b.toml
+#   NNODES=6:8 MASTER_ADDR=host0 ./run_train.sh --job.config_file train_configs/loom_1p7b.toml  # elastic
 #
 # Environment: NGPU (processes per node; default: visible GPUs, else 1), CONFIG_FILE (used unless
 # --job.config_file is given), LOG_RANK (ranks whose output is shown, default 0), NNODES /
 # NODE_RANK / MASTER_ADDR / MASTER_PORT for several nodes (WORLD_SIZE / RANK from a scheduler are
 # read as node count / node rank when NNODES / NODE_RANK are unset, as in the seed launcher).
+# Elastic (NNODES=MIN:MAX, the same command on every node, NODE_RANK unused): torchrun's c10d
+# rendezvous at MASTER_ADDR:MASTER_PORT (its agent there hosts the store: that host must outlive
+# the run), run id RDZV_ID (default: derived from the absolute dump folder), MAX_RESTARTS (default
+# 3) restarts after a failure, RDZV_CONF (default last_call_timeout=10: how long a rendezvous that
+# reached MIN nodes waits for more); a lost node restarts the rest at the new world size from the
+# newest checkpoint, a new node joins at a restart (docs/parallelism.md#elastic-training).
 # LAUNCHER=srun (scripts/slurm/multinode.sbatch): this process is one rank, started by srun as
 # Slurm task SLURM_PROCID of SLURM_NTASKS; MASTER_ADDR / MASTER_PORT come from the sbatch script.
 # Every other argument is a config override (--section.key value), passed through unchanged.
@@ -52,6 +59,35 @@ if [[ "${LAUNCHER:-}" == "srun" ]]; then
   export RANK="${SLURM_PROCID}" LOCAL_RANK="${SLURM_LOCALID}" WORLD_SIZE="${SLURM_NTASKS}"
   exec "${PYTHON}" "${launch[@]}"
 fi
+if [[ "${NNODES}" == *:* ]]; then
+  MIN_NODES="${NNODES%%:*}" MAX_NODES="${NNODES#*:}"
+  if ! [[ "${MIN_NODES}" =~ ^[0-9]+$ && "${MAX_NODES}" =~ ^[0-9]+$ ]] \
+      || (( MIN_NODES < 1 || MIN_NODES > MAX_NODES )); then
+    echo "run_train.sh: NNODES=${NNODES}: expected MIN:MAX node counts with 1 ≤ MIN ≤ MAX" >&2
+    exit 2
+  fi
+  MAX_RESTARTS="${MAX_RESTARTS:-3}"
+  if ! [[ "${MAX_RESTARTS}" =~ ^[0-9]+$ ]]; then
+    echo "run_train.sh: MAX_RESTARTS=${MAX_RESTARTS}: expected a count ≥ 0" >&2
+    exit 2
+  fi
+  # A restart may bring any node count in MIN..MAX: the config must hold at each (exit 2 here).
+  worlds=""
+  for (( n = MIN_NODES; n <= MAX_NODES; n++ )); do worlds+="${worlds:+,}$(( n * NGPU ))"; done
+  dump="$("${PYTHON}" "${launch[@]}" --check-config="${worlds}")"
+  RDZV_ID="${RDZV_ID:-loom-$(printf '%s' "${dump}" | cksum | cut -d' ' -f1)}"
+  rdzv=(--nnodes "${NNODES}" --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR}:${MASTER_PORT}"
+        --rdzv-id "${RDZV_ID}" --rdzv-conf "${RDZV_CONF:-last_call_timeout=10}"
+        --max-restarts "${MAX_RESTARTS}")
+  # torch 2.13's shared rendezvous store: a node that stays rank 0 across rounds does not publish
+  # the new round's MASTER_ADDR, so a node joining at a restart waits for it until it times out.
+  # Without sharing, each round's rank 0 publishes a fresh address for the workers' own store.
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+  echo "run_train.sh: elastic ${NNODES} nodes × ${NGPU}, rendezvous ${MASTER_ADDR}:${MASTER_PORT}, run id ${RDZV_ID}, ${MAX_RESTARTS} restarts"
+  exec "${PYTHON}" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node "${NGPU}" \
+    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 "${launch[@]}"
+fi
+
 if (( NNODES == 1 && NGPU == 1 )); then
   # One process needs no rendezvous; running it directly keeps its exit code (2 = config error or
   # spike abort), which torchrun would turn into 1.

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import sys
 import time
 import traceback
@@ -47,6 +45,8 @@ from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E40
 from torchtitan_loom.train import Trainer  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from throughput_report import PROFILE_STEPS, device_meta, format_shares, markdown  # noqa: E402
+from cell_record import compiled_graphs, failure_reason, kernels, mfu_measured, spread  # noqa: E402
 from step_profile import profile_steps  # noqa: E402
 
 PRESET_FILES = {
@@ -64,8 +64,6 @@ COMPILE = {
     "on": ["--compile.enable", "true"],
 }  # GPU presets compile
 AC = {"none": [], "loop": ["--activation_checkpoint.mode", "loop"]}
-_GIB = float(1 << 30)
-PROFILE_STEPS = 2
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -94,6 +92,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--time-budget-s", type=float, default=0.0, help="skip cells starting after this (0: none)"
     )
     p.add_argument("--out", default="outputs/bench", help="output folder")
+    p.add_argument(
+        "--measured-peak-tflops",
+        type=float,
+        default=None,
+        help="a bf16 matmul peak measured on this device (benchmarks/matmul_peak.py): each cell "
+        "also reports MFU against it",
+    )
     p.add_argument(
         "--profile",
         action="store_true",
@@ -183,9 +188,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None) -> dict[str, Any]:
+def run_cell(
+    argv: list[str],
+    steps: int,
+    warmup: int,
+    trace: Path | None = None,
+    measured_peak_tflops: float | None = None,
+) -> dict[str, Any]:
     """Train `warmup` + `steps` steps of the config `argv`; the record of the timed steps (with
-    `trace`, then PROFILE_STEPS profiled steps: the trace file and the time shares)."""
+    `trace`, then PROFILE_STEPS profiled steps: the trace file and the time shares). Every step is
+    timed alone (synchronised): the first warm-up step holds the compilation, and a recompile
+    inside the timed steps shows as a new graph and a slow step."""
     try:
         cfg = load_config(argv)
         resolved = resolve(cfg, 1)
@@ -196,22 +209,28 @@ def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None
     trainer = None
     try:
         trainer = Trainer(cfg, resolved, info)
-        batches = iter(trainer.dataloader)
-        for _ in range(warmup):
-            trainer.train_step(next(batches))
-        _sync(device)
+        chosen = kernels(trainer, device.type, cfg.compile.enable)
+        batches, train_step = iter(trainer.dataloader), trainer.train_step
+        graphs0 = compiled_graphs()
+
+        def timed_step() -> tuple[float, float]:
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = train_step(next(batches)).seg_losses[-1]
+            _sync(device)
+            return time.perf_counter() - t0, loss
+
+        warm_times = [timed_step()[0] for _ in range(warmup)]
+        graphs_warm = compiled_graphs()
         memory_stats(device)  # CUDA: resets the peak, so the record covers the timed steps only
-        start = time.perf_counter()
-        losses = [trainer.train_step(next(batches)).seg_losses[-1] for _ in range(steps)]
-        _sync(device)
-        elapsed = time.perf_counter() - start
+        timed = [timed_step() for _ in range(steps)]
+        times, losses = [t for t, _ in timed], [loss for _, loss in timed]
+        elapsed = sum(times)
         shares = None
         if trace is not None:
-            shares = profile_steps(
-                lambda: trainer.train_step(next(batches)), PROFILE_STEPS, trace, device
-            )
+            shares = profile_steps(lambda: train_step(next(batches)), PROFILE_STEPS, trace, device)
         t = cfg.training
-        # The trainer's own FLOP count and formula (components/observability/metrics.throughput), as in its log line.
+        # The trainer's own FLOP count and formula (observability/metrics.throughput), as logged.
         flops_per_token = trainer.flops_per_token
         rate = throughput(
             steps * t.global_batch_size * t.seq_len, elapsed, flops_per_token, peak_flops(device)
@@ -220,19 +239,30 @@ def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None
         return {
             "status": "ok",
             **rate,
+            "mfu_measured_peak": mfu_measured(rate.get("tflops"), measured_peak_tflops),
+            "measured_peak_tflops": measured_peak_tflops,
             "peak_memory_gib": mem.get("memory_max_allocated_gib", mem.get("memory_max_rss_gib")),
+            "peak_reserved_gib": mem.get("memory_max_reserved_gib"),
             "memory_kind": "cuda max allocated" if device.type == "cuda" else "process max RSS",
+            "warmup_first_step_s": warm_times[0] if warm_times else None,
+            "warmup_step_times_s": warm_times,
+            "graphs_compiled_in_warmup": graphs_warm - graphs0,
+            "recompiles_in_timed_steps": compiled_graphs() - graphs_warm,
             "step_time_s": elapsed / steps,
+            "step_times_s": times,
+            **spread(times),
+            **chosen,
             "flops_per_token": flops_per_token,
             "final_loss": losses[-1],
             "losses": losses,
             **({"profile": shares, "trace": str(trace)} if shares else {}),
         }
     except Exception as exc:  # noqa: BLE001 - a failing cell is a result, the matrix goes on
+        traceback.print_exc()  # the whole of it, into the cell's log
         return {
             "status": "error",
-            "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            "traceback": traceback.format_exc(limit=8),
+            "reason": failure_reason(exc),
+            "traceback": traceback.format_exc(),
         }
     finally:
         del trainer
@@ -241,65 +271,6 @@ def run_cell(argv: list[str], steps: int, warmup: int, trace: Path | None = None
             torch.cuda.empty_cache()
         if cfg.compile.enable:
             torch._dynamo.reset()
-
-
-def _fmt(value: Any, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
-def markdown(meta: dict[str, Any], cells: list[dict[str, Any]]) -> str:
-    lines = [
-        f"Preset `{meta['preset']}` on {meta['device_name']}: global batch {meta['global_batch_size']} x "
-        f"seq {meta['seq_len']}, {meta['steps']} timed steps after {meta['warmup']} warm-up; torch "
-        f"{meta['torch']}, torchao {meta['torchao']}.",
-        "",
-        "| precision | compile | AC | status | tokens/s | TFLOP/s | MFU % | peak mem GiB | final loss |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for c in cells:
-        status = c["status"] if c["status"] == "ok" else f"{c['status']}: {c.get('reason', '')}"
-        lines.append(
-            f"| {c['precision']} | {c['compile']} | {c['ac']} | {status} "
-            f"| {_fmt(c.get('tokens_per_s'), ',.0f')} "
-            f"| {_fmt(c.get('tflops'), '.3f')} | {_fmt(c.get('mfu'), '.1f')} "
-            f"| {_fmt(c.get('peak_memory_gib'), '.2f')} | {_fmt(c.get('final_loss'), '.4f')} |"
-        )
-    profiled = [c for c in cells if "profile" in c]
-    if profiled:
-        lines += [
-            "",
-            f"Profile of {PROFILE_STEPS} steps per cell (share of step time; traces under "
-            "`<out>/traces/`):",
-            "",
-            "| precision | compile | AC | step s | GEMM % | attention % | all-to-all % | other % |",
-            "|---|---|---|---:|---:|---:|---:|---:|",
-        ]
-        for c in profiled:
-            p = c["profile"]
-            lines.append(
-                f"| {c['precision']} | {c['compile']} | {c['ac']} | {p['step_time_s']:.3f} "
-                f"| {100 * p['gemm']:.1f} | {100 * p['attention']:.1f} | {100 * p['all_to_all']:.1f} "
-                f"| {100 * p['other']:.1f} |"
-            )
-    lines += ["", f"Command: `{meta['command']}`", ""]
-    return "\n".join(lines)
-
-
-def format_shares(shares: dict[str, float]) -> str:
-    parts = ", ".join(
-        f"{k} {100 * shares[k]:.1f}%" for k in ("gemm", "attention", "all_to_all", "other")
-    )
-    return f"step {shares['step_time_s']:.3f} s: {parts}"
-
-
-def device_meta(cpu: bool) -> dict[str, Any]:
-    if not cpu and torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        return {"device_name": torch.cuda.get_device_name(), "capability": f"SM{cap[0]}{cap[1]}"}
-    return {
-        "device_name": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)",
-        "capability": None,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.steps,
                             args.warmup,
                             trace,
+                            args.measured_peak_tflops,
                         )
                     )
                 result = (

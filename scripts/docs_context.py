@@ -41,12 +41,11 @@ LM_EVAL = (
 )
 HF_EXPORT = "python -m torchtitan_loom.tools.export /tmp/loom_debug /tmp/loom_debug_hf --format hf"
 HF_SNIPPET = "python - <<'PY'"
-HF_SNIPPET_BODY = """import torch
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("/tmp/loom_debug_hf", trust_remote_code=True)
-prompt = torch.tensor([list(b"variables:\\nq=9; z=q*2; h=z-7;")])   # byte tokenizer: ids = bytes
-out = model.generate(prompt, max_new_tokens=30, do_sample=False)
-print(bytes(t for t in out[0].tolist() if t < 256).decode())
+HF_SNIPPET_BODY = """from transformers import PreTrainedTokenizerFast, pipeline
+tok = PreTrainedTokenizerFast.from_pretrained("/tmp/loom_debug_hf")  # the exported tokenizer.json
+print(tok("q=9;")["input_ids"], tok.eos_token, tok.eos_token_id)     # byte tokenizer: ids = bytes
+generate = pipeline("text-generation", model="/tmp/loom_debug_hf", trust_remote_code=True)
+print(generate("variables:\\nq=9; z=q*2; h=z-7;", max_new_tokens=30, do_sample=False)[0]["generated_text"])
 PY"""
 DRY_RUN = (
     "python -m torchtitan_loom.train --job.config_file train_configs/loom_1p7b.toml \\\n"

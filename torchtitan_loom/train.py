@@ -12,10 +12,15 @@ segment, E routed experts.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not {"--help", "-h"} & set(sys.argv):
+    # `python -m`: importing torch and the trainer takes seconds on a cold start; say so first.
+    print("[torchtitan_loom] importing torch and the trainer ...", flush=True)
+
 import contextlib
 import math
 import os
-import sys
 from typing import Any
 
 import torch
@@ -91,7 +96,7 @@ class Trainer:
             ):
                 self.log(line)
         self.float8 = build_float8_converter(
-            cfg.float8, t.device, self.spec
+            cfg.float8, t.device, self.spec, t.micro_batch_size * t.seq_len
         )  # None unless float8.enable
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
@@ -520,7 +525,8 @@ class Trainer:
         where = self.checkpointer.after_step(step, last=last, stopping=reason is not None)
         if reason is None:
             return None
-        return f"{reason}, saved {where}; exiting {self.stop_signals.exit_code()}, relaunch the same command to resume"
+        saved = f"saved {where}" if where else "nothing saved (checkpoints off)"
+        return f"{reason}, {saved}; {self.stop_signals.exit_note(saved=bool(where))}"
 
     def _shorten_timeouts(self) -> None:
         cfg = self.cfg

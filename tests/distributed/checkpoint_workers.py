@@ -4,7 +4,8 @@
    collectives and in-place parameter/optimizer updates right after ``save()`` returns must
    neither abort gloo nor leak into the checkpoint; rank 0 commits it once DCP is done.
 2. A refused entry in the newest checkpoint: every rank falls back to the previous one.
-3. Preemption: a signal that reaches only rank 1 stops both ranks after the same step.
+3. A commit refused on rank 0 (a planted snapshots/ link) stops every rank with the same line.
+4. Preemption: a signal that reaches only rank 1 stops both ranks after the same step.
 """
 
 from __future__ import annotations
@@ -130,6 +131,33 @@ def check_unreadable_entry_falls_back(rank: int, world: int, dump: str) -> None:
     mgr2.close()
 
 
+def check_refused_commit_stops_every_rank(rank: int, world: int, dump: str) -> None:
+    """A snapshots/ link planted before a save: rank 0 alone commits, and its refusal is raised
+    on every rank with the same line (no rank left waiting at a barrier)."""
+    from torchtitan_loom.components.checkpoint import CheckpointError
+
+    mgr, _, _, _ = _manager(dump, rank, world, "disabled")
+    outside, snaps = os.path.join(dump, "outside"), os.path.join(dump, "checkpoint", "snapshots")
+    if rank == 0:
+        os.makedirs(outside)
+        os.symlink(outside, snaps)
+    dist.barrier()
+    try:
+        mgr.save(3, periodic=True, snapshot=True)
+        raise AssertionError("the save through a planted snapshots/ link was not refused")
+    except CheckpointError as exc:
+        said = str(exc)
+    assert "checkpoint step 3 saved to" in said and "its snapshot was not saved" in said, said
+    lines = [None] * world
+    dist.all_gather_object(lines, said)
+    assert len(set(lines)) == 1, lines
+    assert os.listdir(outside) == []
+    dist.barrier()
+    if rank == 0:
+        os.remove(snaps)
+    mgr.close()
+
+
 def check_preemption_agreement(rank: int) -> None:
     watcher = PreemptionWatcher(enabled=True)
     assert watcher.requested() == 0
@@ -149,6 +177,7 @@ def run(rank: int, world: int, store_path: str, dump: str) -> None:
     try:
         check_async_save(rank, world, dump)
         check_unreadable_entry_falls_back(rank, world, dump)
+        check_refused_commit_stops_every_rank(rank, world, dump)
         check_preemption_agreement(rank)
         dist.barrier()
     finally:

@@ -130,7 +130,9 @@ def test_hf_export_of_a_missing_or_incomplete_checkpoint_is_exit_2(trained_run, 
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_byte_tokenizer_loads_in_plain_transformers_with_the_training_ids(trained_run, hf_dir):
+def test_byte_tokenizer_loads_in_plain_transformers_with_the_training_ids(
+    trained_run, hf_dir, capfd
+):
     """No remote code for the tokenizer: AutoTokenizer builds PreTrainedTokenizerFast from the
     exported tokenizer.json (pytest's stdin cannot be read, as a closed one), the ids are the
     pack's tokenizer's, the text comes back, EOS and PAD are the trained ones."""
@@ -145,6 +147,9 @@ def test_byte_tokenizer_loads_in_plain_transformers_with_the_training_ids(traine
         assert hf_tok.decode(ids) == text
         assert (hf_tok.eos_token_id, hf_tok.pad_token_id) == (pack_tok.eos_id, pack_tok.pad_id)
         assert hf_tok.decode([*ids, pack_tok.eos_id], skip_special_tokens=True) == text
+    capfd.readouterr()
+    transformers.PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
+    assert "[y/N]" not in "".join(capfd.readouterr())  # the tokenizer class asks nothing
 
 
 def test_text_generation_pipeline_generates_the_project_greedy_text(trained_run, hf_dir):

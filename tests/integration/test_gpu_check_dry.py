@@ -1,91 +1,169 @@
-"""benchmarks/gpu_check.sh --dry: the GPU check's own logic on a CPU (arguments, stage order, the
-stop at the first failed stage with its log tail, the summary file), with CPU stand-in cells."""
+"""benchmarks/gpu_check.sh --dry: the GPU check's own logic on a CPU (arguments, stage order, a
+failed stage recorded while the next ones run, OUT_DIR up to date after every stage, a kill at any
+moment), with CPU stand-in cells."""
 
+import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STAGES = ["deps", "gpu_tests", "bf16_compiled", "float8_compiled", "bf16_eager"]
+STAGES = ["deps", "peak", "bf16_compiled", "bf16_eager", "float8_compiled", "gpu_tests"]
+CELLS = ["bf16_compiled", "bf16_eager", "float8_compiled"]
+OUT_FILES = ["cells.json", "env.txt", "gpu_check.log", "summary.md"]
 
 
-def run(*args, **env):
+def env(**extra):
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run(*args, **extra):
     return subprocess.run(
         ["bash", str(SCRIPT), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        env=env(**extra),
     )
 
 
 def stage_rows(summary: str) -> list[tuple[str, str]]:
-    stage_table = summary.split("Throughput:")[0]
-    rows = [line.split("|")[1:3] for line in stage_table.splitlines() if line.startswith("| ")]
-    return [(name.strip(), status.strip()) for name, status in rows if name.strip() in STAGES]
+    table = summary.split("| stage | status")[1].split("\n\n")[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| ")]
+    return [(n.strip(), s.strip()) for n, s in rows if n.strip() in STAGES]
+
+
+def cell_rows(summary: str) -> dict[str, list[str]]:
+    table = summary.split("| cell | status")[1].split("\n\n")[0]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()]
+    return {r[0]: r for r in rows if r and r[0] in CELLS}
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, extra, message",
     [
-        ((), "OUT_DIR missing"),
-        (("--fast", "x"), "unknown option --fast"),
-        (("a", "b"), "one OUT_DIR only"),
+        ((), {}, "OUT_DIR missing"),
+        (("--fast", "x"), {}, "unknown option --fast"),
+        (("a", "b"), {}, "one OUT_DIR only"),
+        (("out",), {"TOTAL_S": "abc"}, "TOTAL_S=abc: must be a positive whole number of seconds"),
+        (("out",), {"STEPS": "0"}, "STEPS=0: must be a positive whole number"),
+        (("out",), {"FAIL_STAGE": "bf16"}, "FAIL_STAGE=bf16: not a stage; valid: deps peak"),
     ],
 )
-def test_bad_arguments_exit_2_with_the_reason(args, message):
-    proc = run(*args)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_bad_arguments_exit_2_with_one_line_and_leave_nothing(tmp_path, args, extra, message):
+    work_parent = tmp_path / "tmp"
+    work_parent.mkdir()
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env(TMPDIR=str(work_parent), **extra),
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    if extra:  # the one-line errors (usage errors also print the usage)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not list(work_parent.iterdir())  # no work folder left behind
+    assert not (tmp_path / "out").exists()  # checked before OUT_DIR is created
 
 
-# The deps stage passes only where pytest, torchao and torchdata are importable (no wheels in CI).
-needs_deps = pytest.mark.skipif(
-    importlib.util.find_spec("torchao") is None or importlib.util.find_spec("torchdata") is None,
-    reason="torchao or torchdata not installed",
-)
+def test_an_out_dir_that_cannot_be_created_is_one_line_exit_2(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = run(str(blocker / "out"), TMPDIR=str(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"gpu_check: OUT_DIR {blocker / 'out'}: cannot create it"
+    assert not any((d / "summary.md").exists() for d in (Path("/"), ROOT, tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
-@needs_deps
-def test_dry_run_passes_every_stage_in_order_and_writes_the_summary(tmp_path):
-    proc = run("--dry", str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+def test_dry_run_runs_every_stage_in_order_and_reports_what_an_engineer_asks_first(tmp_path):
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == [
-        "cells.json",
-        "env.txt",
-        "gpu_check.log",
-        "summary.md",
-    ]
+    proc = run("--dry", str(out))
+    # deps fails where torchdata is missing and no wheels are carried: recorded, the rest runs.
+    assert proc.returncode in (0, 1), proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == OUT_FILES
     summary = (out / "summary.md").read_text()
     assert "DRY RUN" in summary
-    assert stage_rows(summary) == [(s, "ok") for s in STAGES]  # compiled cells before the eager one
-    throughput_table = summary.split("Throughput:")[1]
-    cells = [
-        line.split("|")
-        for line in throughput_table.splitlines()
-        if line.startswith(("| bf16_", "| float8_"))
-    ]
-    assert [c[1].strip() for c in cells] == ["bf16_compiled", "float8_compiled", "bf16_eager"]
-    assert all(
-        float(c[3].replace(",", "")) > 0 and float(c[6]) > 0 for c in cells
-    )  # tokens/s, peak memory
-    assert "compiled / eager tokens/s (bf16):" in summary
+    rows = stage_rows(summary)
+    assert [n for n, _ in rows] == STAGES  # the cells first, compiled before eager, tests last
+    assert all(s == "ok" for n, s in rows if n != "deps"), rows
+    cells = cell_rows(summary)
+    assert list(cells) == CELLS
+    for row in cells.values():
+        # tokens/s, MFU against the measured (stand-in) peak, warm-up time, step spread, memory
+        assert float(row[2].replace(",", "")) > 0 and float(row[5]) > 0 and float(row[6]) > 0
+        assert len(row[8].split(" / ")) == 3 and row[10].startswith("sdpa")
+    records = json.loads((out / "cells.json").read_text())
+    assert list(records) == sorted(CELLS)
+    for rec in records.values():
+        cell = rec["cells"][0]
+        assert cell["status"] == "ok" and cell["measured_peak_tflops"] > 0
+        for key in ("warmup_first_step_s", "step_time_median_s", "recompiles_in_timed_steps"):
+            assert cell[key] is not None, key
+    assert "compiled / eager tokens/s (bf16):" in summary and "Measured matmul peak" in summary
 
 
-@needs_deps
-def test_dry_run_stops_at_the_first_failed_stage_with_its_log_tail(tmp_path):
-    proc = run("--dry", "--skip-tests", str(tmp_path / "out"), BENCH_EXTRA="--model.num_loopz 3")
+def test_a_failed_stage_is_recorded_and_the_next_stages_still_report(tmp_path):
+    out = tmp_path / "out"
+    proc = run("--dry", "--skip-tests", str(out), FAIL_STAGE="bf16_compiled")
     assert proc.returncode == 1
-    summary = (tmp_path / "out" / "summary.md").read_text()
-    assert stage_rows(summary) == [
-        ("deps", "ok"),
-        ("bf16_compiled", "failed"),
-    ]  # nothing after it ran
-    assert "## Failed stage: bf16_compiled" in summary
-    assert "model.num_loopz: not a key of model" in summary.split("## Failed stage")[1]
+    summary = (out / "summary.md").read_text()
+    assert dict(stage_rows(summary))["bf16_compiled"] == "failed"
+    assert dict(stage_rows(summary))["float8_compiled"] == "ok"
+    cells = cell_rows(summary)
+    assert "bf16_compiled" not in cells  # it never ran
+    assert float(cells["bf16_eager"][2].replace(",", "")) > 0
+    assert float(cells["float8_compiled"][2].replace(",", "")) > 0
+    tail = summary.split("## bf16_compiled: failed")[1]
+    assert "FAIL_STAGE=bf16_compiled: this stage fails at once" in tail
+
+
+def test_a_cell_that_cannot_run_keeps_its_record_and_reason(tmp_path):
+    out = tmp_path / "out"
+    proc = run("--dry", "--skip-tests", str(out), BENCH_EXTRA="--model.attn_backend flash_attn")
+    assert proc.returncode == 1
+    records = json.loads((out / "cells.json").read_text())
+    assert list(records) == sorted(CELLS)
+    for rec in records.values():
+        cell = rec["cells"][0]
+        assert cell["status"] == "unsupported" and "flash-attn" in cell["reason"]
+    assert "unsupported: model.attn_backend = 'flash_attn'" in (out / "summary.md").read_text()
+
+
+def test_killed_right_after_the_first_cell_out_holds_that_cell(tmp_path):
+    """SIGKILL to the whole process group as soon as the first cell is reported: no trap, no
+    final step; OUT must already name the cell with its tokens/s."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "--dry", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 600
+    try:
+        for line in proc.stdout:
+            if "bf16_compiled: ok" in line:
+                break
+            assert time.monotonic() < deadline, "the first cell never finished"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    summary = (out / "summary.md").read_text()
+    rows = dict(stage_rows(summary))
+    assert rows["bf16_compiled"] == "ok" and rows["bf16_eager"] == "pending"
+    assert float(cell_rows(summary)["bf16_compiled"][2].replace(",", "")) > 0
+    assert "bf16_compiled" in json.loads((out / "cells.json").read_text())

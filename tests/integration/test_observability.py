@@ -8,20 +8,17 @@ import io
 import json
 import re
 
-import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from torchtitan_loom.components.observability import routing_plots
-from torchtitan_loom.components.observability.metrics import MetricsLogger
 from torchtitan_loom.components.evaluation.held_out import HeldOutEval
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.tools import analyze
 from torchtitan_loom.train import Trainer
-from torchtitan_loom.config.schema import Metrics
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 STEPS, EVAL_EVERY = 4, 2
@@ -140,26 +137,26 @@ def test_tensorboard_scalars_and_images(run):
     assert heat[-1].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_numpy_fallback_heatmap_pixels(tmp_path):
-    share_HE = np.array([[0.0, 1.0, 2.0], [4.0, 0.5, 1.0]])
-    image = routing_plots.heatmap_image(share_HE, "t", use_matplotlib=False)
-    c = routing_plots.CELL_PX
-    assert image.shape == (3, 2 * c, 3 * c) and image.dtype == np.uint8
-    # vmax = 4: cell (0,0) = 0 -> the darkest anchor, cell (1,0) = 4 -> the brightest one.
-    assert image[:, 0, 0].tolist() == [68, 1, 84] and image[:, c, 0].tolist() == [253, 231, 37]
-    assert (image[:, :c, :c] == image[:, :1, :1]).all()  # one colour per cell
-    with MetricsLogger(str(tmp_path), Metrics()) as logger:
-        logger.log_image("routing/load_layer_0", image, step=7)
-    acc = EventAccumulator(logger.tb_dir, size_guidance={"images": 0})
-    acc.Reload()
-    event = acc.Images("routing/load_layer_0")[0]
-    assert (event.step, event.width, event.height) == (7, 3 * c, 2 * c)
-    bars = routing_plots.loss_curve_image([4.0, 2.0], "t", use_matplotlib=False)
-    assert (
-        bars.shape == (3, 120, 48)
-        and (bars[:, 0, 2:22] != 255).all()
-        and (bars[:, 0, 26:46] == 255).all()
+def test_tensorboard_figures_carry_axes_labels_and_values():
+    """The heatmap names its axes, has a colour bar and, for a debug-sized grid, each cell's
+    value; the loss curve names its axes and prints the loss at every loop."""
+    share_HE = torch.tensor([[0.5, 1.5, 1.0], [2.25, 0.0, 0.75]]).numpy()
+    fig = routing_plots.heatmap_figure(share_HE, "expert load, layer 0")
+    ax, bar = fig.axes
+    assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == (
+        "routed expert",
+        "loop",
+        "expert load, layer 0",
     )
+    assert bar.get_ylabel() == routing_plots.SHARE_LABEL
+    assert sorted(t.get_text() for t in ax.texts) == sorted(f"{v:.2f}" for v in share_HE.ravel())
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "2"]
+    curve = routing_plots.loss_curve_figure([2.5, 2.25, 2.125], "loss").axes[0]
+    assert curve.get_xlabel() == "exit after loop" and "loss" in curve.get_ylabel()
+    assert [t.get_text() for t in curve.texts] == ["2.500", "2.250", "2.125"]
+    image = routing_plots.heatmap_image(share_HE, "t")
+    dpi = routing_plots.DPI
+    assert image.shape == (3, *(round(x * dpi) for x in routing_plots.HEATMAP_SIZE_IN[::-1]))
 
 
 def test_profiler_traces_are_json_and_memory_snapshot_message(run):

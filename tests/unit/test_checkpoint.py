@@ -181,6 +181,8 @@ def test_torn_checkpoint_is_skipped_with_a_warning(tiny_pack, tmp_path, capsys):
     assert "warning: skipping incomplete checkpoint" in out
     assert str(root / "step-3") in out and str(root / ".tmp-step-4") in out
     assert f"resumed from {root / 'step-2'}" in out
+    # The load is announced before it runs (a large checkpoint takes a while).
+    assert out.index(f"loading checkpoint {root / 'step-2'} ...") < out.index("resumed from")
 
 
 def test_keep_latest_k_snapshots_and_loading_a_snapshot(tiny_pack, tmp_path):

@@ -127,3 +127,12 @@ def test_index_and_layout_md_describe_what_is_on_disk(tmp_path):
     assert (
         "| 10 | periodic | `step-10` |" in md and "snapshots/step-5" in md and ".tmp-step-11" in md
     )
+    assert "immutable snapshots every 5 steps; the newest all kept" in md
+
+
+def test_layout_md_says_snapshots_are_off_without_a_placeholder(tmp_path):
+    fake_ckpt(tmp_path, 5)
+    layout.write_index(str(tmp_path), {"interval": 5, "snapshot_interval": 0}, final_step=None)
+    md = open(os.path.join(str(tmp_path), layout.LAYOUT_MD)).read()
+    assert "none are taken by this run (checkpoint.snapshot_interval = 0)" in md
+    assert "every - steps" not in md and "every 0 steps" not in md

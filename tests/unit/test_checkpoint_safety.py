@@ -56,8 +56,12 @@ def plant_metadata_payload(step_dir, mark):
 
 
 def one_error_line(capsys, prefix):
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(prefix) and "Traceback" not in err, err
+    """The one error line; a tool's progress line before its slow part ("generate: loading … ...")
+    may precede it, nothing else."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    progress = [ln for ln in lines if ln.endswith(" ...") and not ln.startswith(prefix)]
+    err = "\n".join(ln for ln in lines if ln not in progress)
+    assert len(err.splitlines()) == 1 and err.startswith(prefix) and "Traceback" not in err, lines
     return err
 
 

@@ -286,3 +286,25 @@ def test_every_config_problem_is_named_in_one_run(tmp_path, capsys):
     for want in expected:
         assert sum(want in line for line in err) == 1, (want, err)
     assert not (tmp_path / "run").exists()
+
+
+def test_global_batch_size_minus_one_is_explained_with_the_rows_it_means(monkeypatch, capsys):
+    """TorchTitan's -1 (local_batch_size × DP degree) gets one line with the number to write."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--check-config", "--training.global_batch_size", "-1", "--training.local_batch_size"]
+    assert main([*argv, "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "global_batch_size = -1 (TorchTitan: local_batch_size" in err[0]
+    assert "that product is 8 here (4 × 2 ranks)" in err[0], err
+    assert (
+        main(
+            [
+                "--check-config",
+                "--training.global_batch_size",
+                "8",
+                "--training.local_batch_size",
+                "4",
+            ]
+        )
+        == 0
+    )

@@ -11,6 +11,10 @@ CUDA (cuda_trace.py). From the recorded aten ops:
   segment is outside it, tests/unit/test_host_sync_budget.py);
 - with float8 (the loom_1p7b_float8 preset on an H200), every linear the converter claims runs
   its three GEMMs per call on float8 tensors.
+Every preset (debug, loom_329m, loom_1p7b, loom_1p7b_float8) is also traced at its own micro-batch,
+seq_len and first segment, through the trainer's clip and AdamW step, and every recorded GEMM is
+replayed on meta tensors (cuda_trace.replay_on_meta), where the CUDA kernels' shape and alignment
+rules are checked (a CPU fake skips them). A CUDA rule found later becomes a case here.
 """
 
 import dataclasses
@@ -19,7 +23,15 @@ import importlib.util
 import pytest
 import torch
 
-from cuda_trace import GEMMS, AtenRecorder, cuda_kernel, trace_segment  # tests/unit/cuda_trace.py
+from cuda_trace import (  # tests/unit/cuda_trace.py
+    GEMMS,
+    AtenRecorder,
+    cuda_kernel,
+    replay_on_meta,
+    trace_segment,
+)
+from torchtitan_loom.config import load_config
+from torchtitan_loom.config.validate import resolve_model_args
 from torchtitan_loom.models.loom import loom_flavors
 
 ARGS = loom_flavors["loom_1p7b"]
@@ -171,3 +183,105 @@ def test_a_host_sync_in_the_segment_fails_the_trace():
     args = dataclasses.replace(ARGS, n_layers=1, moe_impl="loop")
     with pytest.raises(AssertionError, match=r"host sync: aten._local_scalar_dense"):
         trace_segment(args, micro_batch=1, seq_len=64, loops=(1, 1), precision="autocast")
+
+
+# ---------------------------------------------------------------------------- every preset
+PRESETS = ["debug_model.toml", "loom_329m.toml", "loom_1p7b.toml", "loom_1p7b_float8.toml"]
+TRACE_LAYERS = 2  # every layer has the same shapes; two keep each case to seconds
+
+
+def float8_convert(cfg, tokens: int):
+    """The preset's converter as the trainer builds it, with the plan it gets on an H200. The
+    routed experts' fp8-rowwise kernels need triton (absent here): tests/unit/test_float8_meta.py
+    checks their layout against the grouped kernel's meta instead."""
+    from torchtitan_loom.components.quantization.float8 import Float8Converter, plan_float8
+    from torchtitan_loom.protocols import get_train_spec
+
+    spec = get_train_spec(cfg.model.name)
+    plan, errors = plan_float8(
+        dataclasses.replace(cfg.float8, experts=False), "cuda", (9, 0), "NVIDIA H200"
+    )
+    assert not errors, errors
+    return Float8Converter(plan, spec.float8_never_convert, spec.float8_experts_fn, tokens).convert
+
+
+def trace_preset(preset: str):
+    cfg = load_config(["--job.config_file", f"train_configs/{preset}"])
+    t = cfg.training
+    args = dataclasses.replace(resolve_model_args(cfg), n_layers=TRACE_LAYERS)
+    fp32 = t.mixed_precision_param == "float32"
+    convert = None
+    if cfg.float8.enable:
+        if importlib.util.find_spec("torchao") is None:
+            pytest.skip("torchao not installed")
+        convert = float8_convert(cfg, t.micro_batch_size * t.seq_len)
+    rec, report = trace_segment(
+        args,
+        micro_batch=t.micro_batch_size,
+        seq_len=t.seq_len,
+        loops=(1, min(t.bp_segment_len, args.num_loops)),
+        precision="fp32" if fp32 else "autocast",
+        convert=convert,
+        optimizer=cfg.optimizer,
+        host_syncs=fp32,
+        fake=not fp32,  # the fp32 loop reads group sizes: real tensors (the debug model is small)
+    )
+    return cfg, args, rec, report
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_one_cuda_segment_and_step_within_the_kernel_rules(preset):
+    cfg, args, rec, report = trace_preset(preset)
+    gemms = rec.named(*GEMMS)
+    assert gemms
+    # Every GEMM again on meta tensors: torch._scaled_mm, torch._grouped_mm and the others check
+    # their CUDA shape and alignment rules there.
+    assert replay_on_meta(gemms) > 0
+    # AdamW 'foreach' (the presets' implementation): a few multi-tensor kernels, each over every
+    # parameter with a gradient, however many there are.
+    assert cfg.optimizer.implementation == "foreach"
+    foreach = [op for op in rec.step_ops if op.name.startswith("_foreach_")]
+    assert foreach and len(foreach) < 20, len(foreach)
+    lerp = [op for op in foreach if op.name == "_foreach_lerp_"]
+    assert len(lerp) == 1 and len(lerp[0].args[0]) == len(rec.stepped) > 20
+    if cfg.training.mixed_precision_param == "float32":
+        # fp32 on CUDA: the experts take the per-expert loop (the grouped GEMM is bf16-only there),
+        # the documented fallback (one host read of the group sizes per MoE call, a `.tolist()`
+        # that real CPU tensors answer without dispatching, so the recorder cannot count it).
+        assert not rec.named("_grouped_mm")
+        experts_mm = [
+            op for op in gemms if any(args.expert_intermediate_size in t.shape for t in tensors(op))
+        ]
+        assert len(experts_mm) >= args.num_routed_experts, len(experts_mm)
+        assert all(t.dtype == torch.float32 for op in gemms for t in tensors(op))
+        return
+    assert rec.named("_grouped_mm")
+    if report is not None:  # float8: each claimed linear's three GEMMs per loop on float8 tensors
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+        loops = min(cfg.training.bp_segment_len, args.num_loops)
+        fp8 = [
+            op
+            for op in rec.named("mm")
+            if all(isinstance(t, Float8TrainingTensor) for t in tensors(op))
+        ]
+        assert len(fp8) == 3 * len(report.dense) * loops
+
+
+def test_the_meta_replay_catches_a_rule_the_cpu_fake_skips():
+    """The replay can fail: a float8 linear at 8 x 1023 tokens without the token pad runs on CPU
+    fakes, and its replay on meta breaks torch._scaled_mm's rule."""
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao not installed")
+    cfg = load_config(["--job.config_file", "train_configs/loom_1p7b_float8.toml"])
+    args = dataclasses.replace(resolve_model_args(cfg), n_layers=1)
+    rec, _ = trace_segment(
+        args,
+        micro_batch=8,
+        seq_len=1023,
+        loops=(1, 1),
+        precision="autocast",
+        convert=float8_convert(cfg, None),  # no token count: no pad
+    )
+    with pytest.raises(AssertionError, match="divisible by 16"):
+        replay_on_meta(rec.named(*GEMMS))

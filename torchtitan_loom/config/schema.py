@@ -275,8 +275,7 @@ class Metrics:
     routing_images: bool = opt(
         True,
         "At every eval, write TensorBoard images: a loop × expert load heatmap "
-        "per layer and the eval loss after each loop (matplotlib when installed, "
-        "else plain heatmap pixels).",
+        "per layer and the eval loss after each loop, with axes, labels and values.",
     )
     diag_interval: int = opt(
         0,

@@ -327,7 +327,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     errors: list[str] = []
     t = cfg.training
     for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
-        if getattr(t, key) < 1:
+        if getattr(t, key) < 1 and not (key == "global_batch_size" and t.global_batch_size == -1):
             errors.append(f"training.{key} = {getattr(t, key)}: must be ≥ 1")
     if t.bp_segment_len < 0:
         errors.append(
@@ -339,6 +339,15 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     except ConfigError as exc:
         errors.append(str(exc))
     dims = _parallel_dims(cfg, world_size, args, errors)
+    if t.global_batch_size == -1:  # TorchTitan's default: local_batch_size × the DP degree
+        rows = "micro_batch_size × data-parallel ranks"
+        if dims is not None:
+            rows = f"{t.micro_batch_size * dims.dp} here ({t.micro_batch_size} × {dims.dp} ranks)"
+        errors.append(
+            "training.global_batch_size = -1 (TorchTitan: local_batch_size × data-parallel "
+            "degree): give the rows per step over all ranks instead; that product is "
+            f"{rows}, a multiple of it accumulates gradients over micro-batches"
+        )
     if dims is not None:
         dp = dims.dp
         if (
@@ -351,7 +360,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                 f"ranks × micro_batch_size = {dp} × {t.micro_batch_size}"
             )
         eval_rows = cfg.eval.batch_size or t.global_batch_size
-        if cfg.eval.batch_size < 0 or eval_rows % dp:
+        if cfg.eval.batch_size < 0 or (eval_rows >= 1 and eval_rows % dp):
             errors.append(
                 f"eval.batch_size = {cfg.eval.batch_size}: must be ≥ 0 and its rows ({eval_rows}) "
                 f"divisible by the {dp} data-parallel ranks"
@@ -392,7 +401,9 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                 if max_len is not None and t.seq_len > max_len - 1:
                     errors.append(
                         f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
-                        f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1}"
+                        f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1} (a record of N "
+                        f"tokens holds N - 1 inputs and their next-token targets; a pack for "
+                        f"seq_len {t.seq_len} is written with tools.pack --seq-len {t.seq_len + 1})"
                     )
                 elif (
                     max_len is not None and args is not None and not vocab_errors

@@ -12,13 +12,13 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-
 
 DEVICES = ("auto", "cpu", "cuda")
 # The package's one dtype table: (config name, the tools' short name, torch dtype). The config's
@@ -62,6 +62,31 @@ def init_distributed(requested_device: str, timeout_s: float = 300.0) -> DistInf
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank=rank, world_size=world, device=device)
+
+
+# What a collective raises when a peer's process is gone (gloo: its socket reset or closed; any
+# backend: a timeout), besides torch's own DistError classes (store and NCCL failures).
+_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "gloo/transport",
+    "Timed out waiting",
+    "NCCL communicator was aborted",
+)
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """A short reason when ``exc`` is a collective that failed because a peer is gone (its process
+    died, its host vanished or hung past the collective timeout), None for anything else."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    text = str(exc)
+    if not (isinstance(exc, dist.DistError) or any(m in text for m in _PEER_GONE)):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
+    first = first.split(". This is typically", 1)[0]
+    return f"{type(exc).__name__}: {first[:200]}"
 
 
 def group_timeout_s(group: dist.ProcessGroup | None = None) -> float:

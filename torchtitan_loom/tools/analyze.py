@@ -11,8 +11,8 @@ load heatmap per layer, for a few documents which experts each token visits in e
 when the run logged branch diagnostics (metrics.diag_interval) their layer × loop heatmaps over
 training (tools/analyze_diag.py).
 
-Needs matplotlib (``pip install 'torchtitan_loom[viz]'``): the figures must carry titles, axis
-labels and colour bars to be readable without the code, which raw PNG pixels cannot.
+The figures carry titles, axis labels and colour bars, to be readable without the code
+(matplotlib, a dependency of the package).
 """
 
 from __future__ import annotations
@@ -304,13 +304,8 @@ def analyze(
     from torchtitan_loom.components.checkpoint.layout import read_json
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError, open_pack
-    from torchtitan_loom.components.observability.routing_plots import have_matplotlib
     from torchtitan_loom.tools.export import ExportError, load_checkpoint_model
 
-    if not have_matplotlib():
-        raise AnalyzeError(
-            "the report's figures need matplotlib: pip install 'torchtitan_loom[viz]'"
-        )
     try:
         model, info, ckpt = load_checkpoint_model(ckpt_arg)
     except (ExportError, OSError) as exc:

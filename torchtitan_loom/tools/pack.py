@@ -132,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len",
         type=int,
         default=1024,
-        help="record (chunk) length in tokens, metadata max_seq_len; the model trains at seq_len - 1",
+        help="record (chunk) length in tokens (metadata max_seq_len). A record of N tokens holds "
+        "N - 1 inputs and their next-token targets, so it trains training.seq_len ≤ N - 1: "
+        "--seq-len 1025 for training.seq_len 1024",
     )
     p.add_argument(
         "--epochs",
@@ -429,7 +431,8 @@ def run_pack(args: argparse.Namespace) -> Path:
             raise PackInputError(f"--out {str(args.out)!r} --force: {problem}")
     if args.seq_len < 2 or args.epochs < 1 or args.workers < 1 or args.holdout_tokens < 0:
         raise PackInputError(
-            "need --seq-len ≥ 2, --epochs ≥ 1, --workers ≥ 1 and --holdout-tokens ≥ 0"
+            "need --seq-len ≥ 2 (the record length: training.seq_len + 1), --epochs ≥ 1, "
+            "--workers ≥ 1 and --holdout-tokens ≥ 0"
         )
     try:
         tok = build_tokenizer(args.tokenizer, args.eos_token)

@@ -286,8 +286,13 @@ def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
         "",
         f"- `step-<N>/`: periodic checkpoints, every {policy.get('interval')} steps plus the final step and "
         f"preemption saves; the newest {policy.get('keep_latest_k') or 'all'} kept.",
-        f"- `snapshots/step-<N>/`: immutable snapshots every {policy.get('snapshot_interval') or '-'} steps; "
-        f"the newest {policy.get('snapshot_keep') or 'all'} kept.",
+        (
+            f"- `snapshots/step-<N>/`: immutable snapshots every {policy['snapshot_interval']} steps; "
+            f"the newest {policy.get('snapshot_keep') or 'all'} kept."
+            if policy.get("snapshot_interval")
+            else "- `snapshots/step-<N>/`: immutable snapshots; none are taken by this run "
+            "(checkpoint.snapshot_interval = 0)."
+        ),
         "- `.tmp-step-<N>/`: a save in progress or one that died; never loaded.",
         f"- `{ABANDONED}/`: checkpoints newer than the step a run resumed from (or corrupt ones it skipped);",
         "  kept, never loaded. A checkpoint holding a `KEEP` file is never pruned.",

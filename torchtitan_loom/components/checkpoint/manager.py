@@ -112,6 +112,7 @@ class CheckpointManager:
         )
         self._pending: _Pending | None = None
         self.loaded_total_steps: int | None = None
+        self.loaded_world_size: int | None = None  # the world size that saved the resumed step
         self._saved: dict[
             str, int
         ] = {}  # kind → the step last saved (or in flight) by this process
@@ -222,6 +223,9 @@ class CheckpointManager:
             self._saved.update(
                 {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
             )
+        except (ckstate.CheckpointError, ckstate.CheckpointSaveError):
+            self._pending = None  # already said on every rank (_agree)
+            raise
         except (
             Exception,
             CheckpointException,
@@ -240,16 +244,21 @@ class CheckpointManager:
     def _failed(self, step: int, tmp: str, exc: BaseException) -> None:
         """A save failed: remove its temporary directory and raise CheckpointSaveError when the
         disk was full, CheckpointError when a planted link was refused (else re-raise)."""
+        final = self._final_error(step, tmp, exc)
+        if final is exc:
+            raise exc
+        raise final from None
+
+    def _final_error(self, step: int, tmp: str, exc: BaseException) -> BaseException:
+        """What ``_failed`` raises for ``exc`` (after removing the temporary directory)."""
         if isinstance(exc, _CommittedButIncomplete):
             refused = isinstance(exc.cause, safe_files.UnsafePathError)
-            raise (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(
-                exc.what
-            ) from None
+            return (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(exc.what)
         if isinstance(exc, safe_files.UnsafePathError):
-            raise ckstate.CheckpointError(
+            return ckstate.CheckpointError(
                 f"checkpoint step {step} not saved: {exc}; nothing pruned, the previous "
                 f"checkpoints in {self.root} are untouched"
-            ) from None
+            )
         reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
         if self.rank == 0:
             try:
@@ -257,18 +266,39 @@ class CheckpointManager:
             except OSError:
                 pass  # a link or an unremovable directory: a .tmp- name is never loaded
         if reason is None:
-            raise exc
-        raise ckstate.CheckpointSaveError(
+            return exc
+        return ckstate.CheckpointSaveError(
             f"checkpoint step {step} not saved: {reason}; the previous "
             f"checkpoints in {self.root} are untouched"
-        ) from None
+        )
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Rank 0's outcome of a part of a save only it does (preparing the directory, the
+        commit) on every rank, in place of a barrier: the same error is raised everywhere, so no
+        rank is left waiting at the next collective for a rank 0 that stopped."""
+        said = [None if error is None else (type(error).__name__, str(error))]
+        if self._distributed:
+            dist.broadcast_object_list(said, src=0)
+        if error is not None:
+            raise error
+        if said[0] is not None:
+            kind, msg = said[0]
+            raise (
+                ckstate.CheckpointSaveError
+                if kind == "CheckpointSaveError"
+                else ckstate.CheckpointError
+            )(msg if kind.startswith("Checkpoint") else f"rank 0 failed to save: {kind}: {msg}")
 
     def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
+        error = None
         if self.rank == 0:
-            safe_files.remove_dir(tmp, self.root)  # left by a save of this step that died
-            safe_files.make_dirs(tmp, self.root)  # refuses a link planted on the way (snapshots/)
-            self._write_sidecars(tmp, step)
-        self._barrier()  # the directory exists (and is clean) before any rank writes into it
+            try:
+                safe_files.remove_dir(tmp, self.root)  # left by a save of this step that died
+                safe_files.make_dirs(tmp, self.root)  # refuses a link on the way (snapshots/)
+                self._write_sidecars(tmp, step)
+            except (Exception, CheckpointException) as exc:
+                error = self._final_error(step, tmp, exc)
+        self._agree(error)  # the directory exists (and is clean) before any rank writes into it
         started = time.perf_counter()
         sd = self._collect()
         no_dist = not self._distributed
@@ -289,9 +319,13 @@ class CheckpointManager:
         with ckstate.single_process_quiet():
             dcp.save(sd, checkpoint_id=tmp, no_dist=no_dist)
         self._barrier()  # every rank finished writing
+        error = None
         if self.rank == 0:
-            self._commit(step, kind, periodic and snapshot, started)
-        self._barrier()  # committed before anyone goes on (or exits)
+            try:
+                self._commit(step, kind, periodic and snapshot, started)
+            except (Exception, CheckpointException) as exc:
+                error = self._final_error(step, tmp, exc)
+        self._agree(error)  # committed (or failed, on every rank) before anyone goes on
 
     def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
         """Rank 0: marker + rename, the snapshot copy, pruning, index."""
@@ -505,7 +539,7 @@ class CheckpointManager:
         self.loaded_total_steps = saved.get(
             "total_steps"
         )  # training.steps of the run that saved it
-        ws = saved.get("world_size")
+        ws = self.loaded_world_size = saved.get("world_size")
         moved = (
             f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
         )

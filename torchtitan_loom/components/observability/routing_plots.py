@@ -1,17 +1,15 @@
 """Pictures of routing and of the per-loop loss, as RGB arrays (for TensorBoard) or PNG files.
 
-With matplotlib (the optional ``viz`` extra) the figures carry a title, axis labels and a colour
-bar. Without it the trainer still gets a heatmap: numpy writes the cells' pixels directly
-(``CELL_PX`` square per cell, no text) and the loss curve becomes bars; TensorBoard shows the
-tag as the title. Matplotlib is used through its object API (Figure + Agg canvas), never pyplot,
-so nothing global changes.
+Every figure carries a title, axis labels and its values: the heatmaps a colour bar (and the
+number in each cell when there are few enough to read), the loss curve the loss at each loop.
+Matplotlib (a dependency) is used through its object API (Figure + Agg canvas), never pyplot, so
+nothing global changes.
 
 Legend: H loops, E experts, L layers, S tokens of a document, K top-k.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,15 +17,11 @@ import numpy as np
 DPI = 100
 HEATMAP_SIZE_IN = (7.0, 3.2)  # figure size of a loop × expert heatmap -> 700 × 320 px
 CURVE_SIZE_IN = (5.0, 3.2)  # figure size of the loss-per-loop curve -> 500 × 320 px
-CELL_PX = 12  # numpy fallback: pixels per heatmap cell
 CMAP = "viridis"
-# Five viridis anchors for the numpy fallback (dark purple -> yellow).
-_RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], float)
 SHARE_LABEL = "load ÷ uniform (1 = balanced)"
-
-
-def have_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
+# Up to this many loop × expert cells the heatmap prints each cell's value (the debug model has
+# 3 × 8; the presets' 9..12 × 30 would be unreadable, their colour bar gives the scale).
+MAX_LABELLED_CELLS = 64
 
 
 def _figure(size_in: tuple[float, float]):
@@ -68,6 +62,12 @@ def heatmap_figure(share_HE: np.ndarray, title: str, vmax: float | None = None):
     ax.set_ylabel("loop")
     ax.set_xticks(range(0, E, max(1, E // 16)))
     ax.set_yticks(range(H), [str(t + 1) for t in range(H)])
+    if H * E <= MAX_LABELLED_CELLS:
+        top = vmax or share_vmax(share_HE)
+        for (t, e), value in np.ndenumerate(share_HE):
+            dark = value < 0.6 * top  # viridis: light text on the dark half
+            colour = "white" if dark else "black"
+            ax.text(e, t, f"{value:.2f}", ha="center", va="center", fontsize=7, color=colour)
     fig.colorbar(image, ax=ax, label=SHARE_LABEL)
     fig.tight_layout()
     return fig
@@ -134,46 +134,14 @@ def routing_picture_figure(
     return fig
 
 
-def heatmap_image(
-    share_HE: np.ndarray, title: str, use_matplotlib: bool | None = None
-) -> np.ndarray:
-    """uint8 RGB [3, h, w]: the figure with matplotlib, else CELL_PX pixels per cell."""
-    if use_matplotlib is None:
-        use_matplotlib = have_matplotlib()
-    if use_matplotlib:
-        return _to_chw(heatmap_figure(share_HE, title))
-    rgb_HEC = colormap(np.asarray(share_HE, float) / share_vmax(share_HE))
-    return np.ascontiguousarray(
-        np.kron(rgb_HEC, np.ones((CELL_PX, CELL_PX, 1), np.uint8)).transpose(2, 0, 1)
-    )
+def heatmap_image(share_HE: np.ndarray, title: str) -> np.ndarray:
+    """uint8 RGB [3, h, w] of ``heatmap_figure`` (for TensorBoard)."""
+    return _to_chw(heatmap_figure(share_HE, title))
 
 
-def loss_curve_image(
-    losses_H: Sequence[float], title: str, use_matplotlib: bool | None = None
-) -> np.ndarray:
-    """uint8 RGB [3, h, w]: the line plot with matplotlib, else bars (height ∝ loss, 24 px each)."""
-    if use_matplotlib is None:
-        use_matplotlib = have_matplotlib()
-    if use_matplotlib:
-        return _to_chw(loss_curve_figure(losses_H, title))
-    losses = np.asarray(losses_H, float)
-    height, bar = 120, 24
-    image = np.full((3, height, bar * len(losses)), 255, np.uint8)
-    top = float(np.nanmax(losses)) if losses.size else 1.0
-    for t, value in enumerate(losses):
-        rows = int(round(height * max(value, 0.0) / top)) if top > 0 else 0
-        image[:, height - rows :, t * bar + 2 : (t + 1) * bar - 2] = _RAMP[1].astype(np.uint8)[
-            :, None, None
-        ]
-    return image
-
-
-def colormap(x: np.ndarray) -> np.ndarray:
-    """Values in [0, 1] (clipped; NaN -> 0) to uint8 RGB [..., 3] along the viridis anchors."""
-    x = np.clip(np.nan_to_num(x, nan=0.0), 0.0, 1.0) * (len(_RAMP) - 1)
-    low = np.minimum(np.floor(x).astype(int), len(_RAMP) - 2)
-    frac = (x - low)[..., None]
-    return np.round(_RAMP[low] * (1 - frac) + _RAMP[low + 1] * frac).astype(np.uint8)
+def loss_curve_image(losses_H: Sequence[float], title: str) -> np.ndarray:
+    """uint8 RGB [3, h, w] of ``loss_curve_figure`` (for TensorBoard)."""
+    return _to_chw(loss_curve_figure(losses_H, title))
 
 
 def save_figure(fig, path: str) -> None:

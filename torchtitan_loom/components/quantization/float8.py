@@ -27,6 +27,9 @@ from torch import nn
 DENSE_RECIPES = ("tensorwise", "rowwise")
 EXPERT_RECIPES = ("auto", "fp8_rowwise", "mxfp8")
 DIM_MULTIPLE = 16  # float8 GEMMs need both weight dims divisible by 16
+# torch._scaled_mm also needs its inner dim divisible by 16; in the weight-gradient GEMM
+# (grad_out^T @ x) that dim is the token count of a micro-batch (8 x 1023 = 8184 in loom_1p7b).
+TOKEN_MULTIPLE = 16
 # Token-group alignment (rows) of each grouped-GEMM kernel, and the weight-dim multiple it needs
 # (MXFP8 scales blocks of 32 along the reduction dim).
 EXPERT_ALIGNMENT = {"fp8_rowwise": 16, "mxfp8": 32, "mxfp8_emulated": 32}
@@ -171,6 +174,8 @@ class Float8Report:
     """What a conversion touched: module names, and the skipped ones with the reason."""
 
     dense: list[str] = field(default_factory=list)
+    padded_tokens: int | None = None
+    """The micro-batch token count when it is not a multiple of TOKEN_MULTIPLE (so padded)."""
     experts: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     never_convert: tuple[str, ...] = ()
@@ -179,6 +184,11 @@ class Float8Report:
     def summary(self, plan: Float8Plan) -> str:
         mode = ", emulated" if plan.emulate else ""
         text = f"float8: {len(self.dense)} linears -> Float8Linear ({plan.recipe}{mode})"
+        if self.padded_tokens is not None:
+            text += (
+                f" with the token dim padded to a multiple of {TOKEN_MULTIPLE} "
+                f"({self.padded_tokens} tokens per micro-batch)"
+            )
         if plan.experts_kernel:
             text += (
                 f"; {len(self.experts)} routed-expert modules -> {plan.experts_kernel} grouped GEMM "
@@ -219,25 +229,42 @@ def select_dense(
 
 # ----------------------------------------------------------------------------- the converter
 class Float8Converter:
-    """Swaps modules in place (on the meta model, before parallelize); parameter names unchanged."""
+    """Swaps modules in place (on the meta model, before parallelize); parameter names unchanged.
+
+    ``tokens_per_micro_batch`` (micro-batch rows x seq_len: what every converted linear sees on
+    every layout, as there is no tensor or context parallelism): when it is not a multiple of
+    TOKEN_MULTIPLE, torchao pads the inner dim of each float8 GEMM with zeros (``pad_inner_dim``;
+    zeros add nothing, so results are unchanged). Off otherwise: the pad copies every operand,
+    even where it adds no row (docs/gpu_and_float8.md, "Token counts").
+    """
 
     def __init__(
-        self, plan: Float8Plan, never_convert: tuple[str, ...] = (), experts_fn: Any = None
+        self,
+        plan: Float8Plan,
+        never_convert: tuple[str, ...] = (),
+        experts_fn: Any = None,
+        tokens_per_micro_batch: int | None = None,
     ):
         """``experts_fn``: the model's TrainSpec.float8_experts_fn (None: no routed experts)."""
         self.plan, self.never_convert, self.experts_fn = plan, tuple(never_convert), experts_fn
+        self.pad_tokens = bool(tokens_per_micro_batch and tokens_per_micro_batch % TOKEN_MULTIPLE)
+        self.tokens_per_micro_batch = tokens_per_micro_batch
 
     def convert(self, model: nn.Module) -> Float8Report:
         """Convert `model` in place; returns what was converted and what was skipped (and why)."""
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         plan = self.plan
-        report = Float8Report(never_convert=self.never_convert)
+        report = Float8Report(
+            never_convert=self.never_convert,
+            padded_tokens=self.tokens_per_micro_batch if self.pad_tokens else None,
+        )
         report.dense, report.skipped = select_dense(model, self.never_convert, plan.filter_fqns)
         config = dataclasses.replace(
             Float8LinearConfig.from_recipe_name(plan.recipe),
             emulate=plan.emulate,
             enable_fsdp_float8_all_gather=plan.fsdp_float8_all_gather,
+            pad_inner_dim=self.pad_tokens,
         )
         chosen = set(report.dense)
         convert_to_float8_training(
@@ -279,7 +306,7 @@ class Float8Converter:
 
 
 def build_float8_converter(
-    float8_section: Any, requested_device: str, spec: Any
+    float8_section: Any, requested_device: str, spec: Any, tokens_per_micro_batch: int | None = None
 ) -> Float8Converter | None:
     """The converter for a validated config and the model's TrainSpec, or None when float8 is off."""
     plan, errors = float8_problems(float8_section, requested_device)
@@ -288,5 +315,7 @@ def build_float8_converter(
     return (
         None
         if plan is None
-        else Float8Converter(plan, spec.float8_never_convert, spec.float8_experts_fn)
+        else Float8Converter(
+            plan, spec.float8_never_convert, spec.float8_experts_fn, tokens_per_micro_batch
+        )
     )

@@ -10,3 +10,8 @@ folder error, a bad tool argument, or a divergence abort (the config needs chang
 as is would fail again)."""
 INTERRUPTED = 130
 """SIGINT (Ctrl-C): the shell's convention; once = save then exit, twice = exit without saving."""
+RESTART = 3
+"""Under torchrun's elastic agent with restarts left (run_train.sh ``NNODES=MIN:MAX``): the world
+changed under this rank (a peer was lost, or stopped without this rank being signalled). Any
+non-zero code makes the agent restart its workers at the world size of the next rendezvous, which
+resume from the newest complete checkpoint; 0 would make it wait for the lost node instead."""

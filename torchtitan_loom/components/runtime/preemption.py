@@ -11,9 +11,17 @@ slightly different moments, so with several processes the flag is agreed by an a
 every rank stops after the same step, and a rank that got no signal stops too.
 
 A rank started by torchrun also watches its launcher (LauncherWatch): when the agent dies (its
-parent pid changes, or the agent's store stops accepting connections) the rank sends itself
-SIGTERM, so it stops, and saves when checkpoints are on, exactly as if the agent had sent it,
-instead of training unattended to the end.
+parent pid changes, or the agent's store stops accepting connections) the rank asks for a stop as
+if the agent had sent SIGTERM, so every rank stops after the same step (and saves when checkpoints
+are on) instead of training unattended to the end, or dying mid-collective under its peers.
+
+Under torchrun's elastic agent (``TORCHELASTIC_MAX_RESTARTS`` > ``TORCHELASTIC_RESTART_COUNT``)
+the exit code is what the agent acts on: 0 makes it wait at its exit barrier for the other nodes,
+anything else makes it restart the group at whatever world size the next rendezvous finds. A
+preemption signals every rank (the scheduler signals the agents, which signal their workers), so a
+rank that received a signal itself exits 0 as documented. A rank that stops only because a peer
+asked (a peer's launcher died, or one node was preempted) received nothing: it exits
+``exit_codes.RESTART`` so its live agent restarts without the lost node.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,13 +51,20 @@ class PreemptionWatcher:
         self.exit_after_step = exit_after_step  # 0: never
         self.received = 0
         self.agreed = 0  # the signal every rank agreed on (set by requested())
+        self.planned = False  # exit_after_step reached (agreed without a signal)
+        self.launcher_gone: str | None = None  # why this rank's launcher counts as gone
+        self.elastic = ElasticRestarts.from_env(os.environ)
         self._device = torch.device(device)
         self._previous: dict[int, Any] = {}
         if enabled and threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        # Also without handlers (checkpoints off): the SIGTERM then ends the process as torchrun's would.
-        self.launcher = LauncherWatch.start() if LauncherWatch.applies(os.environ) else None
+        # Also without handlers (checkpoints off): every rank still stops after the same step.
+        self.launcher = (
+            LauncherWatch.start(on_gone=self._launcher_lost)
+            if LauncherWatch.applies(os.environ)
+            else None
+        )
 
     @property
     def installed(self) -> bool:
@@ -63,18 +78,19 @@ class PreemptionWatcher:
         if not self.received:
             self.received = signum
             name = signal.Signals(signum).name
-            msg = (
-                f"[torchtitan_loom] received {name}: stopping at the next micro-batch, then saving"
-                f"{' (SIGINT again: stop without saving)' if signum == signal.SIGINT else ''}\n"
-            )
-            try:
-                os.write(1, msg.encode())
-            except OSError:
-                pass
+            again = " (SIGINT again: stop without saving)" if signum == signal.SIGINT else ""
+            _say(f"received {name}: stopping at the next micro-batch, then saving{again}")
+
+    def _launcher_lost(self, reason: str) -> None:
+        """LauncherWatch's callback (its thread): a stop request as if the agent had sent SIGTERM."""
+        self.launcher_gone = reason
+        if not self.received:
+            self.received = signal.SIGTERM
+            _say(f"{reason}: stopping after this step as on SIGTERM")
 
     def requested(self) -> int:
         """The signal number every rank agrees on (0: keep training). Collective when distributed."""
-        if not self.installed:
+        if not (self.installed or self.launcher is not None):
             return 0
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([self.received], dtype=torch.int64, device=self._device)
@@ -89,11 +105,19 @@ class PreemptionWatcher:
         None to go on; ``last``: no step follows anyway. Collective when distributed."""
         signum = self.requested()
         if signum:
-            return f"received {signal.Signals(signum).name}: stopped after step {step}"
+            return f"{self.why()}: stopped after step {step}"
         if self.exit_after_step and step == self.exit_after_step and not last:
-            self.agreed = signal.SIGTERM  # a planned stop exits 0
+            self.agreed, self.planned = signal.SIGTERM, True  # a planned stop exits 0
             return f"checkpoint.exit_after_step = {step} reached"
         return None
+
+    def why(self) -> str:
+        """What stopped this rank: its own signal, its launcher's death, or a peer's request."""
+        if self.launcher_gone:
+            return self.launcher_gone
+        if self.received:
+            return f"received {signal.Signals(self.received).name}"
+        return "a peer rank was stopped (a signal, or its launcher is gone)"
 
     def agree(self) -> None:
         """Some rank got a signal (agreed through the step's statistics): every rank stops. A rank
@@ -101,8 +125,28 @@ class PreemptionWatcher:
         self.agreed = self.received or signal.SIGTERM
 
     def exit_code(self) -> int:
-        """The exit code of a run stopped by the agreed signal: 130 for SIGINT, else 0."""
-        return exit_codes.INTERRUPTED if self.agreed == signal.SIGINT else exit_codes.OK
+        """The exit code of a run stopped by the agreed signal: 130 for SIGINT; RESTART for a rank
+        that only followed a peer's request under an elastic agent with restarts left (read at
+        exit: a preemption's own signal usually arrives during the save); else 0."""
+        if self.agreed == signal.SIGINT:
+            return exit_codes.INTERRUPTED
+        if self.elastic.restarts_left and not (self.received or self.planned):
+            return exit_codes.RESTART
+        return exit_codes.OK
+
+    def exit_note(self, saved: bool = True) -> str:
+        """How the stop line ends: the exit code and what follows it (``saved``: this stop saved
+        a checkpoint to resume from)."""
+        code = self.exit_code()
+        if code == exit_codes.RESTART:
+            return f"exiting {code}: {self.elastic.describe()} restarts the workers"
+        if not saved:
+            return f"exiting {code}"
+        if self.elastic.restarts_left:
+            return (
+                f"exiting {code}; an elastic restart or a relaunch of the same command resumes here"
+            )
+        return f"exiting {code}, relaunch the same command to resume"
 
     def close(self) -> None:
         """Stop watching the launcher and put back the handlers that were there before."""
@@ -114,12 +158,51 @@ class PreemptionWatcher:
         self._previous = {}
 
 
-def _sigterm_self(reason: str) -> None:
+def _say(line: str) -> None:
+    """One line straight to the stdout descriptor (safe inside a signal handler or a thread)."""
     try:
-        os.write(1, f"[torchtitan_loom] {reason}: stopping as on SIGTERM\n".encode())
+        os.write(1, f"[torchtitan_loom] {line}\n".encode())
     except OSError:
         pass
-    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class ElasticRestarts(NamedTuple):
+    """What torchrun's agent told this worker about its restarts (its TORCHELASTIC_* variables)."""
+
+    run_id: str
+    restart_count: int
+    max_restarts: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ElasticRestarts:
+        def number(key: str) -> int:
+            try:
+                return int(env.get(key, "0"))
+            except ValueError:
+                return 0
+
+        return cls(
+            env.get("TORCHELASTIC_RUN_ID", ""),
+            number("TORCHELASTIC_RESTART_COUNT"),
+            number("TORCHELASTIC_MAX_RESTARTS"),
+        )
+
+    @property
+    def restarts_left(self) -> bool:
+        """A non-zero exit makes the agent restart the group (rather than fail the job)."""
+        return bool(self.run_id) and self.restart_count < self.max_restarts
+
+    @property
+    def elastic_run(self) -> str:
+        """The run id of an elastic launch (restarts configured and a real ``--rdzv-id``), else ""."""
+        elastic = self.max_restarts > 0 and self.run_id not in ("", "none")
+        return self.run_id if elastic else ""
+
+    def describe(self) -> str:
+        return (
+            f"torchrun's elastic agent (run {self.run_id}, "
+            f"{self.max_restarts - self.restart_count} of {self.max_restarts} restarts left)"
+        )
 
 
 class LauncherWatch:
@@ -130,7 +213,7 @@ class LauncherWatch:
     MASTER_PORT, when TORCHELASTIC_USE_AGENT_STORE says the agent hosts it) every other poll, and
     ``STORE_FAILURES`` refusals in a row count as the agent gone (a remote node's agent included).
     One rank noticing is enough: the trainer's stop flag is agreed by every rank. ``on_gone(reason)``
-    runs once, in the thread (default: a line on stdout, then SIGTERM to this process).
+    runs once, in the thread (PreemptionWatcher's asks for a stop as on SIGTERM).
     """
 
     STORE_FAILURES = 3
@@ -138,8 +221,8 @@ class LauncherWatch:
     def __init__(
         self,
         env: Mapping[str, str],
+        on_gone: Callable[[str], None],
         poll_s: float = 1.0,
-        on_gone: Callable[[str], None] = _sigterm_self,
     ) -> None:
         self.parent = os.getppid()
         self.poll_s, self.on_gone = poll_s, on_gone
@@ -161,8 +244,10 @@ class LauncherWatch:
         return bool(env.get("TORCHELASTIC_RUN_ID"))
 
     @classmethod
-    def start(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> LauncherWatch:
-        watch = cls(os.environ if env is None else env, **kwargs)
+    def start(
+        cls, env: Mapping[str, str] | None = None, *, on_gone: Callable[[str], None], **kwargs: Any
+    ) -> LauncherWatch:
+        watch = cls(os.environ if env is None else env, on_gone=on_gone, **kwargs)
         watch._thread.start()
         return watch
 

@@ -133,13 +133,17 @@ def _pid_alive(pid: int) -> bool:
 class RunLock:
     """``RUN.lock`` held by this process; ``release()`` removes it (only if still ours)."""
 
-    def __init__(self, dump_folder: str, run_id: str, log=print) -> None:
+    def __init__(self, dump_folder: str, run_id: str, log=print, elastic_run: str = "") -> None:
         self.path = os.path.join(dump_folder, LOCK)
+        # ``elastic_run``: torchrun's elastic run id; a later round of the same elastic run takes
+        # the lock over from an earlier one (whose rank 0 may have died on another host).
+        self.elastic_run = elastic_run
         self.payload = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "run_id": run_id,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **({"elastic_run": elastic_run} if elastic_run else {}),
         }
         for _ in range(2):
             try:
@@ -169,6 +173,14 @@ class RunLock:
             raise RunFolderError(
                 f"{self.path}: unreadable run lock; if no run uses this folder, delete it"
             ) from None
+        if self.elastic_run and held.get("elastic_run") == self.elastic_run:
+            # torchrun stopped every worker of the earlier round before this round's rendezvous.
+            log(
+                f"taking over {self.path} from an earlier round of elastic run {self.elastic_run} "
+                f"(pid {pid} on {host})"
+            )
+            os.remove(self.path)
+            return
         if host == socket.gethostname() and not _pid_alive(pid):
             log(
                 f"warning: stale run lock {self.path} (pid {pid} of {host}, started {held.get('started')}, "

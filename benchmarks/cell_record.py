@@ -1,0 +1,86 @@
+"""What one throughput cell records beyond tokens/s: warm-up (compile) time and graph counts,
+the spread of step times, the kernels the model chose, and a failure reason that says something.
+
+Used by benchmarks/throughput.py (each cell) and benchmarks/gpu_summary.py (the goals).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+# The goals the GPU check reads the cells against (loom_1p7b at H = 9): bf16 compiled MFU against
+# the datasheet peak, float8 / bf16 and compiled / eager tokens/s.
+GOAL_MFU_PCT, GOAL_FLOAT8, GOAL_COMPILE = 50.0, 1.3, 1.2
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def spread(times_s: list[float]) -> dict[str, float | None]:
+    """min / median / max of the timed steps, seconds."""
+    if not times_s:
+        return {"step_time_min_s": None, "step_time_median_s": None, "step_time_max_s": None}
+    return {
+        "step_time_min_s": min(times_s),
+        "step_time_median_s": statistics.median(times_s),
+        "step_time_max_s": max(times_s),
+    }
+
+
+def kernels(trainer: Any, device_type: str, compiling: bool) -> dict[str, str]:
+    """The attention backend and the routed experts' kernel the model chose on this device."""
+    lines = []
+    if trainer.spec.kernel_report_fn is not None:
+        lines = trainer.spec.kernel_report_fn(
+            trainer.model, device_type, trainer.compute_dtype, compiling
+        )
+    attention = next((ln for ln in lines if ln.startswith("attention backend:")), "unknown")
+    fallbacks = [ln for ln in lines if "per-expert loop" in ln]
+    from torchtitan_loom.protocols import GroupedKernel
+
+    experts = {
+        m.kernel.name
+        for m in trainer.model.modules()
+        if isinstance(getattr(m, "kernel", None), GroupedKernel)
+    }
+    if fallbacks:
+        expert = f"per-expert loop ({len(fallbacks)} layers; {fallbacks[0]})"
+    elif experts - {None}:
+        expert = f"float8 grouped GEMM {', '.join(sorted(experts - {None}))}"
+    else:
+        expert = f"torch._grouped_mm ({str(trainer.compute_dtype).removeprefix('torch.')})"
+    return {"attention": attention.removeprefix("attention backend: "), "expert_kernel": expert}
+
+
+def failure_reason(exc: BaseException) -> str:
+    """`Type: message` of the innermost cause, with the outer type when it wraps one: an inductor
+    failure reads `BackendCompilerFailed -> AssertionError: ...`, not `backend='inductor' raised:`."""
+    chain, seen = [exc], {id(exc)}
+    while True:
+        inner = getattr(chain[-1], "inner_exception", None) or chain[-1].__cause__
+        if inner is None or id(inner) in seen:
+            break
+        chain.append(inner)
+        seen.add(id(inner))
+    root = chain[-1]
+    lines = [ln.strip() for ln in str(root).splitlines() if ln.strip()]
+    # Skip wrapper boilerplate lines ("backend='inductor' raised:", "Set TORCH_LOGS=...").
+    text = next(
+        (ln for ln in lines if not ln.endswith("raised:") and not ln.startswith("Set TORCH")),
+        lines[0] if lines else "",
+    )
+    head = " -> ".join(type(e).__name__ for e in chain[:-1])
+    reason = f"{type(root).__name__}: {text}"[:300]
+    return f"{head} -> {reason}" if head else reason
+
+
+def mfu_measured(tflops: float | None, measured_peak_tflops: float | None) -> float | None:
+    """MFU (%) against the bf16 matmul peak measured on this device (benchmarks/matmul_peak.py)."""
+    if tflops is None or not measured_peak_tflops:
+        return None
+    return 100.0 * tflops / measured_peak_tflops
