@@ -109,7 +109,8 @@ def reshard_table(ctx: Context) -> str:
 def dry_run_console(ctx: Context) -> str:
     res = ctx.run(DRY_RUN)
     lines = res.console.rstrip("\n").split("\n")
-    head = [ln for ln in lines[:12] if not ln.startswith("  mesh ")][:3]
+    importing = lines[0].startswith("[torchtitan_loom] importing")  # the notice before the imports
+    head = [ln for ln in lines[:12] if not ln.startswith("  mesh ")][: 3 + importing]
     start = next(i for i, ln in enumerate(lines) if ln.startswith("estimate per rank"))
     wanted = (
         "estimate per rank",
