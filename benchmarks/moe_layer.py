@@ -1,18 +1,25 @@
-"""One loom_1p7b-shaped MoE layer, forward + backward: the dispatch/combine as it was ("before":
-rows gathered in fp32 then cast, outputs copied into an [N, K, D] buffer, weighted sum over K)
-against `LoomMoE.forward` ("after": rows gathered in the experts' dtype, gate-weighted `index_add_`
-into [N, D]), side by side in one run, alternating, on the same module, weights and tokens.
+"""One loom_1p7b-shaped MoE layer, forward + backward: the plain compositions ("before": the
+SwiGLU as chunk / silu / mul, the combine as a gate multiply + index_add_, exactly LoomMoE's math
+before models/loom/swiglu.py) against `LoomMoE.forward` ("after": the fused SwiGLU and combine),
+side by side in one run, on the same module, weights and tokens.
 
-    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py                      # 2048 tokens, every precision
-    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --tokens 4096 --precision autocast --rounds 5
+    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --table by_op       # bytes per aten op, fp32 eager
+    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --table compiled --rounds 5
+    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --table precision --tokens 4096 --precision autocast
 
-Per variant: bytes allocated during one forward + backward (sum of the profiler's allocation
-events), peak live bytes above the start of the call (the same events in time order), and the
-median time of the rounds. The layer is loom_1p7b's (D = 1280, 30 routed experts of width 768,
-top-6, 2 shared, capacity factor 1.5) at a reduced token count, in three precisions: `fsdp_bf16`
-(weights and tokens bf16, as FSDP's MixedPrecisionPolicy hands them to a block; routers fp32),
-`autocast` (fp32 weights and tokens under bf16 autocast: one process) and `float32`. Also printed: max |after - before| of the output and of
-every gradient, relative to the largest entry (the K terms of a token add up in another order).
+Tables (all three by default):
+- by_op: per aten op, calls, bytes of its outputs in new storage (allocated) and bytes it writes
+  (in-place and out= targets included), eager fp32; then the totals outside and inside the GEMMs.
+- compiled: the median fwd+bwd time of both variants under torch.compile (fullgraph, inductor,
+  fp32), alternating, after one compiling call each.
+- precision: bytes allocated during one forward + backward (sum of the profiler's allocation
+  events), peak live bytes above the start of the call (the same events in time order), and the
+  median time of the rounds, alternating, in three precisions: `fsdp_bf16` (weights and tokens
+  bf16, as FSDP's MixedPrecisionPolicy hands them to a block; routers fp32), `autocast` (fp32
+  weights and tokens under bf16 autocast: one process) and `float32`; with max |after - before|
+  of the output and of every gradient, relative to the largest entry.
+The layer is loom_1p7b's (D = 1280, 30 routed experts of width 768, top-6, 2 shared, capacity
+factor 1.5) at a reduced token count.
 """
 
 from __future__ import annotations
@@ -24,27 +31,62 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_loom.models.loom import loom_flavors  # noqa: E402
-from torchtitan_loom.models.loom.moe import LoomMoE, capacity_plan, expert_capacity, route  # noqa: E402
+from torchtitan_loom.models.loom import loom_flavors
+from torchtitan_loom.models.loom.moe import (
+    LoomMoE,
+    capacity_plan,
+    expert_capacity,
+    expert_dtype,
+    gemm_path,
+    route,
+)
+
+
+def plain_swiglu(h_M2I: torch.Tensor) -> torch.Tensor:
+    """The activation as it was: chunk, silu, mul (autograd saves silu(gate) and up)."""
+    gate_MI, up_MI = h_M2I.chunk(2, dim=-1)
+    return F.silu(gate_MI) * up_MI
+
+
+def plain_experts(moe: LoomMoE, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """run_experts with the plain activation, on the GEMM path run_experts would take."""
+    w13, w2 = moe.experts.w13, moe.experts.w2
+    dtype = expert_dtype(x_AD.device.type, w13.dtype)
+    x_AD, w13, w2 = x_AD.to(dtype), w13.to(dtype), w2.to(dtype)
+    path, _ = gemm_path(
+        x_AD.device.type, dtype, torch.compiler.is_compiling(), w2.shape[1], w2.shape[2]
+    )
+    if path == "grouped":
+        offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
+        h_A2I = torch._grouped_mm(x_AD, w13.transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(plain_swiglu(h_A2I), w2.transpose(-2, -1), offs=offsets_E)
+    chunks = x_AD.split(counts_E.tolist())
+    return torch.cat([plain_swiglu(c @ w13[e].t()) @ w2[e].t() for e, c in enumerate(chunks)])
 
 
 def before_forward(moe: LoomMoE, x_BSD: torch.Tensor, router_w_ED: torch.Tensor) -> torch.Tensor:
-    """The combine as it was: the reference the new one is measured against."""
+    """LoomMoE.forward's math as plain compositions (the SwiGLU's chunk/silu/mul, the combine's
+    gate multiply and index_add_): the reference the fused functions are measured against."""
     B, S, D = x_BSD.shape
     N, K = B * S, moe.top_k
     x_ND = x_BSD.reshape(N, D)
     _, expert_NK, gate_NK = route(x_ND, router_w_ED, moe.expert_bias, K)
     capacity = expert_capacity(N, K, moe.num_experts, moe.capacity_factor)
     order_A, counts_E, _, gate_NK = capacity_plan(expert_NK, gate_NK, moe.num_experts, capacity)
-    out_AD = moe.experts(x_ND[order_A // K], counts_E)
-    out_NKD = out_AD.new_empty(N * K, D).index_copy(0, order_A, out_AD).view(N, K, D)
-    y_ND = (out_NKD * gate_NK.unsqueeze(-1)).sum(dim=1)
+    x_cast_ND = x_ND.to(moe.experts.input_dtype(x_ND))
+    gate_A, token_A = gate_NK.reshape(-1)[order_A], order_A // K
+    out_AD = plain_experts(moe, x_cast_ND[token_A], counts_E)
+    weighted_AD = out_AD * gate_A.unsqueeze(-1)
+    y_ND = weighted_AD.new_zeros(N, D).index_add_(0, token_A, weighted_AD)
     for shared in moe.shared_experts:
-        y_ND = y_ND + shared(x_ND)
+        y_ND = y_ND + shared.w2(plain_swiglu(shared.w13(x_ND)))
     return y_ND.view(B, S, D)
 
 
@@ -105,6 +147,104 @@ def allocation_profile(fn, moe, x, router_w, grad_y, precision: str) -> tuple[in
     return allocated, peak
 
 
+GEMMS = frozenset({"mm", "addmm", "bmm", "_grouped_mm"})
+ALLOCATE_ONLY = frozenset({"empty", "empty_like", "new_empty", "empty_strided"})
+
+
+class OpWrites(TorchDispatchMode):
+    """Per aten op: calls, bytes of its outputs in new storage ("allocated") and bytes it writes
+    ("written": new outputs, plus in-place and out= targets; views and bare allocations write
+    nothing). Sees the forward and, the CPU backward running on the calling thread, the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: dict[str, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        mutates = any(
+            a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments
+        )
+        name = func.overloadpacket.__name__
+        entry = self.by_op.setdefault(name, [0, 0, 0])
+        entry[0] += 1
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            nbytes = t.numel() * t.element_size()
+            if t.untyped_storage().data_ptr() not in inputs:
+                entry[1] += nbytes
+                entry[2] += 0 if name in ALLOCATE_ONLY else nbytes
+            elif mutates:
+                entry[2] += nbytes
+        return out
+
+
+def op_writes(fn, moe, x, router_w, grad_y) -> dict[str, list[int]]:
+    """OpWrites over one eager fp32 forward + backward of `fn`."""
+    moe.zero_grad(set_to_none=True)
+    router_w.grad = None
+    with OpWrites() as counter:
+        fwd_bwd(fn, moe, x, router_w, grad_y, "float32")
+    return counter.by_op
+
+
+def print_by_op(tokens: int) -> None:
+    """The by-op table of both variants (fp32, eager), and the totals outside and inside the GEMMs."""
+    moe, x, router_w = build(tokens, "float32")
+    grad_y = torch.randn_like(x)
+    tables = {name: op_writes(fn, moe, x, router_w, grad_y) for name, fn in VARIANTS.items()}
+    mib = 2**20
+    print(
+        "\n| op | before calls | before allocated (MiB) | before written (MiB) | after calls | after allocated (MiB) | after written (MiB) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    ops = sorted(
+        set().union(*tables.values()),
+        key=lambda op: -max(t.get(op, [0, 0, 0])[1] for t in tables.values()),
+    )
+    for op in ops:
+        cells = []
+        for name in VARIANTS:
+            calls, allocated, written = tables[name].get(op, [0, 0, 0])
+            cells += [str(calls), f"{allocated / mib:,.1f}", f"{written / mib:,.1f}"]
+        if any(float(c.replace(",", "")) >= 0.05 for c in cells[1:3] + cells[4:6]):
+            print(f"| `{op}` | " + " | ".join(cells) + " |")
+    for label, inside in (("outside the GEMMs", False), ("GEMMs", True)):
+        cells = []
+        for name in VARIANTS:
+            rows = [v for op, v in tables[name].items() if (op in GEMMS) == inside]
+            cells += [
+                str(sum(r[0] for r in rows)),
+                f"{sum(r[1] for r in rows) / mib:,.1f}",
+                f"{sum(r[2] for r in rows) / mib:,.1f}",
+            ]
+        print(f"| **{label}** | " + " | ".join(cells) + " |", flush=True)
+
+
+def compiled_times(tokens: int, rounds: int) -> dict[str, float]:
+    """Median fwd+bwd seconds of each variant under torch.compile (fp32, as the trainer compiles a
+    block: fullgraph), alternating, after one warm-up (compile) call each."""
+    moe, x, router_w = build(tokens, "float32")
+    grad_y = torch.randn_like(x)
+    compiled = {name: torch.compile(fn, fullgraph=True) for name, fn in VARIANTS.items()}
+    for fn in compiled.values():
+        fwd_bwd(fn, moe, x, router_w, grad_y, "float32")
+    times = {name: [] for name in compiled}
+    for _ in range(rounds):
+        for name, fn in compiled.items():
+            start = time.perf_counter()
+            fwd_bwd(fn, moe, x, router_w, grad_y, "float32")
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def measure(tokens: int, precision: str, rounds: int) -> dict:
     moe, x, router_w = build(tokens, precision)
     grad_y = torch.randn_like(x)
@@ -146,6 +286,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--rounds", type=int, default=3, help="timed forward + backward per variant, alternating"
     )
+    parser.add_argument(
+        "--table",
+        default="all",
+        choices=("all", "by_op", "precision", "compiled"),
+        help="by_op: bytes per aten op, eager fp32; precision: bytes, peak and time per precision; "
+        "compiled: fwd+bwd time under torch.compile (fp32)",
+    )
     args = parser.parse_args(argv)
     a = loom_flavors["loom_1p7b"]
     print(
@@ -153,8 +300,19 @@ def main(argv: list[str]) -> int:
         f"D = {a.dim}, E = {a.num_routed_experts}, K = {a.routed_top_k}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread(s)"
     )
+    if args.table in ("all", "by_op"):
+        print_by_op(args.tokens)
+    if args.table in ("all", "compiled"):
+        t = compiled_times(args.tokens, args.rounds)
+        print(
+            f"\ncompiled (fp32, fullgraph), fwd+bwd median of {args.rounds}, alternating: "
+            f"before {t['before']:.3f} s, after {t['after']:.3f} s, after/before {t['after'] / t['before']:.3f}",
+            flush=True,
+        )
+    if args.table not in ("all", "precision"):
+        return 0
     print(
-        "| precision | variant | bytes allocated (MiB) | peak live (MiB) | time fwd+bwd (s, median) | "
+        "\n| precision | variant | bytes allocated (MiB) | peak live (MiB) | time fwd+bwd (s, median) | "
         "after/before bytes | max rel. diff output / grads |"
     )
     print("|---|---|---:|---:|---:|---:|---|")

@@ -59,6 +59,7 @@ ESTIMATE_SHOWN = (
 )
 RESHARD = "python benchmarks/memory_time.py --reshard --steps 3"
 METRICS_SIZE = "python benchmarks/metrics_size.py"
+MOE_BY_OP = "python benchmarks/moe_layer.py --table by_op"
 DIAG_COST = "python benchmarks/diag_cost.py --cpu --preset debug --rounds 10 --out /tmp/diag_cost"
 PRESETS = ("debug_model", "loom_329m", "loom_1p7b")
 HEATMAP = "docs/routing_heatmap_debug.png"

@@ -24,6 +24,7 @@ from docs_context import (
     LM_EVAL,
     MEMORY_TIME,
     METRICS_SIZE,
+    MOE_BY_OP,
     RESHARD,
     RUNS,
     SHORT_RUN,
@@ -50,9 +51,6 @@ PRODUCERS: dict[str, Producer] = {
     "reshard-table": Producer(
         (RESHARD,), lay.reshard_table, sources=(*CODE, "benchmarks/memory_time.py")
     ),
-    "reshard-counts": Producer(
-        (), fig.reshard_counts, sources=(*CODE, "benchmarks/memory_time.py"), check="exact"
-    ),
     "flat-fsdp-scaling": Producer((), fig.flat_fsdp_scaling, sources=CODE, check="exact"),
     "capacity-slots": Producer((), fig.capacity_slots, sources=CODE, check="exact"),
     "memory-time-table": Producer(
@@ -65,6 +63,9 @@ PRODUCERS: dict[str, Producer] = {
     ),
     "debug-routing-shape": Producer((), fig.debug_routing_shape, sources=CODE, check="exact"),
     "diag-cost": Producer((DIAG_COST,), runs.diag_cost, sources=(*CODE, "benchmarks/diag_cost.py")),
+    "moe-layer-by-op": Producer(
+        (MOE_BY_OP,), lay.moe_layer_by_op, sources=(*CODE, "benchmarks/moe_layer.py")
+    ),
     "analysis-tables": Producer((DEFAULT_RUN, ANALYZE), runs.analysis_tables, check="figures"),
     "short-run": Producer((SHORT_RUN,), runs.short_run),
     "generate-console": Producer((GENERATE,), runs.generate_console),

@@ -13,6 +13,7 @@ from docs_context import (
     ESTIMATE,
     ESTIMATE_SHOWN,
     MEMORY_TIME,
+    MOE_BY_OP,
     PRESETS,
     RESHARD,
     Context,
@@ -218,3 +219,16 @@ def checksum_cost(ctx: Context) -> str:
         f"{lo:.0f} to {hi:.0f} s per save and per load, for the debug model "
         f"({state['debug_model'] / 1e6:.0f} MB) {state['debug_model'] / speed['disk']:.2f} s."
     )
+
+
+def moe_layer_by_op(ctx: Context) -> str:
+    res = ctx.run(MOE_BY_OP)
+    rows = last_table(res.stdout)
+    total = next(r for r in rows if "outside the GEMMs" in r).split("|")[2:-1]
+    gemms = next(r for r in rows if "**GEMMs**" in r).split("|")[2:-1]
+    note = (
+        f"Outside its GEMMs the layer allocates {total[1].strip()} MiB with the plain compositions and "
+        f"{total[4].strip()} MiB with the fused SwiGLU and combine (written, in-place and out= included: "
+        f"{total[2].strip()} and {total[5].strip()} MiB); the GEMMs' {gemms[1].strip()} MiB do not change."
+    )
+    return "```\n$ " + MOE_BY_OP + "\n```\n\n" + "\n".join(rows) + "\n\n" + prose(note)

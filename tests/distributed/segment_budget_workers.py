@@ -3,7 +3,8 @@
 Each case trains the debug model with the real Trainer on the existing gloo group: one uncounted
 step (FSDP's lazy init, the optimizer state), then `steps` steps under a CollectiveCounter and a
 HostSyncCounter. Rank 0 writes the collective counts, the host syncs (every rank must make the
-same number: it checks its own) and the per-segment losses of the counted steps.
+same number: it checks its own) and the per-segment losses of the counted steps; for a case with
+"dump", also the full parameters and gradients after the first step (gathered on every rank).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from torch.distributed.tensor import DTensor
 
 from torchtitan_loom.distributed.comm_count import CollectiveCounter
 from gloo_rank import case_trainers, gloo_rank, load_spec  # noqa: E402 (next to this file)
@@ -28,6 +31,13 @@ def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
         for case, trainer in case_trainers(spec, world, info):
             data = iter(trainer.dataloader)
             trainer.train_step(next(data))
+            if case.get("dump"):
+                state = {
+                    name: (_full(p.detach()), _full(p.grad))
+                    for name, p in trainer.model.named_parameters()
+                }
+                if rank == 0:
+                    torch.save(state, os.path.join(spec["out"], case["name"] + ".pt"))
             losses = []
             # AdamW's step counters live on the host by design: reading them is no device sync.
             steps = tuple(
@@ -54,3 +64,8 @@ def run(rank: int, world: int, store_path: str, spec_path: str) -> None:
                         fh,
                     )
             dist.barrier()
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole tensor on every rank (a collective for a DTensor: every rank calls it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,11 +1,13 @@
 """The lean MoE combine: LoomMoE.forward weights the expert outputs by their gates and adds them
-into [N, D] (no [N, K, D] copy; rows gathered in the experts' compute dtype). Against the combine
-it replaced (`before_forward` of benchmarks/moe_layer.py, the benchmark's reference): the same
-output and gradients to fp32 rounding, and fewer bytes allocated per forward + backward.
+into [N, D] (no [N, K, D] copy; rows gathered in the experts' compute dtype; the gate weighting
+and the SwiGLU as the autograd functions of models/loom/swiglu.py). Against `before_forward` of
+benchmarks/moe_layer.py (the benchmark's reference: the same routing with the plain chunk / silu /
+mul SwiGLU and a plain gate multiply + index_add_): the same output and gradients to fp32
+rounding, and fewer bytes allocated per forward + backward.
 
-Tolerance: the K terms of a token are now added in expert order instead of slot order, so fp32
-results move by a few ulps (relative 1e-6 bounds it with room; a wrong weight or a lost term moves
-them by ~1e-1). Gradients of the experts' inputs see the same per-row values (exact).
+Tolerance: the gates' gradient is a row-wise dot product instead of a sum over D, so fp32 results
+move by a few ulps (relative 1e-6 bounds it with room; a wrong weight or a lost term moves them by
+~1e-1). Under autocast, gradients pass through bf16 GEMMs whose inputs differ by those ulps.
 """
 
 import importlib.util
@@ -48,5 +50,6 @@ def test_lean_combine_matches_the_old_one_and_allocates_less(capacity_factor, pr
     before, _ = b.allocation_profile(b.before_forward, moe, x, router_w, grad_y, precision)
     after, _ = b.allocation_profile(b.after_forward, moe, x, router_w, grad_y, precision)
     A, D = x.shape[0] * x.shape[1] * moe.top_k, x.shape[-1]
-    # At least the [N, K, D] copy of the outputs (fp32 here: the weighted sum is fp32) is gone.
+    # At least one [A, D] fp32 product of the combine's backward is gone (both in fp32 runs;
+    # under autocast the bf16 outputs are cast to fp32 once for the gates' gradient).
     assert before - after >= A * D * 4, (before, after)

@@ -3,17 +3,18 @@ cost (TrainSpec.cost_fn) without running anything: what the dry run's estimate p
 tests/distributed/test_estimate_comm.py counts on real gloo ranks.
 
 What FSDP2 does per unit, per micro-batch and segment (measured on gloo, torch 2.13, and asserted
-by that test): a unit called c times in a forward is all-gathered c times with
-reshard_after_forward "never" (once in the forward; after each of the c backward passes through it
-FSDP's post-backward reshards, so the next one gathers again) and 2·c times with "always"; its
-gradient is reduce-scattered once (autograd sums the c contributions first); with HSDP the
-reduce-scattered shard is then all-reduced over the replicas. Activation checkpointing adds no
-gather (the recompute runs while the unit is gathered for backward). A unit on a mesh of one rank
-makes no call. With ``parallelism.fsdp_sync = "segment"`` the micro-batches of a segment share the
-gathers (parameters stay gathered, gradients accumulate unsharded until the last micro-batch): c
-gathers per unit and segment with "never", c·(micro + 1) with "always"; one reduction, two for a
-unit called c > 1 times when micro > 1 (the last micro-batch's first backward use already finds
-the accumulated gradients).
+by that test): a unit called c times in a forward runs FSDP's post-backward once per use, and the
+trainer (parallelize.LoopedBlockSync) keeps a looped block's sync and reshard off in a backward
+that reduces until its last use there, so the unit is reduce-scattered once per reducing backward
+(with HSDP the reduce-scattered shard is then all-reduced over the replicas) and stays gathered
+through the whole backward. All-gathers: with reshard_after_forward "never", once per micro-batch
+(the forward's first call); with "always", once per call in the forward plus once in the backward.
+Activation checkpointing adds no gather (the recompute runs while the unit is gathered for
+backward). A unit on a mesh of one rank makes no call. With ``parallelism.fsdp_sync = "segment"``
+the micro-batches of a segment share the gathers (parameters stay gathered, gradients accumulate
+unsharded until the last micro-batch): one gather per unit and segment with "never",
+c·micro + 1 with "always" (after the first micro-batch the forward's first call finds the
+parameters still gathered); one reduction per unit and segment whatever c and micro.
 
 Bytes are those of the tensors passed: an all-gather's gathered output, a reduce-scatter's
 unsharded input (FSDP pads each parameter's split dimension to a multiple of the shard degree),
@@ -91,14 +92,10 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
                 group = "dp_shard" if unit.mesh == "fsdp" else "dp_shard_mod_ep"
                 numel, c = padded_numel(unit, n), seg.unit_calls[unit.name]
                 if per_segment_sync:
-                    # The last micro-batch reshards after each backward use, so a unit used c times
-                    # is gathered c times ("never"), c·(micro + 1) with "always"; FSDP's post-backward
-                    # of its first backward use already finds the earlier micro-batches' gradients,
-                    # so a unit used more than once reduces twice when micro > 1.
-                    gathers = c * (micro + 1) if always else c
-                    reductions = 2 if c > 1 and micro > 1 else 1
+                    gathers = c * micro + 1 if always else 1
+                    reductions = 1
                 else:
-                    gathers, reductions = (2 * c if always else c) * micro, micro
+                    gathers, reductions = (c + 1 if always else 1) * micro, micro
                 if n > 1:
                     out.append(
                         Collective(

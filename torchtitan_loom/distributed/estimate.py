@@ -69,9 +69,17 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
         gathered = [comm_plan.padded_numel(u, comm_plan.shard_degree(u, dims)) for u in cost.units]
         local = sum(g // comm_plan.shard_degree(u, dims) for g, u in zip(gathered, cost.units))
         local += comm_plan.replicated_numel(cost, dims)
-        keep_all = cfg.parallelism.fsdp_reshard_after_forward != "always"
-        gathered_bytes = pb * (sum(gathered) if keep_all else 2 * max(gathered))
         per_segment_sync = cfg.parallelism.fsdp_sync == "segment"
+        # "always" frees a unit after each forward call, but a backward keeps it gathered from its
+        # first use to its last (parallelize.LoopedBlockSync), and a deferred sync through the
+        # backward: then every unit is gathered at once there too.
+        looped = any(c > 1 for seg in segs for c in seg.unit_calls.values())
+        keep_all = (
+            cfg.parallelism.fsdp_reshard_after_forward != "always"
+            or looped
+            or (per_segment_sync and micro > 1)
+        )
+        gathered_bytes = pb * (sum(gathered) if keep_all else 2 * max(gathered))
         # Accumulated in the parameters' own (unpadded) shapes; padding lives in the gather buffers only.
         full = sum(math.prod(shape) for u in cost.units for shape in u.shapes)
         unsharded_grads = rb * full if per_segment_sync else 0

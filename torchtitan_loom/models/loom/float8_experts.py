@@ -15,10 +15,10 @@ E routed experts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_loom.models.loom.moe import Experts, RoutedExperts
+from torchtitan_loom.models.loom.swiglu import swiglu_activation
 from torchtitan_loom.protocols import GroupedKernel
 
 
@@ -35,8 +35,7 @@ def swiglu_grouped(
     x_PD = x_AD.new_zeros(P, D).index_copy(0, dest_A, x_AD)
     # Weights stay [E, out, in]; the kernels take the transposed (column-major) view.
     h_P2I = kernel.gemm(x_PD, w13_E2ID.transpose(-2, -1), ends_E)
-    gate_PI, up_PI = h_P2I.chunk(2, dim=-1)
-    y_PD = kernel.gemm(F.silu(gate_PI) * up_PI, w2_EDI.transpose(-2, -1), ends_E)
+    y_PD = kernel.gemm(swiglu_activation(h_P2I), w2_EDI.transpose(-2, -1), ends_E)
     return y_PD.index_select(0, dest_A)
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_loom.models.loom.args import LoomModelArgs
+from torchtitan_loom.models.loom.swiglu import gate_combine, swiglu_activation
 
 GATE_SUM_FLOOR = 1e-9  # gate normalisation p = s / max(sum s, 1e-9), spec §4.6 step 5
 
@@ -107,8 +107,7 @@ def capacity_slots(
 
 def swiglu(x_MD: torch.Tensor, w13_2ID: torch.Tensor, w2_DI: torch.Tensor) -> torch.Tensor:
     """W_d (silu(W_g x) * W_u x) with W_g, W_u the first and second halves of w13."""
-    gate_MI, up_MI = (x_MD @ w13_2ID.t()).chunk(2, dim=-1)
-    return (F.silu(gate_MI) * up_MI) @ w2_DI.t()
+    return swiglu_activation(x_MD @ w13_2ID.t()) @ w2_DI.t()
 
 
 def gemm_path(
@@ -235,8 +234,8 @@ def run_experts(
     if path == "grouped":
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)  # group ends, stays on device
         h_A2I = torch._grouped_mm(x_AD, w13_E2ID.transpose(-2, -1), offs=offsets_E)
-        gate_AI, up_AI = h_A2I.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate_AI) * up_AI, w2_EDI.transpose(-2, -1), offs=offsets_E)
+        act_AI = swiglu_activation(h_A2I)
+        return torch._grouped_mm(act_AI, w2_EDI.transpose(-2, -1), offs=offsets_E)
     # Per-expert loop (moe_impl='loop', or shapes/dtypes grouped GEMM cannot take; the trainer logs
     # which layer and why once, see moe_gemm_fallbacks). Host sync: Python slices by group size.
     chunks = x_AD.split(counts_E.tolist() if sizes_E is None else sizes_E)
@@ -270,8 +269,7 @@ class SharedExpert(nn.Module):
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         # swiglu() through the Linear modules (same math as swiglu(x, w13.weight, w2.weight)), so
         # a module swap such as float8's Float8Linear takes effect.
-        gate_NI, up_NI = self.w13(x_ND).chunk(2, dim=-1)
-        return self.w2(F.silu(gate_NI) * up_NI)
+        return self.w2(swiglu_activation(self.w13(x_ND)))
 
 
 class LoomMoE(nn.Module):
@@ -332,8 +330,7 @@ class LoomMoE(nn.Module):
             out_AD = self.experts(x_cast_ND[token_A], counts_E)
         # Combine: each output weighted by its gate and added into its token's row (no [N, K, D]
         # buffer). The K terms of a token add up in expert order, not slot order: fp32 rounding.
-        weighted_AD = out_AD * gate_A.unsqueeze(-1)
-        y_ND = weighted_AD.new_zeros(N, D).index_add_(0, token_A, weighted_AD)
+        y_ND = gate_combine(out_AD, gate_A, token_A, N)
         for shared in self.shared_experts:
             y_ND = y_ND + shared(x_ND)
 

@@ -20,6 +20,11 @@ Choices made for the looped model (each block runs H times per forward, K per se
   whatever the micro-batch count. Cost: each rank holds the unsharded fp32 (``reduce_dtype``)
   gradients of every FSDP unit until the segment's last backward (docs/parallelism.md gives the
   figures). "micro_batch": FSDP's per-backward behaviour, the sharded gradients only.
+- A block runs K times in a segment's forward, and FSDP2's post-backward runs once per use: left
+  alone, a backward that reduces would reduce-scatter (and reshard) after the first use it meets
+  and again after the last. ``LoopedBlockSync`` keeps each block's sync and reshard off in that
+  backward until its last use there (the segment's first loop) and turns them on from a hook on
+  that use's output gradient, so a block reduces once per reducing backward at any K.
 - FSDP's gradient division is off and its reductions are plain sums (gloo has no pre-multiplied
   sum), because the loss is already divided by the global valid-token count.
 - ``cast_forward_inputs=False``: the Looping-Residual memories, the carry and the RoPE tables stay
@@ -81,16 +86,73 @@ def parallelize_loom(
             unreduced = [p for p in model.parameters() if p.requires_grad]
         reduce_gradients(unreduced, reduce_dtype)
 
+    if not parallel_dims.fsdp_enabled:
+        return Parallelized(model, finish_gradients)
+    looped = LoopedBlockSync(model.layers)
+
     def defer_sync_to_segment_end(last: bool) -> None:
         # Deferred sync: gradients accumulate unsharded and the gathered parameters stay until the
         # segment's last backward, which reduces and reshards (before the optimizer step).
         model.set_requires_gradient_sync(last, recurse=True)
         model.set_reshard_after_backward(last, recurse=True)
+        if last:
+            looped.defer()
 
-    # The sync mode is bound here, once: the step calls whichever hook this layout needs.
-    if parallel_dims.fsdp_enabled and cfg.parallelism.fsdp_sync == "segment":
+    # The sync mode is bound here, once: the step calls whichever hook this layout needs. Either
+    # way a reducing backward reduces each looped block once (LoopedBlockSync).
+    if cfg.parallelism.fsdp_sync == "segment":
         return Parallelized(model, finish_gradients, defer_sync_to_segment_end)
-    return Parallelized(model, finish_gradients)
+    return Parallelized(model, finish_gradients, lambda last: looped.defer())
+
+
+class LoopedBlockSync:
+    """One reduce-scatter per block in a backward that reduces, however many loops used the block.
+
+    ``defer()`` (before such a forward) turns the blocks' gradient sync and reshard-after-backward
+    off (their FSDP units inside, the routed experts under EP, too) and arms each block: its first
+    call of that forward, the segment's first loop and so its last use in the backward, registers a
+    hook on its output gradient that turns them back on. That gradient is complete only once every
+    later loop's backward through the block has run (each of them lies between it and the loss),
+    so FSDP's post-backward of that last use reduces the gradient of all K uses, once, and
+    reshards. Public FSDP2 calls only (``set_requires_gradient_sync``, ``set_reshard_after_backward``
+    on the block). Per-object state, for the model's lifetime.
+    """
+
+    def __init__(self, blocks: nn.ModuleList):
+        self._blocks = list(blocks)
+        self._armed: set[int] = set()
+        for index, block in enumerate(self._blocks):
+            block.register_forward_hook(self._after_forward_hook(index))
+
+    def defer(self) -> None:
+        for block in self._blocks:
+            _set_block_sync(block, False)
+        self._armed = set(range(len(self._blocks)))
+
+    def _after_forward_hook(self, index: int):
+        block = self._blocks[index]
+
+        def enable(grad: torch.Tensor) -> None:
+            _set_block_sync(block, True)
+
+        # Outside the compiled block graph: the hook only reads Python state and registers a hook.
+        @torch.compiler.disable
+        def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if index not in self._armed:
+                return  # a later loop, a recompute, or a forward that does not reduce
+            self._armed.discard(index)
+            z = output[0]
+            if z.requires_grad:
+                z.register_hook(enable)
+            else:  # no backward through this output: reduce as FSDP would
+                _set_block_sync(block, True)
+
+        return after_forward
+
+
+def _set_block_sync(block: nn.Module, on: bool) -> None:
+    block.set_requires_gradient_sync(on, recurse=True)
+    block.set_reshard_after_backward(on, recurse=True)
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True) -> None:
