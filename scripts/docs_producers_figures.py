@@ -119,7 +119,7 @@ def flat_fsdp_scaling(ctx: Context) -> str:
         f"keeps the gathers inside a node of {m['node']} and sends only the reduced shard (1/{m['node']}) "
         f"over the network; at 512 GPUs with "
         f"2 rows per rank (one micro-batch: both FSDP sync modes alike) the step is short and "
-        f"communication-bound, and `ep 2` halves the expert bytes gathered."
+        f"communication-bound."
     )
 
 
