@@ -107,3 +107,17 @@ def test_every_cited_spec_section_has_a_numbered_heading_in_docs():
     missing = {s: where[:3] for s, where in cited.items() if s not in headings}
     assert missing == {}, f"sections cited but with no heading in docs/: {missing}"
     assert {"4.4", "5.2", "14"} <= headings and "99.9" not in headings
+
+
+def test_the_house_plan_names_every_module():
+    """docs/architecture.md lists the rooms file by file: a module added or renamed without it fails."""
+    plan = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", plan))
+    modules = [
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "torchtitan_loom").rglob("*.py")
+        if p.name != "__init__.py"
+    ]
+    assert len(modules) > 50
+    missing = [m for m in modules if Path(m).stem not in names]
+    assert missing == [], f"docs/architecture.md does not name: {missing}"
