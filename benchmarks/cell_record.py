@@ -35,10 +35,13 @@ def spread(times_s: list[float]) -> dict[str, float | None]:
 def kernels(trainer: Any, device_type: str, compiling: bool) -> dict[str, str]:
     """The attention backend and the routed experts' kernel the model chose on this device."""
     lines = []
-    if trainer.spec.kernel_report_fn is not None:
-        lines = trainer.spec.kernel_report_fn(
-            trainer.model, device_type, trainer.compute_dtype, compiling
-        )
+    try:  # a report is worth less than the cell: never let it fail the measurement
+        if trainer.spec.kernel_report_fn is not None:
+            lines = trainer.spec.kernel_report_fn(
+                trainer.model, device_type, trainer.compute_dtype, compiling
+            )
+    except Exception as exc:  # noqa: BLE001
+        return {"attention": f"unknown ({failure_reason(exc)})", "expert_kernel": "unknown"}
     attention = next((ln for ln in lines if ln.startswith("attention backend:")), "unknown")
     fallbacks = [ln for ln in lines if "per-expert loop" in ln]
     from torchtitan_loom.protocols import GroupedKernel

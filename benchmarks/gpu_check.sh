@@ -206,7 +206,7 @@ run_stage() {  # name cap function args...: run it under the time left, record i
     if (( rc == 124 || rc == 137 )); then status="timed out"; note="after ${limit} s (cap ${cap} s)"
     elif (( rc != 0 )); then status="failed"; note="exit ${rc}"
     fi
-    [[ "${name}" == gpu_tests ]] && note="${note:+${note}; }$(grep -E '[0-9]+ (passed|failed|skipped|error)' "${WORK}/${name}.log" | tail -n 1 | tr -d '=' | xargs)"
+    [[ "${name}" == gpu_tests ]] && note="${note:+${note}; }$(grep -E '[0-9]+ (passed|failed|skipped|error)' "${WORK}/${name}.log" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')"
     record "${name}" "${status}" "${took}" "${note}"
   fi
   publish

@@ -26,7 +26,8 @@ target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp31
 
 "${PYTHON}" -m pip download --quiet --no-deps "${target[@]}" \
   "torchao==${TORCHAO_VERSION:-0.18.0}" "torchdata==${TORCHDATA_VERSION:-0.11.0}"
-"${PYTHON}" -m pip download --quiet "${target[@]}" pytest
+# pytest >= 8: tests/gpu/conftest.py's per-test alarm is a wrapper hook.
+"${PYTHON}" -m pip download --quiet "${target[@]}" "pytest>=8"
 
 echo "wheels in ${DEST}:"
 ls -l "${DEST}"/*.whl | awk '{printf "  %8.1f KiB  %s\n", $5 / 1024, $NF}'

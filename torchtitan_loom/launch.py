@@ -1,13 +1,16 @@
 """A launch of the trainer, around the Trainer: arguments → config → checks → run folder → process
-group → train, and every way it ends mapped to its exit code (components/runtime/exit_codes.py).
+group → train, and every exception that is a known way to end mapped to its Outcome
+(``outcome_of``: status, exit code from components/runtime/exit_codes.py, message).
 
 ``run(argv, trainer_cls)`` is what ``python -m torchtitan_loom.train`` calls. Errors of what the run
 was given (config, data, checkpoint, run folder) print one line per problem on stderr, prefixed by
-their kind, and exit 2 before or instead of training.
+their kind, and exit 2 before or instead of training. Once the trainer exists, ``Trainer.run``
+ends the launch itself from its Outcome; ``record_end`` writes run.json's final status for it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Any
@@ -16,9 +19,9 @@ from torchtitan_loom.components.checkpoint import CheckpointError, layout
 from torchtitan_loom.components.checkpoint.resolve import checkpoint_root
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
-from torchtitan_loom.components.observability.progress import final_line
 from torchtitan_loom.components.runtime import exit_codes
-from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime.messages import shorten, shorten_line
+from torchtitan_loom.components.runtime.outcome import Outcome, Status
 from torchtitan_loom.components.runtime.preemption import ElasticRestarts
 from torchtitan_loom.components.runtime.run_folder import (
     RunFolderError,
@@ -154,69 +157,60 @@ def _train(
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     if cfg.job.print_config and info.rank == cfg.metrics.log_rank:
         print(to_toml(cfg))
-    trainer = None
     try:
         trainer = trainer_cls(cfg, resolved, info, run_id=run_id)
-        trainer.resume()
-        _log_elastic_restart(trainer, info)
-        code = trainer.train()
-    except CheckpointError as exc:  # a checkpoint that does not fit this run
-        _record_end(
-            trainer, "failed"
-        )  # a refused resume recorded nothing: run.json stays as it was
-        return _errors("checkpoint", exc), False
-    except UnsafePathError as exc:  # a link planted where the run writes, since the launch check
-        _record_end(trainer, "failed")
-        return _errors("run folder", exc), False
-    except PackError as exc:  # a pack that does not fit this run
-        _record_end(trainer, "failed")
-        return _errors("data", exc), False
-    except (
-        CheckpointSaveError,
-        KeyboardInterrupt,
-    ) as exc:  # disk full; or SIGINT twice / checkpoints off
-        if (
-            trainer is not None
-        ):  # no waiting on an in-flight save: put the handlers back, close the files
-            trainer.stop_signals.close()
-            trainer.metrics.close()
-        if isinstance(exc, KeyboardInterrupt):
-            _record_end(trainer, "stopped")
-            print("interrupted (SIGINT): stopped without saving", file=sys.stderr)
-            return exit_codes.INTERRUPTED, False
-        _record_end(trainer, "failed")
-        print(
-            shorten_line(f"checkpoint error: {exc}"), file=sys.stderr
-        )  # the older checkpoints are untouched
-        return exit_codes.FAILED, False
-    except Exception as exc:
-        why = dist_utils.lost_peer(exc)
-        if why is None:
-            _record_end(trainer, "failed")
+    except BaseException as exc:  # before run.json says running: it stays as it was
+        outcome = outcome_of(exc, cfg)
+        if outcome is None:
             raise
-        return _lost_peer(trainer, cfg, why), False
-    except BaseException:
-        _record_end(trainer, "failed")
-        raise
-    trainer.log(final_line(trainer.state.step, code, cfg.job.dump_folder, trainer.held_out.last))
-    done = code == exit_codes.OK and trainer.state.step >= cfg.training.steps
-    # train() returns BAD_INPUT only for a divergence abort (every other refusal is an exception).
-    _record_end(
-        trainer, "finished" if done else "diverged" if code == exit_codes.BAD_INPUT else "stopped"
-    )
-    return code, True
+        print(outcome.message, file=sys.stderr)
+        return outcome.exit_code, False
+    outcome = trainer.run()  # ends the launch itself: its last line and run.json's status
+    return outcome.exit_code, not outcome.error  # no barrier after an error: peers may be gone
 
 
-def _log_elastic_restart(trainer: Any, info: dist_utils.DistInfo) -> None:
+def _lines(kind: str, exc: BaseException) -> str:
+    return "\n".join(shorten_line(f"{kind} error: {line}") for line in str(exc).splitlines())
+
+
+def outcome_of(exc: BaseException, cfg: Any, step: int = 0) -> Outcome | None:
+    """The Outcome of an exception that ends a launch (of ``cfg``, after global step ``step``) in a
+    known way; None for anything else (a bug: the caller re-raises it, with its traceback)."""
+    if isinstance(exc, CheckpointSaveError):  # disk full during a save: older checkpoints stay
+        msg = shorten_line(f"checkpoint error: {exc}")
+        return Outcome(Status.FAILED, exit_codes.FAILED, msg, error=True)
+    if isinstance(exc, CheckpointError):  # a checkpoint that does not fit this run
+        return Outcome(Status.FAILED, exit_codes.BAD_INPUT, _lines("checkpoint", exc), error=True)
+    if isinstance(exc, UnsafePathError):  # a link planted where the run writes, since the launch
+        return Outcome(Status.FAILED, exit_codes.BAD_INPUT, _lines("run folder", exc), error=True)
+    if isinstance(exc, PackError):  # a pack that does not fit this run
+        return Outcome(Status.FAILED, exit_codes.BAD_INPUT, _lines("data", exc), error=True)
+    if isinstance(exc, KeyboardInterrupt):  # SIGINT twice, or once with checkpoints off
+        msg = "interrupted (SIGINT): stopped without saving"
+        return Outcome(Status.STOPPED, exit_codes.INTERRUPTED, msg, error=True)
+    why = dist_utils.lost_peer(exc) if isinstance(exc, Exception) else None
+    if why is not None:
+        return _lost_peer(cfg, step, why)
+    if isinstance(exc, OSError):  # a file of the run could not be written: a full disk, say
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        what = "disk full" if full else "i/o error"
+        where = f" writing {shorten(exc.filename)}" if exc.filename else ""
+        msg = f"{what}{where}: {exc.strerror or exc}"
+        return Outcome(Status.FAILED, exit_codes.FAILED, msg, error=True)
+    return None
+
+
+def log_elastic_restart(
+    log: Any, resumed_from: int | None, was_world: int | None, world: int
+) -> None:
     """Under torchrun's elastic agent, the one line that says how this round resumed."""
     elastic = ElasticRestarts.from_env(os.environ)
-    if not (elastic.run_id and elastic.max_restarts > 0 and trainer.resumed_from is not None):
+    if not (elastic.run_id and elastic.max_restarts > 0 and resumed_from is not None):
         return
-    was = trainer.checkpointer.loaded_world_size or "unknown"
-    trainer.log(
+    log(
         f"elastic (run {elastic.run_id}, restart {elastic.restart_count} of "
-        f"{elastic.max_restarts}): world size was {was}, now {info.world_size}, resumed from "
-        f"step {trainer.resumed_from}"
+        f"{elastic.max_restarts}): world size was {was_world or 'unknown'}, now {world}, "
+        f"resumed from step {resumed_from}"
     )
 
 
@@ -224,16 +218,11 @@ def _steps(first: int, last: int) -> str:
     return f"step {first} is" if first == last else f"steps {first}-{last} are"
 
 
-def _lost_peer(trainer: Any, cfg: Any, why: str) -> int:
+def _lost_peer(cfg: Any, step: int, why: str) -> Outcome:
     """A collective failed because a peer is gone: one line, no traceback, and the exit code that
     makes an elastic agent restart the group (1 without restarts left: relaunch by hand)."""
     elastic = ElasticRestarts.from_env(os.environ)
     code = exit_codes.RESTART if elastic.restarts_left else exit_codes.FAILED
-    step = 0
-    if trainer is not None:  # no waiting on an in-flight save: its collective has a lost peer too
-        trainer.stop_signals.close()
-        trainer.metrics.close()
-        step = trainer.state.step
     newest = layout.scan(checkpoint_root(cfg.job.dump_folder, cfg.checkpoint.folder))
     newest = newest.newest() if cfg.checkpoint.enable else None
     resume = (
@@ -248,22 +237,14 @@ def _lost_peer(trainer: Any, cfg: Any, why: str) -> int:
         if code == exit_codes.RESTART
         else f"relaunch to continue; the run {resume}"
     )
-    _record_end(trainer, "stopped" if code == exit_codes.RESTART else "failed")
-    print(
-        shorten_line(f"lost a peer during step {step + 1} ({why}): exiting {code}; {then}"),
-        file=sys.stderr,
-    )
-    return code
+    msg = shorten_line(f"lost a peer during step {step + 1} ({why}): exiting {code}; {then}")
+    status = Status.STOPPED if code == exit_codes.RESTART else Status.FAILED
+    return Outcome(status, code, msg, error=True)
 
 
-def _record_end(trainer: Any, status: str) -> None:
-    """run.json's status at the end of a launch that recorded itself as running (rank 0): finished,
-    stopped (resumable: a signal, exit_after_step, Ctrl-C twice), diverged (exit 2) or failed."""
-    if trainer is None or not trainer.launch_recorded:
-        return
+def record_end(cfg: Any, run_id: str, status: str, step: int) -> None:
+    """run.json's status at the end of a launch that recorded itself as running (rank 0)."""
     try:
-        record_launch(trainer.cfg, trainer.run_id, status, trainer.state.step)
-    except (
-        OSError
-    ) as exc:  # e.g. the disk that ended the run is still full: say so, keep the exit code
+        record_launch(cfg, run_id, status, step)
+    except OSError as exc:  # the disk that ended the run is still full: say so, keep the exit code
         print(f"warning: run.json not updated to {status!r}: {exc}", file=sys.stderr)

@@ -3,6 +3,8 @@ machine (one gloo rank each, c10d rendezvous on localhost, node 1 hosting the st
 whole (agent and worker, SIGKILL) mid-run: node 1 restarts alone at world size 1 from the newest
 checkpoint and finishes, with the losses of a run resumed by hand from that checkpoint on one rank.
 A node that joins a running one-node job: the job restarts at world size 2 from the step it saved.
+A node whose agent alone dies: every rank saves, and node 1 restarts alone from that step. Killing
+torchrun with checkpoints off: every rank stops after the same step, no traceback.
 
 Time limits are multiples of the measured launch cost (tests/launch_cost.py)."""
 
@@ -245,3 +247,43 @@ def test_killing_torchrun_with_checkpoints_off_stops_every_rank_cleanly(
     for rank in "01":
         assert "Traceback" not in logs[f"{rank}/stderr.log"], logs[f"{rank}/stderr.log"][-2000:]
     assert json.loads((dump / "run.json").read_text())["status"] == "stopped"
+
+
+def test_a_node_whose_agent_dies_saves_and_the_rest_restart_without_it(
+    tiny_pack, tmp_path, launch_cost_s
+):
+    # Node 2's agent killed, its worker alive: the worker stops (its launcher is gone) and every
+    # rank saves that step. Node 1's worker used to exit 0 as on a preemption, so its agent waited
+    # at its exit barrier for the dead node and the job ended there; it now exits 3 (RESTART).
+    dump, port = tmp_path / "orphan", _free_port()
+    args = common(tiny_pack, steps=STEPS) + ["--job.dump_folder", str(dump)]
+    deadline = time.monotonic() + LAUNCHES * launch_cost_s
+    with open(tmp_path / "node1.log", "w") as log1, open(tmp_path / "node2.log", "w") as log2:
+        node1 = _node(args, port, log1, host_store=True)
+        node2 = _node(args, port, log2, host_store=False)
+        worker2 = []
+        try:
+            _wait_trained(dump, 3, [node1, node2], deadline)
+            worker2 = _children(node2.pid)
+            os.killpg(node2.pid, signal.SIGKILL)  # the agent only: its worker has its own session
+            node2.wait()
+            out = _finish(node1, log1, deadline)
+            while any(_alive(p) for p in worker2):
+                assert time.monotonic() < deadline, "node 2's worker outlived its launcher"
+                time.sleep(0.2)
+        finally:
+            _stop([node1, node2])
+            for p in worker2:
+                if _alive(p):
+                    os.kill(p, signal.SIGKILL)
+    out += Path(log2.name).read_text()
+    assert node1.returncode == 0, out[-3000:]
+    stop = re.search(
+        r"stopped after step (\d+), saved \S+; exiting 3: torchrun's elastic agent", out
+    )
+    assert stop, out[-3000:]
+    step = int(stop.group(1))
+    assert f"world size was 2, now 1, resumed from step {step}" in out  # nothing trained twice
+    rows = [json.loads(r)["step"] for r in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, STEPS + 1))
+    assert json.loads((dump / "run.json").read_text())["status"] == "finished"

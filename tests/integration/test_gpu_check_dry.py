@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,8 +163,34 @@ def test_killed_right_after_the_first_cell_out_holds_that_cell(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+        # `timeout` puts each stage in a process group of its own: end the rest of the session
+        # this test started (by its id), so no stage outlives the test.
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
     summary = (out / "summary.md").read_text()
     rows = dict(stage_rows(summary))
     assert rows["bf16_compiled"] == "ok" and rows["bf16_eager"] == "pending"
     assert float(cell_rows(summary)["bf16_compiled"][2].replace(",", "")) > 0
     assert "bf16_compiled" in json.loads((out / "cells.json").read_text())
+
+
+def test_a_hanging_gpu_test_is_cut_by_its_own_alarm_and_the_next_one_runs(tmp_path):
+    """tests/gpu/conftest.py's per-test alarm (GPU_TEST_S), on a copy of it next to a test that
+    sleeps past it."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "gpu" / "conftest.py").read_text())
+    (tmp_path / "test_hang.py").write_text(
+        "import time\n\n"
+        "def test_hangs():\n    time.sleep(60)\n\n"
+        "def test_after_it():\n    assert True\n"
+    )
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env(GPU_TEST_S="2"),
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "1 failed, 1 passed" in proc.stdout and "ran past GPU_TEST_S=2 s" in proc.stdout
+    assert time.monotonic() - started < 50

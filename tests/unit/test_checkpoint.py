@@ -175,7 +175,8 @@ def test_torn_checkpoint_is_skipped_with_a_warning(tiny_pack, tmp_path, capsys):
     os.remove(root / "step-3" / layout.MARKER)  # rank 0 died before the marker
     shutil.copytree(root / "step-2", root / ".tmp-step-4")  # a save killed mid-write
     capsys.readouterr()
-    t = make_trainer(tiny_pack, tmp_path, "--training.steps", "3")
+    # run.json says finished: a relaunch continues it with more steps.
+    t = make_trainer(tiny_pack, tmp_path, "--training.steps", "4")
     assert t.state.step == 2
     out = capsys.readouterr().out
     assert "warning: skipping incomplete checkpoint" in out
@@ -204,18 +205,23 @@ def test_keep_latest_k_snapshots_and_loading_a_snapshot(tiny_pack, tmp_path):
     )
     root = str(tmp_path / "checkpoint")
     found = layout.scan(root)
-    assert [e.step for e in found.of_kind("periodic")] == [6, 7]
-    assert [e.step for e in found.of_kind("snapshot")] == [4, 6]
+    # Step 5 is the newest checkpoint followed by 2 healthy steps: keep 2 up to it, and all after.
+    assert [e.step for e in found.of_kind("periodic")] == [4, 5, 6, 7]
+    assert [e.step for e in found.of_kind("snapshot")] == [2, 4, 6]
     # The snapshot of step 6 shares the periodic files (hard links), marked as a snapshot.
     a = os.stat(os.path.join(root, "step-6", "__0_0.distcp"))
     b = os.stat(os.path.join(root, "snapshots", "step-6", "__0_0.distcp"))
     assert (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
     index = layout.read_json(os.path.join(root, layout.INDEX))
     assert index["latest"] == "step-7" and index["final"] == "step-7"
-    assert [s["path"] for s in index["snapshots"]] == ["snapshots/step-4", "snapshots/step-6"]
-    # Step 4 survives only as a snapshot; load_step finds it there.
-    t4 = make_trainer(tiny_pack, tmp_path, "--training.steps", "7", "--checkpoint.load_step", "4")
-    assert t4.state.step == 4 and t4.dataloader.state_dict()["cursor"] == 16
+    assert [s["path"] for s in index["snapshots"]] == [
+        "snapshots/step-2",
+        "snapshots/step-4",
+        "snapshots/step-6",
+    ]
+    # Step 2 survives only as a snapshot; load_step finds it there.
+    t2 = make_trainer(tiny_pack, tmp_path, "--training.steps", "7", "--checkpoint.load_step", "2")
+    assert t2.state.step == 2 and t2.dataloader.state_dict()["cursor"] == 8
     assert t.state.step == 7
 
 
@@ -232,7 +238,7 @@ def test_async_save_stages_before_returning_and_commits(tiny_pack, tmp_path):
             p.add_(1.0)
     t1.checkpointer.close()
     assert layout.is_complete(str(tmp_path / "checkpoint" / "step-3"))
-    t2 = make_trainer(tiny_pack, tmp_path, "--training.steps", "2")
+    t2 = make_trainer(tiny_pack, tmp_path, "--training.steps", "3")  # the run finished at 2
     assert_same_tensors(expected, t2.model.state_dict(), "async-saved model")
 
 
@@ -285,7 +291,7 @@ def test_spike_abort_does_not_save_the_step_it_stopped_at(tiny_pack, tmp_path):
         "--spike_guard.abort_on_spike",
         "true",
     )
-    t.spike_guard.check = lambda seg, loss, finite, step: "forced" if step >= 2 else None
+    t.spike_guard.check = lambda seg, loss, step: "forced" if step >= 2 else None
     assert t.train() == 2
     assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 1
     assert "loss spike at step 2" in (tmp_path / "SPIKE_ABORT.txt").read_text()

@@ -4,7 +4,8 @@ A loom_1p7b-shaped model (micro-batch 8 x 1023, loops 1-3 = the preset's first s
 forward, the trainer's loss and backward under FakeTensorMode with every kernel decision made for
 CUDA (cuda_trace.py). From the recorded aten ops:
 - every GEMM except the router's runs in bf16 (the routers' three fp32 GEMMs per layer and loop
-  are by design: sigmoid routing decides top-k on them);
+  are by design: sigmoid routing decides top-k on them; the gate combine's per-row dot product,
+  one bmm per layer and loop, is in the combine's dtype);
 - the routed experts reach torch._grouped_mm with 16-byte-aligned strides (its CUDA kernel's rule);
 - no floating S x S tensor (attention scores) is created: flex runs as one fused kernel;
 - no op forces a device-to-host transfer (budget 0 inside the model: the trainer's one sync per
@@ -62,10 +63,22 @@ def check_cuda_segment(
 ) -> None:
     LT = n_layers * T
     gemms = rec.named(*GEMMS)
+
+    def row_dot(op):
+        """The gate combine's gate gradient (models/loom/swiglu.py): one dot product per
+        assignment row as a bmm [A, 1, D] x [A, D, 1] in the combine's dtype (fp32 under
+        autocast, bf16 under FSDP), not a GEMM."""
+        a, b = tensors(op)[:2]
+        return op.name == "bmm" and a.shape[-2] == 1 and b.shape[-1] == 1
+
+    dots = [op for op in gemms if row_dot(op)]
+    assert len(dots) == LT
     high = [
         op
         for op in gemms
-        if not low_precision_gemm(op) and any(t.dtype != torch.bfloat16 for t in tensors(op))
+        if not low_precision_gemm(op)
+        and not row_dot(op)
+        and any(t.dtype != torch.bfloat16 for t in tensors(op))
     ]
     # The routers' GEMMs (an [*, E] operand, fp32), and nothing else outside bf16.
     assert all(
@@ -141,7 +154,9 @@ def test_float8_segment_converts_what_it_claims():
         seq_len=S,
         loops=LOOPS,
         precision="autocast",
-        convert=Float8Converter(plan, spec.float8_never_convert, spec.float8_experts_fn).convert,
+        convert=Float8Converter(
+            plan, spec.float8_never_convert, spec.float8_experts_fn, B * S
+        ).convert,
     )
     per_layer = (
         "attention.wqkv",

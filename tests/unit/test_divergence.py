@@ -1,6 +1,6 @@
 """Divergence stops (issue #11): N consecutive skipped steps or a non-finite weight exit 2 with
 SPIKE_ABORT.txt, never save a non-finite model, and the last checkpoint before the streak survives
-pruning. A non-finite loss or gradient always stops the run, with the guard on or off."""
+pruning (only a checkpoint followed by healthy steps prunes older ones). A non-finite loss or gradient always stops the run, with the guard on or off."""
 
 import shutil
 
@@ -27,15 +27,15 @@ def test_consecutive_skips_stop_the_run_and_keep_the_last_good_checkpoint(
     tiny_pack, tmp_path, capsys
 ):
     t = make_trainer(tiny_pack, tmp_path, *COMMON, "--spike_guard.max_consecutive_skips", "3")
-    t.spike_guard.check = lambda seg, loss, finite, step: "forced" if step >= 3 else None
+    t.spike_guard.check = lambda seg, loss, step: "forced" if step >= 3 else None
     assert t.train() == 2
     assert t.state.step == 5  # skips at 3, 4, 5: the third stops the run
     text = (tmp_path / "SPIKE_ABORT.txt").read_text()
     assert "3 consecutive skipped steps" in text and "max_consecutive_skips" in text
     found = [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete]
-    # keep_latest_k = 1 would keep only step-4; step-2 (before the first skip) is KEEP-marked; 5 is never saved.
-    assert found == [2, 4]
-    assert (tmp_path / "checkpoint" / "step-2" / layout.KEEP).exists()
+    # keep_latest_k = 1, but no checkpoint was followed by 2 healthy steps (3 is the first skip),
+    # so none prunes another: step-2, the last before the streak, is there; 5 is never saved.
+    assert found == [1, 2, 3, 4]
 
 
 def test_a_skip_streak_that_ends_does_not_stop(tiny_pack, tmp_path):
@@ -48,7 +48,7 @@ def test_a_skip_streak_that_ends_does_not_stop(tiny_pack, tmp_path):
         "--spike_guard.max_consecutive_skips",
         "2",
     )
-    t.spike_guard.check = lambda seg, loss, finite, step: "forced" if step in (2, 4) else None
+    t.spike_guard.check = lambda seg, loss, step: "forced" if step in (2, 4) else None
     assert t.train() == 0 and t.state.step == 6
     assert not (tmp_path / "SPIKE_ABORT.txt").exists()
 
@@ -78,7 +78,8 @@ def test_nonfinite_weight_after_a_step_stops_without_saving(tiny_pack, tmp_path,
 
 @pytest.fixture(scope="module")
 def stopped_at_8(tiny_pack, tmp_path_factory):
-    """A healthy run stopped at step 8 (checkpoints at 4 and 8), as the relaunches below find it."""
+    """A healthy run stopped at step 8 (checkpoints at 4 and 8: keep_latest_k = 1, but step-8 was
+    not followed by healthy steps yet), as the relaunches below find it."""
     dump = tmp_path_factory.mktemp("stopped_at_8")
     t = make_trainer(
         tiny_pack, dump, *COMMON, "--checkpoint.interval", "4", "--checkpoint.exit_after_step", "8"
@@ -109,9 +110,8 @@ def test_a_nonfinite_loss_stops_the_run_whatever_the_guard(
     assert t.train() == 2 and t.state.step == 10
     text = (tmp_path / "SPIKE_ABORT.txt").read_text()
     assert "non-finite loss in segment 1" in text and "at step 10" in text
-    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [
-        8
-    ]  # nothing saved, nothing pruned
+    # Nothing saved, nothing pruned (step-8 was never followed by 2 healthy steps: step-4 stays).
+    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [4, 8]
     assert not model_finite(t.model)  # the NaN step's update was not applied
 
 
@@ -123,4 +123,4 @@ def test_a_nonfinite_gradient_stops_the_run(tiny_pack, tmp_path, stopped_at_8):
     )
     assert t.train() == 2 and t.state.step == 10
     assert "non-finite gradient in segment 1" in (tmp_path / "SPIKE_ABORT.txt").read_text()
-    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [8]
+    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [4, 8]

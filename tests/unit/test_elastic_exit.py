@@ -26,7 +26,7 @@ def elastic(monkeypatch):
 
 def _stopped_by_a_peer(**kwargs):
     watcher = PreemptionWatcher(enabled=False, **kwargs)
-    watcher.agree()  # the step's statistics said another rank got a stop request
+    watcher.observe(1.0)  # the step's statistics said another rank got a stop request
     return watcher
 
 
@@ -46,7 +46,7 @@ def test_a_preempted_rank_exits_0_under_an_elastic_agent(elastic):
     watcher = PreemptionWatcher(enabled=True)
     try:
         signal.raise_signal(signal.SIGTERM)  # the scheduler's signal, through the agent or not
-        watcher.agree()
+        watcher.observe(1.0)
         assert watcher.exit_code() == exit_codes.OK
         # The signal may land during the stop's save, after the ranks agreed: read at exit.
         late = _stopped_by_a_peer()

@@ -257,7 +257,14 @@ def test_cli_exits_2_with_one_error_line(capsys):
         len([ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("config error")])
         == 1
     )
+    # One line per problem, all in one run: the bad recipe and (without emulate) the CPU rule.
     assert main(["--float8.enable", "--float8.recipe", "nope", "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("config error") == 2 and "float8.recipe" in err and "float8.emulate" in err
+    assert (
+        main(["--float8.enable", "--float8.emulate", "--float8.recipe", "nope", "--check-config"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("config error") == 1 and "float8.recipe" in err
     assert (

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from torchtitan_loom.tools import pack as cli
+from torchtitan_loom.tools import pack_build
 
 datasets = pytest.importorskip("datasets")
 
@@ -50,9 +51,9 @@ def test_saved_dataset_packs_like_jsonl_with_an_eta(reference_pack, tmp_path, mo
         str(saved)
     )
     monkeypatch.setattr(
-        cli, "PROGRESS_EVERY_S", 0.0
+        pack_build, "PROGRESS_EVERY_S", 0.0
     )  # a line per batch, so the small test sees one
-    monkeypatch.setattr(cli, "DOCS_PER_TASK", 64)
+    monkeypatch.setattr(pack_build, "DOCS_PER_TASK", 64)
     assert cli.main(["--hf-dataset", str(saved), "--out", str(tmp_path / "hf"), *PACK_FLAGS]) == 0
     same_pack(reference_pack, tmp_path / "hf")
     err = capsys.readouterr().err

@@ -56,7 +56,7 @@ def test_signal_mid_step_abandons_it_saves_and_resumes_bit_identically(
     assert t.train() == code
     assert signal.getsignal(sig) == before
     out = capfd.readouterr().out
-    assert f"received {signal.Signals(sig).name}: stopping at the next micro-batch" in out
+    assert f"received {signal.Signals(sig).name}: stopping after the step in progress" in out
     assert t.state.step == 2 and t.dataloader.state_dict()["cursor"] == 2 * 4
     assert layout.scan(str(tmp_path / "run" / "checkpoint")).newest().step == 2
     resumed = run(make_trainer(tiny_pack, tmp_path / "run", *STEPS))
@@ -71,7 +71,7 @@ def test_sigterm_during_eval_stops_the_eval_saves_and_exits_0(tiny_pack, tmp_pat
     assert t.train() == 0 and t.state.step == 2
     out = capfd.readouterr().out
     assert (
-        "received SIGTERM: stopping at the next micro-batch" in out
+        "received SIGTERM: stopping after the step in progress" in out
         and "stopped after step 2" in out
     )
     rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]

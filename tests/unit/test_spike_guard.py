@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch.distributed.checkpoint as dcp
 
+from torchtitan_loom.components.optim.divergence import non_finite_statistic
 from torchtitan_loom.components.optim.spike_guard import SpikeGuard
 from torchtitan_loom.config.schema import SpikeGuard as SpikeGuardSection
 
@@ -19,43 +20,43 @@ def _guard_with_base(base=3.0, segment=0, **kw):
 
 def test_spec_sanity_base_3():
     g = _guard_with_base(3.0)
-    reason = g.check(0, 3.18, True, step=10)
+    reason = g.check(0, 3.18, step=10)
     assert reason is not None and reason.startswith("adaptive")  # threshold max(0.18, 0.18)
-    assert g.check(0, 3.17, True, step=10) is None
+    assert g.check(0, 3.17, step=10) is None
 
 
 def test_first_seen_segment_accepted():
     g = _guard_with_base(3.0, segment=0)
-    # Segment 1 has no baseline: even a huge loss is accepted (only non-finite is refused).
-    assert g.check(1, 50.0, True, step=10) is None
-    assert g.check(1, math.nan, True, step=10) == "non-finite loss"
+    # Segment 1 has no baseline: even a huge loss is accepted.
+    assert g.check(1, 50.0, step=10) is None
 
 
-def test_non_finite_checks_come_first():
-    g = _guard_with_base(3.0)
-    assert g.check(0, math.inf, True, step=10) == "non-finite loss"
-    assert g.check(0, math.nan, False, step=10) == "non-finite loss"
-    assert g.check(0, 3.0, False, step=10) == "non-finite gradient"
+def test_the_non_finite_rule_has_one_owner():
+    # The trainer asks divergence.non_finite_statistic before the guard, which sees finite losses only.
+    assert non_finite_statistic(math.inf, 0.0) == "non-finite loss"
+    assert non_finite_statistic(math.nan, 3.0) == "non-finite loss"
+    assert non_finite_statistic(3.0, 1.0) == "non-finite gradient"
+    assert non_finite_statistic(3.0, 0.0) is None
 
 
 def test_rules_in_order():
     # hard: Δ ≥ 1.5 also satisfies ratio and adaptive; the hard rule must be reported.
     g = _guard_with_base(3.0)
-    assert g.check(0, 4.5, True, step=10).startswith("hard")
-    assert g.check(0, 4.49, True, step=10).startswith("ratio")
+    assert g.check(0, 4.5, step=10).startswith("hard")
+    assert g.check(0, 4.49, step=10).startswith("ratio")
     # ratio before adaptive: base 1.0, loss 1.2 → ratio (1.09) and adaptive (0.18) both fire.
     g = _guard_with_base(1.0)
-    assert g.check(0, 1.2, True, step=10).startswith("ratio")
+    assert g.check(0, 1.2, step=10).startswith("ratio")
     # adaptive only: base 10 → ratio at 10.9, adaptive at max(0.18, 0.6) = 0.6.
     g = _guard_with_base(10.0)
-    assert g.check(0, 10.61, True, step=10).startswith("adaptive")
-    assert g.check(0, 10.59, True, step=10) is None
+    assert g.check(0, 10.61, step=10).startswith("adaptive")
+    assert g.check(0, 10.59, step=10) is None
     # Isolate each threshold by switching the others off.
     g = _guard_with_base(3.0, hard=1e9, ratio=1e9, rel=0.0, delta=0.5)
-    assert g.check(0, 3.5, True, step=10).startswith("adaptive")
-    assert g.check(0, 3.49, True, step=10) is None
+    assert g.check(0, 3.5, step=10).startswith("adaptive")
+    assert g.check(0, 3.49, step=10) is None
     g = _guard_with_base(3.0, hard=0.1, ratio=1e9, delta=1e9)
-    assert g.check(0, 3.1, True, step=10).startswith("hard")
+    assert g.check(0, 3.1, step=10).startswith("hard")
 
 
 def test_ema_update():
@@ -65,29 +66,25 @@ def test_ema_update():
     assert g.prev[0] == 2.0
     assert g.ema[0] == pytest.approx(0.9 * 3.0 + 0.1 * 2.0, abs=1e-15)
     # The baseline is the EMA (2.9), not prev (2.0): 2.9 + 0.18 is the adaptive limit.
-    assert g.check(0, 3.07, True, step=5) is None
-    assert g.check(0, 3.09, True, step=5).startswith("adaptive")
+    assert g.check(0, 3.07, step=5) is None
+    assert g.check(0, 3.09, step=5).startswith("adaptive")
 
 
-def test_warmup_only_non_finite():
+def test_warmup_skips_nothing_but_still_names_the_breach():
     g = _guard_with_base(3.0, warmup_steps=100)
-    assert g.check(0, 10.0, True, step=100) is None
-    assert g.check(0, math.nan, True, step=50) == "non-finite loss"
-    assert g.check(0, 3.0, False, step=50) == "non-finite gradient"
-    assert g.check(0, 10.0, True, step=101).startswith("hard")
+    assert g.check(0, 10.0, step=100) is None
+    assert g.breach(0, 10.0).startswith("hard")  # a warm-up step that proves no checkpoint
+    assert g.check(0, 10.0, step=101).startswith("hard")
 
 
-def test_disabled_accepts_everything_and_ignores_non_finite_in_state():
+def test_disabled_accepts_everything():
     g = _guard_with_base(3.0, enabled=False)
-    assert g.check(0, 100.0, True, step=10) is None
-    assert g.check(0, math.nan, False, step=10) is None
-    g.accept(0, math.nan)
-    assert g.ema[0] == 3.0 and g.prev[0] == 3.0
+    assert g.check(0, 100.0, step=10) is None and g.breach(0, 100.0) is None
 
 
 def test_bad_segment_index():
     with pytest.raises(ValueError, match="segment"):
-        SpikeGuard(SpikeGuardSection()).check(-1, 1.0, True, step=1)
+        SpikeGuard(SpikeGuardSection()).check(-1, 1.0, step=1)
 
 
 def _trajectory():
@@ -103,7 +100,7 @@ def _trajectory():
 def _run(guard, items):
     decisions = []
     for step, seg, loss in items:
-        r = guard.check(seg, loss, True, step)
+        r = guard.check(seg, loss, step)
         decisions.append(r)
         if r is None:
             guard.accept(seg, loss)

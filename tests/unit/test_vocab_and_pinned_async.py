@@ -114,7 +114,8 @@ def test_async_with_pinned_mem_reuses_one_stager_and_saves_exactly(pack_49152, t
         and layout.scan(str(tmp_path / "checkpoint")).newest().step == 3
     )
     expected = {k: v.clone() for k, v in t1.model.state_dict().items()}
-    cfg2 = load_config(_argv(pack_49152, tmp_path, *extra))
+    # run.json says finished: load_step is how a finished run is opened again.
+    cfg2 = load_config(_argv(pack_49152, tmp_path, *extra, "--checkpoint.load_step", "3"))
     t2 = Trainer(cfg2, resolve(cfg2, 1), CPU)
     t2.resume()
     assert t2.state.step == 3

@@ -113,14 +113,15 @@ def test_an_index_link_planted_mid_run_ends_consistent_and_says_what_is_on_disk(
         os.symlink(precious, os.path.join(t.checkpointer.root, layout.INDEX + ".partial"))
 
     policy = ("--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "1")
-    assert launch_with(planting(9, plant), tiny_pack, dump, *policy, steps=12) == 2
+    # After step 11: step-8, proven by steps 9 and 10, has pruned step-4; step 12's commit is next.
+    assert launch_with(planting(11, plant), tiny_pack, dump, *policy, steps=12) == 2
     err = one_line(capsys, "checkpoint error: ")
     root = dump / "checkpoint"
     assert f"checkpoint step 12 saved to {root / 'step-12'} (complete" in err, err
     assert "index.json and LAYOUT.md not rewritten" in err and "do not list step 12" in err, err
     assert "nothing pruned" in err and "not saved" not in err, err
     assert precious.read_text() == "precious\n"
-    # What the message says is what is on disk: step-8 kept (keep_latest_k 1 did not prune it),
+    # What the message says is what is on disk: step-8 kept (step-12 was not proven yet),
     # step-12 complete, the index still naming step-8 as the newest.
     assert [e.step for e in layout.scan(str(root)).complete] == [8, 12]
     assert layout.read_json(str(root / layout.INDEX))["latest"] == "step-8"
@@ -128,7 +129,8 @@ def test_an_index_link_planted_mid_run_ends_consistent_and_says_what_is_on_disk(
     capsys.readouterr()
     assert launch_with(Trainer, tiny_pack, dump, *policy, steps=13) == 0
     assert "resumed from" in capsys.readouterr().out
-    assert [e.step for e in layout.scan(str(root)).complete] == [13]
+    # Pruning waits for 2 healthy steps after a checkpoint: step-13 (the run's end) proves nothing.
+    assert [e.step for e in layout.scan(str(root)).complete] == [8, 12, 13]
     assert layout.read_json(str(root / layout.INDEX))["latest"] == "step-13"
 
 
@@ -140,7 +142,7 @@ def test_an_abort_file_linked_mid_run_is_not_written_through(tiny_pack, tmp_path
     class Spiking(planting(1, lambda t: os.symlink(precious, dump / "SPIKE_ABORT.txt"))):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
-            self.spike_guard.check = lambda seg, loss, finite, step: "forced" if step >= 2 else None
+            self.spike_guard.check = lambda seg, loss, step: "forced" if step >= 2 else None
 
     extra = ("--spike_guard.abort_on_spike", "true")
     assert launch_with(Spiking, tiny_pack, dump, *extra, steps=4) == 2  # the stop goes on

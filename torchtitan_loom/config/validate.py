@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
-import math
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,6 +17,16 @@ from torchtitan_loom.components.runtime.run_folder import relaunch_errors
 from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
 from torchtitan_loom.config.manager import ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
+from torchtitan_loom.config.section_checks import (
+    checkpoint_errors,
+    diagnostics_errors,
+    estimate_errors,
+    float8_errors,
+    number_errors,
+    pack_max_seq_len,
+    profiling_errors,
+    vocab_errors,
+)
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import get_train_spec
 
@@ -58,163 +65,6 @@ def resolve_model_args(cfg: JobConfig) -> Any:
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
     return args
-
-
-def _pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
-    meta = os.path.join(path, "metadata.json")
-    if not os.path.isdir(path):
-        errors.append(
-            f"{key}: no such directory '{path}' (a packed corpus; see python -m torchtitan_loom.tools.pack)"
-        )
-        return None
-    if not os.path.isfile(meta):
-        errors.append(
-            f"{key}: '{path}' has no metadata.json; is it a pack written by torchtitan_loom.tools.pack?"
-        )
-        return None
-    try:
-        with open(meta) as fh:
-            return int(json.load(fh)["max_seq_len"])
-    except (ValueError, KeyError, TypeError) as exc:
-        errors.append(f"{key}: '{meta}' is unreadable or lacks max_seq_len ({exc})")
-        return None
-
-
-def _number_errors(cfg: JobConfig) -> list[str]:
-    """[optimizer], [lr_scheduler], [spike_guard], training.max_norm: finite and in range (a NaN
-    compares false with everything, so every check is written to fail for it)."""
-    errors = []
-
-    def need(key: str, value: float, ok: bool, valid: str) -> None:
-        if not (math.isfinite(value) and ok):
-            errors.append(f"{key} = {value}: {valid}")
-
-    o, s, g = cfg.optimizer, cfg.lr_scheduler, cfg.spike_guard
-    need("optimizer.lr", o.lr, o.lr > 0, "must be a finite number > 0")
-    need("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "must lie in [0, 1)")
-    need("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "must lie in [0, 1)")
-    need("optimizer.eps", o.eps, o.eps > 0, "must be a finite number > 0")
-    need(
-        "optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be a finite number ≥ 0"
-    )
-    need(
-        "training.max_norm",
-        cfg.training.max_norm,
-        True,
-        "must be a finite number (≤ 0 disables clipping)",
-    )
-    for key in ("warmup_ratio", "decay_ratio", "min_ratio"):
-        v = getattr(s, key)
-        need(f"lr_scheduler.{key}", v, 0 <= v <= 1, "must lie in [0, 1]")
-    if s.kind == "wsd" and s.warmup_ratio + s.decay_ratio > 1:
-        errors.append(
-            f"lr_scheduler.warmup_ratio + decay_ratio = {s.warmup_ratio} + {s.decay_ratio}: must be ≤ 1 "
-            f"(warmup and decay would overlap)"
-        )
-    need("spike_guard.ema", g.ema, 0 <= g.ema < 1, "must lie in [0, 1)")
-    for key in ("delta", "rel", "ratio", "hard"):
-        v = getattr(g, key)
-        need(
-            f"spike_guard.{key}",
-            v,
-            v >= 0,
-            "must be a finite number ≥ 0 (a threshold on the rise of the loss)",
-        )
-    for key in ("warmup_steps", "max_consecutive_skips"):
-        if getattr(g, key) < 0:
-            errors.append(f"spike_guard.{key} = {getattr(g, key)}: must be ≥ 0")
-    return errors
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _vocab_errors(cfg: JobConfig, args: Any) -> list[str]:
-    """model.vocab_size against each pack's tokenizer: the embedding needs a row for every token id.
-    The suggestion rounds the tokenizer's size up to a multiple of 256 (LOOM_SPEC §8.2)."""
-    errors = []
-    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
-        try:
-            with open(os.path.join(path, "metadata.json")) as fh:
-                tok_vocab = int(json.load(fh)["tokenizer_info"]["vocab_size"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a missing or broken pack is reported by _pack_max_seq_len / open_pack
-        if args.vocab_size < tok_vocab:
-            set_by = (
-                "model.vocab_size"
-                if cfg.model.vocab_size is not None
-                else f"the flavor '{cfg.model.flavor}'"
-            )
-            errors.append(
-                f"model.vocab_size = {args.vocab_size} (from {set_by}) is smaller than the tokenizer of "
-                f"{key}='{path}' ({tok_vocab:,} ids); set --model.vocab_size "
-                f"{_round_up(tok_vocab, 256)} (its size rounded up to a multiple of 256)"
-            )
-    return errors
-
-
-def _float8_errors(cfg: JobConfig) -> list[str]:
-    """[float8]: torchao present, recipes known, the device able to run them (or emulate)."""
-    if not cfg.float8.enable:
-        return []
-    from torchtitan_loom.components.quantization.float8 import float8_problems
-
-    plan, errors = float8_problems(cfg.float8, cfg.training.device)
-    if cfg.float8.experts and cfg.parallelism.ep > 1:
-        errors.append(
-            f"float8.experts = true with parallelism.ep = {cfg.parallelism.ep}: float8 routed experts "
-            f"are not supported with expert parallelism yet; set float8.experts = false or ep = 1"
-        )
-    if plan is not None and plan.experts_kernel == "mxfp8_emulated" and cfg.compile.enable:
-        # Measured (torch 2.13, torchao 0.18, CPU): inductor fails compiling its backward.
-        errors.append(
-            "compile.enable = true with emulated float8 experts (float8.emulate + float8.experts): "
-            "torch.compile fails on torchao's emulated MXFP8 grouped GEMM; set compile.enable = false "
-            "or float8.experts = false (emulated dense float8 compiles)"
-        )
-    return errors
-
-
-def _checkpoint_errors(cfg: JobConfig, args: Any) -> list[str]:
-    """[checkpoint]: ranges, keys that need enable, and a checkpoint to load that fits the model."""
-    c, errors = cfg.checkpoint, []
-    if c.interval < 1:
-        errors.append(f"checkpoint.interval = {c.interval}: must be ≥ 1")
-    for key in ("keep_latest_k", "snapshot_interval", "snapshot_keep", "exit_after_step"):
-        if getattr(c, key) < 0:
-            errors.append(f"checkpoint.{key} = {getattr(c, key)}: must be ≥ 0")
-    if c.load_step == 0 or c.load_step < -1:
-        errors.append(
-            f"checkpoint.load_step = {c.load_step}: must be -1 (the newest complete checkpoint) "
-            f"or a saved step ≥ 1"
-        )
-    if not c.folder or os.path.isabs(c.folder):
-        errors.append(
-            f"checkpoint.folder = {c.folder!r}: must be a non-empty path relative to job.dump_folder"
-        )
-    if not c.enable:
-        for key, default in (("load_step", -1), ("initial_load_path", ""), ("exit_after_step", 0)):
-            if getattr(c, key) != default:
-                errors.append(
-                    f"checkpoint.{key} = {getattr(c, key)!r} needs checkpoint.enable = true"
-                )
-    if (
-        errors or args is None or not c.enable or cfg.job.overwrite
-    ):  # overwrite moves the old checkpoints away
-        return errors
-
-    def expected_shapes() -> dict[str, tuple[int, ...]]:
-        # The configured model on the meta device: shapes without memory or a process group.
-        import torch
-
-        with torch.device("meta"):
-            model = get_train_spec(cfg.model.name).model_cls(args)
-        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-    from torchtitan_loom.components.checkpoint.resolve import config_errors
-
-    return config_errors(cfg, args, expected_shapes)
 
 
 def _parallel_dims(
@@ -292,36 +142,6 @@ def layout_errors(spec: Any, args: Any, dims: ParallelDims) -> list[str]:
     return [] if spec.layout_errors_fn is None else spec.layout_errors_fn(args, dims)
 
 
-def _estimate_errors(cfg: JobConfig) -> list[str]:
-    """[estimate]: every assumption a positive finite number; the GEMM fraction at most 1."""
-    e, errors = cfg.estimate, []
-    for key in ("peak_tflops", "intra_node_gbps", "inter_node_gbps", "memory_gib"):
-        value = getattr(e, key)
-        if not (math.isfinite(value) and value > 0):
-            errors.append(f"estimate.{key} = {value}: must be a finite number > 0")
-    if not (math.isfinite(e.latency_us) and e.latency_us >= 0):
-        errors.append(f"estimate.latency_us = {e.latency_us}: must be a finite number ≥ 0")
-    if not (math.isfinite(e.achievable_fraction) and 0 < e.achievable_fraction <= 1):
-        errors.append(f"estimate.achievable_fraction = {e.achievable_fraction}: must lie in (0, 1]")
-    if e.gpus_per_node < 1:
-        errors.append(f"estimate.gpus_per_node = {e.gpus_per_node}: must be ≥ 1")
-    return errors
-
-
-def _profiling_errors(cfg: JobConfig) -> list[str]:
-    from torchtitan_loom.components.observability.profiling import profile_schedule_problems
-
-    p = cfg.profiling
-    errors = profile_schedule_problems(p.profile_freq, p.profiler_warmup, p.profiler_active)
-    for key in ("save_traces_folder", "save_memory_snapshot_folder"):
-        value = getattr(p, key)
-        if not value or os.path.isabs(value):
-            errors.append(
-                f"profiling.{key} = {value!r}: must be a non-empty path relative to job.dump_folder"
-            )
-    return errors
-
-
 def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     """Check everything that can be checked up front; return the model args and the parallel degrees."""
     errors: list[str] = []
@@ -377,9 +197,9 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         errors.append(
             f"metrics.expert_load_every = {cfg.metrics.expert_load_every}: must be ≥ 0 (0 = eval steps only)"
         )
-    errors += _profiling_errors(cfg)
-    errors += _estimate_errors(cfg)
-    errors += _number_errors(cfg)
+    errors += profiling_errors(cfg)
+    errors += estimate_errors(cfg)
+    errors += number_errors(cfg)
     if t.device == "cuda":
         import torch
 
@@ -392,12 +212,12 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
             f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
             f"max_seq_len = {args.max_seq_len}"
         )
-    vocab_errors = _vocab_errors(cfg, args) if args is not None else []
-    errors += vocab_errors
+    vocab_problems = vocab_errors(cfg, args) if args is not None else []
+    errors += vocab_problems
     if not cfg.parallelism.dry_run:  # the dry run lays out ranks; it reads no data
         for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
             if path:
-                max_len = _pack_max_seq_len(path, key, errors)
+                max_len = pack_max_seq_len(path, key, errors)
                 if max_len is not None and t.seq_len > max_len - 1:
                     errors.append(
                         f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
@@ -406,7 +226,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                         f"seq_len {t.seq_len} is written with tools.pack --seq-len {t.seq_len + 1})"
                     )
                 elif (
-                    max_len is not None and args is not None and not vocab_errors
+                    max_len is not None and args is not None and not vocab_problems
                 ):  # one line per problem
                     errors += pack_errors(path, key, cfg, args)
         errors += bundled_errors(cfg)
@@ -422,16 +242,16 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                 "metrics.enable_wandb = true: the wandb package is not installed; "
                 "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false"
             )
-    errors += _diagnostics_errors(cfg)
+    errors += diagnostics_errors(cfg)
     if t.gc_freq < 0:
         errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         if getattr(cfg.comm, key) < 1:
             errors.append(f"comm.{key} = {getattr(cfg.comm, key)}: must be ≥ 1")
     errors += parallelism_errors(cfg, dims, args)
-    errors += _float8_errors(cfg)
+    errors += float8_errors(cfg)
     errors += relaunch_errors(cfg)
-    errors += _checkpoint_errors(cfg, args if not errors else None)
+    errors += checkpoint_errors(cfg, args if not errors else None)
     if errors:
         raise ConfigError("\n".join(errors))
     return Resolved(args, dims)
@@ -455,44 +275,3 @@ def load_and_resolve(
             raise ConfigError(f"{exc}\n{more}") from None
         raise
     return cfg, resolve(cfg, world_size_of(cfg))
-
-
-def _diagnostics_errors(cfg: JobConfig) -> list[str]:
-    """metrics.diag_* and eval.downstream_* (the task names are looked up only when scoring is on)."""
-    m, e = cfg.metrics, cfg.eval
-    errors = []
-    if m.diag_interval < 0:
-        errors.append(
-            f"metrics.diag_interval = {m.diag_interval}: must be ≥ 0 (0 = no diagnostics)"
-        )
-    for key in ("downstream_interval", "downstream_limit"):
-        if getattr(e, key) < 0:
-            errors.append(
-                f"eval.{key} = {getattr(e, key)}: must be ≥ 0 (0 = {'off' if 'interval' in key else 'all'})"
-            )
-    if e.downstream_batch_size < 1:
-        errors.append(f"eval.downstream_batch_size = {e.downstream_batch_size}: must be ≥ 1")
-    if e.downstream_interval <= 0 or errors:
-        return errors
-    if not e.downstream_tasks:
-        return [
-            "eval.downstream_interval > 0 needs eval.downstream_tasks: lm-eval task names, e.g. "
-            "['arc_easy'], or the tasks of eval.downstream_tasks_dir"
-        ]
-    if e.downstream_tasks_dir and not os.path.isdir(e.downstream_tasks_dir):
-        return [f"eval.downstream_tasks_dir = '{e.downstream_tasks_dir}': not a directory"]
-    if e.downstream_only_tasks_dir and not e.downstream_tasks_dir:
-        return ["eval.downstream_only_tasks_dir = true needs eval.downstream_tasks_dir"]
-    if importlib.util.find_spec("lm_eval") is None:
-        return [
-            "eval.downstream_interval > 0: the lm-eval package is not installed; pip install "
-            "'torchtitan_loom[eval]' or set eval.downstream_interval = 0"
-        ]
-    from torchtitan_loom.components.evaluation.downstream import unknown_tasks
-
-    return [
-        f"eval.downstream_tasks: {msg}"
-        for msg in unknown_tasks(
-            e.downstream_tasks, e.downstream_tasks_dir or None, e.downstream_only_tasks_dir
-        )
-    ]

@@ -4,7 +4,7 @@
     state.py       what is saved (model, optimizer, RNG) and the model-compatibility checks
     safe_read.py   every read of a checkpoint: DCP's pickles admitted by an allow-list, never code
     integrity.py   checksums (CRC-32 per file), the marker's format version, finiteness checks
-    resolve.py     which checkpoint a run loads; the up-front config check used by validate.py
+    resolve.py     which checkpoint a run loads; the up-front config check used by section_checks.py
     manager.py     CheckpointManager: the save policy, sync/async save, load
 
 Stop signals (what makes a run save and exit early) are components/runtime/preemption.py's.

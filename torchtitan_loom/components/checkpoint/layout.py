@@ -38,7 +38,7 @@ TMP_PREFIX = ".tmp-"
 INDEX = "index.json"
 LAYOUT_MD = "LAYOUT.md"
 ABANDONED = "abandoned"  # checkpoints newer than a load_step resume, moved aside (never loaded)
-KEEP = "KEEP"  # a checkpoint marked so is never pruned (the last one before a divergence)
+KEEP = "KEEP"  # a checkpoint holding this file is never pruned (placed by hand)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)$")
 
@@ -232,18 +232,23 @@ def clone(src: str, tmp: str, final: str, marker: dict) -> None:
 
 
 def prune(
-    root: str, keep_latest_k: int, snapshot_keep: int, keep_paths: set[str] = frozenset()
+    root: str,
+    keep_latest_k: int,
+    snapshot_keep: int,
+    keep_paths: set[str] = frozenset(),
+    upto_step: int | None = None,
 ) -> list[str]:
     """Delete old complete checkpoints beyond the keep counts (0 keeps all) and torn temporaries
-    older than the newest complete checkpoint. The newest complete checkpoint and ``keep_paths``
-    are never deleted. Returns the deleted paths."""
+    older than the newest complete checkpoint. The newest complete checkpoint, ``keep_paths`` and
+    KEEP-marked ones are never deleted; with ``upto_step`` (the newest proven checkpoint), the
+    counts apply to the checkpoints up to it and every newer one stays. Returns the deleted paths."""
     found = scan(root)
     newest = found.newest()
     protect = set(keep_paths) | ({newest.path} if newest else set())
     protect |= {e.path for e in found.complete if os.path.isfile(os.path.join(e.path, KEEP))}
     doomed: list[str] = []
     for kind, keep in (("periodic", keep_latest_k), ("snapshot", snapshot_keep)):
-        entries = found.of_kind(kind)
+        entries = [e for e in found.of_kind(kind) if upto_step is None or e.step <= upto_step]
         if keep > 0:
             doomed += [e.path for e in entries[:-keep] if e.path not in protect]
     if newest is not None:
@@ -313,18 +318,6 @@ def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
     if found.incomplete:
         lines += ["", "Incomplete (ignored): " + ", ".join(f"`{rel(e)}`" for e in found.incomplete)]
     safe_files.atomic_write(os.path.join(root, LAYOUT_MD), "\n".join(lines) + "\n")
-
-
-def mark_keep(path: str) -> None:
-    """Protect a checkpoint from pruning (the last one saved before a divergence)."""
-    try:
-        fd = safe_files.create_new(os.path.join(path, KEEP))
-    except FileExistsError:  # already kept (a link there is refused by create_new)
-        return
-    with os.fdopen(fd, "w") as fh:
-        fh.write(
-            "kept: the newest checkpoint saved before the first skipped step of a divergence\n"
-        )
 
 
 def abandon_newer(root: str, step: int) -> list[str]:

@@ -22,6 +22,14 @@ it aborts gloo). ``async_with_pinned_mem`` stages through one ``DefaultStager`` 
 its CPU copies are allocated on the first save and reused by every later one (page-locked on CUDA,
 filled by non-blocking copies), instead of fresh CPU tensors per save. At most one save is in flight; rank 0 commits it (marker + rename) once its
 future is done, which DCP reports only after every rank's data and the metadata are written.
+
+Pruning (``keep_latest_k``, ``snapshot_keep``) waits for proof: a checkpoint may make older ones
+go only once the PROVE_STEPS steps right after it were healthy (StepResult.healthy: every segment
+stepped, nothing non-finite, no spike rule broken, warm-up included). The newest proven
+checkpoint and everything after it always stay, so a finite explosion that gets saved (inside
+the spike guard's warm-up, say) never takes the last good checkpoint with it. A run that stops
+discards a save still in flight when it stopped for divergence or an error (``discard``): nothing
+is committed or pruned after it.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ from torchtitan_loom.components.checkpoint import state as ckstate
 
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+PROVE_STEPS = 2
+"""Healthy steps that must follow a checkpoint before it may prune older ones: the first one's
+loss is computed from exactly the saved weights, the second is the first update made from the
+saved optimizer state (its moments). A step beyond them no longer tests what was saved."""
 
 
 class _CommittedButIncomplete(Exception):
@@ -116,6 +128,10 @@ class CheckpointManager:
         self._saved: dict[
             str, int
         ] = {}  # kind → the step last saved (or in flight) by this process
+        self._unproven: dict[int, int] = {}  # saved step → healthy steps since (all so far)
+        self._proven: int | None = None  # the newest checkpoint proven by PROVE_STEPS healthy steps
+        self._pruned_for: int | None = None
+        self._last_noted = 0
         self._pg = None
         self._async = self.enabled and cfg.async_mode != "disabled"
         if self._async and self._distributed:
@@ -184,12 +200,16 @@ class CheckpointManager:
         )
 
     # ---------------------------------------------------------------------------------- save path
-    def after_step(self, step: int, *, last: bool = False, stopping: bool = False) -> str | None:
+    def after_step(
+        self, step: int, *, last: bool = False, stopping: bool = False, healthy: bool = False
+    ) -> str | None:
         """Save what the policy asks for after global step ``step``; ``last``: no step follows in
         this process; ``stopping``: the run stops now (the stop signals decided), so this step is
-        saved and the save finished. Returns the folder of that final save, else None."""
+        saved and the save finished; ``healthy``: the step proves the checkpoints before it.
+        Returns the folder of that final save, else None."""
         if not self.enabled:
             return None
+        self._note(step, healthy)
         self._poll()
         c = self.cfg
         # One save per step: a stop that follows this step's save (a signal during it) saves nothing more.
@@ -207,6 +227,56 @@ class CheckpointManager:
         self.wait()
         return layout.final_dir(self.root, step, "periodic")
 
+    def _note(self, step: int, healthy: bool) -> None:
+        """Count step ``step`` for every checkpoint still waiting for proof (each step once)."""
+        if step <= self._last_noted:
+            return
+        self._last_noted = step
+        for saved in [s for s in self._unproven if s < step]:
+            if not healthy:  # a checkpoint followed by an unhealthy step never prunes
+                del self._unproven[saved]
+                continue
+            self._unproven[saved] += 1
+            if self._unproven[saved] >= PROVE_STEPS:
+                del self._unproven[saved]
+                self._proven = max(self._proven or 0, saved)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Once a committed checkpoint is proven, rank 0 prunes what is older than it. Every rank
+        reaches the same decision (the health flags are agreed), so only a prune costs a
+        broadcast: its outcome, agreed as a save's is."""
+        p = self._proven
+        if p is None or p == self._pruned_for:
+            return
+        self._pruned_for = p
+        if self._pending is not None and self._pending.step <= p:
+            self.wait()  # its async save committed first (no collective: ranks may differ here)
+        error = None
+        if self.rank == 0:
+            try:
+                self._prune_upto(p)
+            except (ckstate.CheckpointError, ckstate.CheckpointSaveError) as exc:
+                error = exc
+        self._agree(error)
+
+    def _prune_upto(self, p: int) -> None:
+        c = self.cfg
+        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep, upto_step=p)
+        if not deleted:
+            return
+        rel = ", ".join(os.path.relpath(d, self.root) for d in deleted)
+        try:
+            layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+        except (Exception, CheckpointException) as exc:
+            refused = isinstance(exc, safe_files.UnsafePathError)
+            raise (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(
+                f"pruned {rel} (checkpoint step {p} was proven by {PROVE_STEPS} healthy steps); "
+                f"{layout.INDEX} and {layout.LAYOUT_MD} not rewritten after that ({exc}): they "
+                f"still list {rel}; a resume reads the folder, not the index"
+            ) from None
+        self._log(f"checkpoint step {p} proven by {PROVE_STEPS} healthy steps: pruned {rel}")
+
     def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
         """Save global step ``step`` as a periodic checkpoint and/or a snapshot (atomic). A model
         with a non-finite weight is never saved (logged instead). A failed write removes the
@@ -220,6 +290,7 @@ class CheckpointManager:
         tmp = layout.temp_dir(self.root, step, kind)
         try:
             self._save(step, kind, tmp, periodic, snapshot)
+            self._unproven[step] = 0
             self._saved.update(
                 {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
             )
@@ -328,7 +399,7 @@ class CheckpointManager:
         self._agree(error)  # committed (or failed, on every rank) before anyone goes on
 
     def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
-        """Rank 0: marker + rename, the snapshot copy, pruning, index."""
+        """Rank 0: marker + rename, the snapshot copy, index (pruning waits for proof: _prune)."""
         marker = {
             "step": step,
             "kind": kind,
@@ -337,7 +408,7 @@ class CheckpointManager:
         }
         final = layout.final_dir(self.root, step, kind)
         layout.commit(layout.temp_dir(self.root, step, kind), final, marker)
-        where, deleted, stage, snap_exc = [final], [], "index", None
+        where, snap_exc = [final], None
         if snapshot_too:
             snap, snap_tmp = (
                 f(self.root, step, "snapshot") for f in (layout.final_dir, layout.temp_dir)
@@ -352,59 +423,43 @@ class CheckpointManager:
                     safe_files.remove_dir(snap_tmp, self.root)
                 except OSError:
                     pass  # a link (refused) or unremovable: a .tmp- name is never loaded
-        try:
-            # The index before pruning: one that cannot be written prunes nothing, so it never
-            # lists a checkpoint that is gone; rewritten once more after pruning.
+        try:  # pruning is not part of a commit: it waits for proof (_prune)
             layout.write_index(self.root, self._policy(), final_step=self.total_steps)
-            if snap_exc is None:  # a save that did not finish prunes nothing
-                c = self.cfg
-                deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep)  # not KEEP ones
-                stage = "reindex"
-                if deleted:
-                    layout.write_index(self.root, self._policy(), final_step=self.total_steps)
         except (Exception, CheckpointException) as exc:
             raise _CommittedButIncomplete(
-                self._incomplete_message(final, step, stage, deleted, exc, snap_exc), exc
+                self._incomplete_message(final, step, "index", exc, snap_exc), exc
             ) from exc
         if snap_exc is not None:
+            self._unproven.pop(step, None)  # a save that did not finish prunes nothing
             raise _CommittedButIncomplete(
-                self._incomplete_message(final, step, "done", [], None, snap_exc), snap_exc
+                self._incomplete_message(final, step, "done", None, snap_exc), snap_exc
             )
-        msg = f"checkpoint step {step} saved to {', '.join(where)} in {time.perf_counter() - started:.1f} s"
-        if deleted:
-            msg += f"; pruned {', '.join(os.path.relpath(p, self.root) for p in deleted)}"
-        self._log(msg)
+        took = time.perf_counter() - started
+        self._log(f"checkpoint step {step} saved to {', '.join(where)} in {took:.1f} s")
 
     def _incomplete_message(
         self,
         final: str,
         step: int,
         stage: str,
-        deleted: list[str],
         exc: BaseException | None,
         snap_exc: BaseException | None,
     ) -> str:
-        """Exactly what is on disk after a save whose commit succeeded and a later part failed."""
+        """Exactly what is on disk after a save whose commit succeeded and a later part failed
+        (``stage``: "index" when the index could not be written, "done" when it was)."""
         parts = [f"checkpoint step {step} saved to {final} (complete: a resume loads it)"]
         if snap_exc is not None:
             parts.append(f"its snapshot was not saved ({snap_exc})")
         files = f"{layout.INDEX} and {layout.LAYOUT_MD}"
-        pruned = ", ".join(os.path.relpath(p, self.root) for p in deleted)
         if stage == "index":
-            parts += [
-                f"{files} not rewritten ({exc}): they do not list step {step}",
-                "nothing pruned",
-            ]
-        elif stage == "reindex":
-            parts += [
-                f"pruned {pruned}",
-                f"{files} not rewritten after that ({exc}): they still list {pruned}",
-            ]
+            parts.append(f"{files} not rewritten ({exc}): they do not list step {step}")
         else:
-            parts += [f"{files} rewritten", "nothing pruned"]
-        parts.append(
-            f"a resume reads the folder, not the index: fix that, then relaunch to resume from step {step}"
-        )
+            parts.append(f"{files} rewritten")
+        parts += [
+            "nothing pruned",
+            "a resume reads the folder, not the index: fix that, then relaunch to resume from "
+            f"step {step}",
+        ]
         return "; ".join(parts)
 
     def _poll(self) -> None:
@@ -424,17 +479,30 @@ class CheckpointManager:
         except (Exception, CheckpointException) as exc:  # as in save()
             self._failed(p.step, tmp, exc)
 
-    def protect_newest(self) -> str | None:
-        """Rank 0: mark the newest complete checkpoint KEEP so pruning never removes it (called at
-        the first skipped step: the last checkpoint before a divergence). Returns its path."""
-        if not self.enabled or self.rank != 0:
+    def discard(self, *, wait: bool = False) -> int | None:
+        """Never commit the save in flight (the run stops for divergence or an error); returns its
+        step. ``wait``: let its writes end first, then remove its temporary folder (rank 0);
+        without, a ``.tmp-`` folder may stay, which is never loaded."""
+        p, self._pending = self._pending, None
+        if p is None:
             return None
-        self.wait()
-        newest = layout.scan(self.root).newest()
-        if newest is None:
-            return None
-        layout.mark_keep(newest.path)
-        return newest.path
+        self._unproven.pop(p.step, None)
+        if wait:
+            try:
+                p.future.result()
+            except (Exception, CheckpointException):
+                pass  # discarded either way
+            if self.rank == 0:
+                try:
+                    safe_files.remove_dir(layout.temp_dir(self.root, p.step, p.kind), self.root)
+                except OSError:
+                    pass  # a link or an unremovable folder: a .tmp- name is never loaded
+        return p.step
+
+    def newest(self) -> str | None:
+        """The newest complete checkpoint on disk (rank 0's view), None when there is none."""
+        entry = layout.scan(self.root).newest() if self.enabled else None
+        return None if entry is None else entry.path
 
     def close(self) -> None:
         """Finish any in-flight save."""
@@ -503,6 +571,8 @@ class CheckpointManager:
                     f"({', '.join(bad)}); refused"
                 )
             exclude[choice.path] = "refused after loading (non-finite weights)"
+        if step is not None:
+            self._unproven[step], self._last_noted = 0, step  # the steps after it prove it
         if step is not None and self.rank == 0:
             moved = layout.abandon_newer(self.root, step)
             if moved:

@@ -3,7 +3,7 @@
 Order: ``checkpoint.load_step N`` (must exist, complete) > the newest complete checkpoint of the
 run's folder that verifies > ``checkpoint.initial_load_path`` (model-only warm start) > nothing
 (fresh start). A folder whose complete checkpoints all fail verification is refused.
-``config/validate.py`` calls ``config_errors`` before any process starts, so a checkpoint of a
+``config/section_checks.py`` calls ``config_errors`` before any process starts, so a checkpoint of a
 different model fails with one message and nothing on disk is touched.
 """
 
@@ -215,7 +215,8 @@ def explain(path: str, step: int | None, lines: list[str], *, resume: bool) -> s
 
 
 def config_errors(cfg: Any, args: Any, expected_shapes_fn) -> list[str]:
-    """Checkpoint problems of a JobConfig, found before anything starts (called by validate.py).
+    """Checkpoint problems of a JobConfig, found before anything starts (called by
+    config/section_checks.py).
 
     ``expected_shapes_fn()`` gives the configured model's state-dict shapes; it is only called
     when a checkpoint is going to be loaded.

@@ -2,7 +2,7 @@
 the eval loader and the bundled corpus. See docs/CONTRACTS.md (Data) and LOOM_SPEC §8, §14.
 
     pack_format.py   the on-disk layout, PackError, open_pack (validation)
-    pack_writer.py   PackWriter: documents → pack (used by tools/pack.py and the bundled corpus)
+    pack_writer.py   PackWriter: documents → pack (used by tools/pack_build.py and the bundled corpus)
     rows.py          records → rows of S+1 slots → batch tensors
     loaders.py       build_train_loader (StatefulDataLoader), build_eval_loader
     bundled.py       bundled_corpus_path: the synthetic corpus, built on first use

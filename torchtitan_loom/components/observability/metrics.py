@@ -205,8 +205,11 @@ class MetricsLogger:
             record["run_id"] = self.run_id
         record.update(self._launch_note)
         self._launch_note = {}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        except OSError as exc:  # a full disk, say: name the file (a failed flush names none)
+            raise OSError(exc.errno, exc.strerror, self.jsonl_path) from None
         if self._tb_safe():
             for name, value in values.items():
                 if value is not None:

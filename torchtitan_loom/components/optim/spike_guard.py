@@ -4,13 +4,13 @@ For each segment index j the guard keeps the loss of the last accepted step (pre
 of accepted losses (ema_j). A segment whose loss jumps above its own EMA is skipped by the
 trainer (gradients dropped, remaining segments abandoned, expert-bias update discarded).
 
-The decision is a pure function of (loss, gradient finiteness, state), so every rank that feeds
-it the same all-reduced loss and the same all-reduced finiteness flag reaches the same answer.
+The decision is a pure function of (loss, step, state), so every rank that feeds it the same
+all-reduced loss reaches the same answer. Non-finite statistics never reach it: the run stops on
+them first (optim/divergence.py, ``non_finite_statistic``, the one owner of that rule).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 
@@ -18,11 +18,12 @@ class SpikeGuard:
     """Decides whether a segment's optimizer step is taken; ``Stateful`` for DCP.
 
     Built from the ``[spike_guard]`` config section (its values and defaults are documented there):
-    ``enable`` false = ``check`` always accepts (no check at all, non-finite included); ``delta`` the
+    ``enable`` false = ``check`` always accepts; ``delta`` the
     absolute floor and ``rel`` the relative part of the adaptive threshold; skip when loss ≥
     base·(1 + ``ratio``) or loss − base ≥ ``hard``; ``ema`` the EMA decay (ema ← ema·decay +
-    (1 − decay)·loss); for global steps ≤ ``warmup_steps`` only the non-finite checks apply (the
-    baselines are still updated by ``accept``).
+    (1 − decay)·loss); for global steps ≤ ``warmup_steps`` nothing is skipped (the baselines are
+    still updated by ``accept``, and ``breach`` still answers: a warm-up step that breaks a rule
+    does not prove the checkpoint before it).
     """
 
     def __init__(self, section: Any) -> None:
@@ -39,23 +40,19 @@ class SpikeGuard:
         self.prev: dict[int, float] = {}  # segment index → loss of the last accepted step
         self.ema: dict[int, float] = {}  # segment index → EMA of accepted losses
 
-    def check(self, segment: int, loss: float, grads_finite: bool, step: int) -> str | None:
-        """Return None to accept the segment's step, else a short reason for skipping it.
+    def check(self, segment: int, loss: float, step: int) -> str | None:
+        """Return None to accept the segment's step (always during warm-up), else a short reason
+        for skipping it. ``loss`` is finite (the non-finite rule ran first)."""
+        return None if step <= self.warmup_steps else self.breach(segment, loss)
 
-        Rules, first match wins (§7.4): non-finite loss; non-finite gradient; warmup or first
-        time this segment is seen → accept; then with base = ema (or prev) and Δ = loss − base:
-        Δ ≥ hard; loss ≥ base·(1 + ratio); Δ ≥ max(delta, rel·base).
-        """
+    def breach(self, segment: int, loss: float) -> str | None:
+        """The first rule a finite ``loss`` breaks, warm-up or not (§7.4; None: none, or disabled,
+        or the first time this segment is seen). With base = ema (or prev) and Δ = loss − base:
+        Δ ≥ hard; loss ≥ base·(1 + ratio); Δ ≥ max(delta, rel·base)."""
         _check_segment(segment)
         if not self.enabled:
             return None
         loss = float(loss)
-        if not math.isfinite(loss):
-            return "non-finite loss"
-        if not grads_finite:
-            return "non-finite gradient"
-        if step <= self.warmup_steps:
-            return None
         base = self.ema.get(segment, self.prev.get(segment))
         if base is None:
             return None  # no baseline yet for this segment
@@ -70,15 +67,10 @@ class SpikeGuard:
         return None
 
     def accept(self, segment: int, loss: float) -> None:
-        """Record an accepted step: prev_j = loss, ema_j = decay·ema_j + (1 − decay)·loss.
-
-        The EMA starts at the first accepted loss. A non-finite loss (only possible when the
-        guard is disabled) is not recorded, so it cannot poison a later baseline.
-        """
+        """Record an accepted step (a finite loss): prev_j = loss, ema_j = decay·ema_j +
+        (1 − decay)·loss. The EMA starts at the first accepted loss."""
         _check_segment(segment)
         loss = float(loss)
-        if not math.isfinite(loss):
-            return
         self.prev[segment] = loss
         old = self.ema.get(segment)
         decay = self.ema_decay

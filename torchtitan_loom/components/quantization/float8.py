@@ -10,7 +10,7 @@ What converts (LOOM_SPEC §14: float8 changes precision, never the math or the p
     that compute with it (LOOM: models/loom/float8_experts.py). This file knows no expert layout.
 
 Which kernels a device can run is decided up front by `float8_problems` (called from
-config/validate.py), so a bad request fails before any tensor exists. torchao is imported only
+config/section_checks.py), so a bad request fails before any tensor exists. torchao is imported only
 inside `Float8Converter.convert` / the experts module, so the package works without it.
 """
 

@@ -3,12 +3,16 @@ the trainer to stop after a step, save and exit (0; 130 for SIGINT). The checkpo
 saves what the trainer asks for.
 
 The handler records the signal and acknowledges it at once with a line written straight to the
-stdout file descriptor (no buffered print, which the interrupted code may be inside). The trainer
-polls ``requested()`` between steps, per micro-batch during eval, and per micro-batch of a step
-until its first optimizer update (a step abandoned there leaves no trace), so a save never starts
-in the middle of an update. A second SIGINT raises KeyboardInterrupt (stop without saving). Ranks receive a scheduler's signal at
-slightly different moments, so with several processes the flag is agreed by an all-reduce (max):
-every rank stops after the same step, and a rank that got no signal stops too.
+stdout file descriptor (no buffered print, which the interrupted code may be inside). A second
+SIGINT raises KeyboardInterrupt (stop without saving).
+
+Agreement (ranks receive a scheduler's signal at slightly different moments): every rank's flag
+rides in each segment's step statistics, the step's one all-reduce (``flag_tensor`` in,
+``observe`` out), for any world size. Seen at segment 1, before the step's first optimizer
+update, the step is abandoned and leaves no trace; seen later, the step finishes and the run stops
+after it (``stop_after``, no collective of its own). Every rank stops after the same step, and a
+rank that got no signal stops too. The held-out eval, between steps, polls ``requested()`` per
+micro-batch (an all-reduce when distributed) so a long eval stops early.
 
 A rank started by torchrun also watches its launcher (LauncherWatch): when the agent dies (its
 parent pid changes, or the agent's store stops accepting connections) the rank asks for a stop as
@@ -50,7 +54,7 @@ class PreemptionWatcher:
     ) -> None:
         self.exit_after_step = exit_after_step  # 0: never
         self.received = 0
-        self.agreed = 0  # the signal every rank agreed on (set by requested())
+        self.agreed = 0  # the signal every rank agreed on (set by observe() or requested())
         self.planned = False  # exit_after_step reached (agreed without a signal)
         self.launcher_gone: str | None = None  # why this rank's launcher counts as gone
         self.elastic = ElasticRestarts.from_env(os.environ)
@@ -79,7 +83,10 @@ class PreemptionWatcher:
             self.received = signum
             name = signal.Signals(signum).name
             again = " (SIGINT again: stop without saving)" if signum == signal.SIGINT else ""
-            _say(f"received {name}: stopping at the next micro-batch, then saving{again}")
+            _say(
+                f"received {name}: stopping after the step in progress (dropped if it has not "
+                f"updated yet), then saving{again}"
+            )
 
     def _launcher_lost(self, reason: str) -> None:
         """LauncherWatch's callback (its thread): a stop request as if the agent had sent SIGTERM."""
@@ -88,23 +95,35 @@ class PreemptionWatcher:
             self.received = signal.SIGTERM
             _say(f"{reason}: stopping after this step as on SIGTERM")
 
+    def flag_tensor(self) -> torch.Tensor:
+        """This rank's stop flag (1.0: a signal arrived) for the step statistics' all-reduce."""
+        return torch.tensor([float(self.received > 0)], dtype=torch.float64, device=self._device)
+
+    def observe(self, ranks_flagged: float) -> bool:
+        """The all-reduced flag of the step statistics (ranks that received a signal): True when
+        the run stops. A rank that got none takes SIGTERM's exit code (0)."""
+        if ranks_flagged > 0 and not self.agreed:
+            self.agreed = self.received or signal.SIGTERM
+        return bool(self.agreed)
+
     def requested(self) -> int:
-        """The signal number every rank agrees on (0: keep training). Collective when distributed."""
+        """The signal number every rank agrees on (0: keep training); the held-out eval polls it
+        between steps. Collective when distributed."""
         if not (self.installed or self.launcher is not None):
             return 0
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([self.received], dtype=torch.int64, device=self._device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            self.agreed = int(flag.item())
+            self.agreed = max(self.agreed, int(flag.item()))
         else:
-            self.agreed = self.received
+            self.agreed = self.agreed or self.received
         return self.agreed
 
     def stop_after(self, step: int, *, last: bool = False) -> str | None:
-        """Why the run stops after global step ``step`` (an agreed signal or ``exit_after_step``),
-        None to go on; ``last``: no step follows anyway. Collective when distributed."""
-        signum = self.requested()
-        if signum:
+        """Why the run stops after global step ``step`` (a stop agreed during the step or the
+        eval after it, or ``exit_after_step``), None to go on; ``last``: no step follows anyway.
+        No collective: the agreement already happened."""
+        if self.agreed:
             return f"{self.why()}: stopped after step {step}"
         if self.exit_after_step and step == self.exit_after_step and not last:
             self.agreed, self.planned = signal.SIGTERM, True  # a planned stop exits 0
@@ -118,11 +137,6 @@ class PreemptionWatcher:
         if self.received:
             return f"received {signal.Signals(self.received).name}"
         return "a peer rank was stopped (a signal, or its launcher is gone)"
-
-    def agree(self) -> None:
-        """Some rank got a signal (agreed through the step's statistics): every rank stops. A rank
-        that got none reports SIGTERM's exit code (0)."""
-        self.agreed = self.received or signal.SIGTERM
 
     def exit_code(self) -> int:
         """The exit code of a run stopped by the agreed signal: 130 for SIGINT; RESTART for a rank

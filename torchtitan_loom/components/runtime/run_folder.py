@@ -20,6 +20,7 @@ group exists.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import secrets
@@ -224,7 +225,7 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
 def record_launch(
     cfg: Any, run_id: str, status: str, step: int, resumed_from: int | None = None
 ) -> None:
-    """Write run.json: identity, status ("running", or how the launch ended: train._record_end), step,
+    """Write run.json: identity, status ("running", or how the launch ended: Trainer._finish), step,
     launches."""
     dump = cfg.job.dump_folder
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
@@ -240,7 +241,26 @@ def record_launch(
             }
         )
     run.update(run_id=run_id, status=status, step=step)
-    safe_files.atomic_write(os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True))
+    path, text = os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True)
+    try:
+        safe_files.atomic_write(path, text)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not os.path.isfile(path):
+            raise
+        _rewrite_in_place(path, text)
+
+
+def _rewrite_in_place(path: str, text: str) -> None:
+    """A full disk has no room for run.json's temporary copy, but the status still fits the
+    blocks run.json already holds: overwrite it where it is (not atomic; only on a full disk)."""
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        data = text.encode()
+        os.write(fd, data)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def planted_links(dump_folder: str, folders: list[str] = ()) -> list[str]:

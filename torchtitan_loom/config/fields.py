@@ -1,0 +1,92 @@
+"""How a config field is declared and documented, and the generated [model] section.
+
+``opt`` declares a field of a section dataclass: its default and its one help text (metadata
+``doc``, printed by ``--help``), and optionally ``choices``: the valid string values, always the
+tuple the implementing module defines, never a copy. The ``[model]`` keys are the chosen model's:
+``model_section`` generates them from the args dataclass of its registered TrainSpec, with that
+dataclass's own field docs (``attribute_docs``) and the spec's choices; no model is imported here.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from dataclasses import field
+from typing import Any
+
+from torchtitan_loom.protocols import TrainSpec, get_train_spec
+
+
+def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None):
+    """A documented config field (``default`` may be a list; it is copied per instance)."""
+    meta = {"doc": doc, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (its one documentation)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+# Model args that are not [model] keys: the init seed is training.seed (one seed per run).
+_NOT_MODEL_KEYS = ("init_seed",)
+DEFAULT_MODEL = "loom"
+
+
+def model_section(spec: TrainSpec) -> type:
+    """[model] of ``spec``: name, flavor, then one optional override per field of its args dataclass
+    (None keeps the flavor's value)."""
+    args_cls = type(next(iter(spec.model_args.values())))
+    docs, hints = attribute_docs(args_cls), typing.get_type_hints(args_cls)
+    fields = [
+        ("name", str, opt(spec.name, "Registered TrainSpec name; the keys below are its model's.")),
+        (
+            "flavor",
+            str,
+            opt(
+                next(iter(spec.model_args)),
+                f"Size preset of the spec ({spec.name}: {', '.join(spec.model_args)}).",
+            ),
+        ),
+    ]
+    for f in dataclasses.fields(args_cls):
+        if f.name not in _NOT_MODEL_KEYS:
+            fields.append(
+                (
+                    f.name,
+                    hints[f.name] | None,
+                    opt(None, docs.get(f.name, ""), choices=spec.arg_choices.get(f.name)),
+                )
+            )
+    # Equal by values (each call makes a new class, so the dataclass __eq__'s class check would fail).
+    return dataclasses.make_dataclass(
+        "Model", fields, eq=False, namespace={"__eq__": _same_section}
+    )
+
+
+def _same_section(a: Any, b: Any) -> bool:
+    return (
+        type(b).__name__ == "Model"
+        and dataclasses.is_dataclass(b)
+        and dataclasses.asdict(a) == dataclasses.asdict(b)
+    )
+
+
+def default_model() -> Any:
+    """The [model] section of the default model, all keys unset."""
+    return model_section(get_train_spec(DEFAULT_MODEL))()

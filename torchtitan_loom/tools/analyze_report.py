@@ -1,0 +1,184 @@
+"""The analyze tool's report: report.md with its PNG figures (loss after every loop, routing
+diversity per layer and per loop, a loop × expert load heatmap per layer, the routing pictures of
+sample documents), from what tools/analyze.py measured on the held-out data. The figures carry
+titles, axis labels and colour bars (components/observability/routing_plots.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from torchtitan_loom.components.observability.routing_stats import RoutingStats
+
+
+def _token_text(pack_tokenizer: str, vocab_ids: list[int]) -> list[str]:
+    """A short printable label per token id (bytes for the byte tokenizer, else the tokenizer's
+    piece, else the id)."""
+    from torchtitan_loom.components.data.tokenizer import build_tokenizer
+
+    try:
+        tok = build_tokenizer(pack_tokenizer) if pack_tokenizer else None
+    except (ImportError, OSError, ValueError):
+        tok = None
+    labels = []
+    for i in vocab_ids:
+        text = tok.decode([i]) if tok is not None else ""
+        text = text.replace("\n", "⏎").replace(" ", "␣")
+        labels.append(text[:6] if text else f"#{i}")
+    return labels
+
+
+def write_report(
+    result: dict[str, Any],
+    info: dict[str, Any],
+    ckpt: str,
+    data: str,
+    out: str,
+    tokenizer: str,
+    layer_for_docs: int,
+) -> str:
+    from torchtitan_loom.components.observability import routing_plots as plots
+
+    os.makedirs(out, exist_ok=True)
+    routing: RoutingStats = result["routing"]
+    losses, H, E = result["losses"], routing.H, routing.E
+    step = info.get("step")
+    lines = [
+        "# LOOM routing and loop analysis",
+        "",
+        f"- checkpoint: `{ckpt}`" + (f" (step {step})" if step is not None else ""),
+        f"- model: {info.get('name')}/{info.get('flavor')}: L = {routing.L} layers, H = {H} loops, "
+        f"E = {E} routed experts, top-k = {routing.K}",
+        f"- held-out data: `{data}`, {result['tokens']:,} tokens with a target",
+        "",
+    ]
+
+    plots.save_figure(
+        plots.loss_curve_figure(losses, "Held-out loss after each loop (early exit)"),
+        os.path.join(out, "loss_per_loop.png"),
+    )
+    lines += [
+        "## Held-out loss after every loop",
+        "",
+        "Running only the first t loops and applying the head (early exit). Lower is better.",
+        "",
+        "| loop | " + " | ".join(str(t + 1) for t in range(H)) + " |",
+        "|---|" + "---|" * H,
+        "| loss | " + " | ".join(f"{v:.4f}" for v in losses) + " |",
+        "",
+        "![loss per loop](loss_per_loop.png)",
+        "",
+    ]
+
+    rows, s = routing.per_layer(), routing.summary()
+    lines += [
+        "## Routing diversity per layer",
+        "",
+        f"Over the held-out tokens (padding excluded). *distinct*: different experts a token visits "
+        f"over the {H} loops (between k = {routing.K} and {min(E, H * routing.K)}); *overlap*: share of "
+        f"a token's top-k kept from loop t to t+1, mean over t; *entropy*: load entropy / log E (1 = "
+        f"uniform), mean over loops; *max/mean*: hottest expert's load ÷ mean load, mean over loops; "
+        f"*dead*: experts no token chose in any loop; *dead/loop*: experts unchosen in a loop, mean over loops.",
+        "",
+        "| layer | distinct | overlap | entropy | max/mean | dead | dead/loop |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(r: dict[str, float]) -> str:
+        return (
+            f"{r['distinct_experts']:.2f} | {r['overlap']:.3f} | {r['load_entropy']:.3f} | "
+            f"{r['load_max_mean']:.2f} | {r['dead_experts']:g} | {r['dead_experts_per_loop']:.2f}"
+        )
+
+    for layer, r in enumerate(rows):
+        lines.append(f"| {layer} | {fmt(r)} |")
+    lines.append(
+        "| **mean** | "
+        + fmt(
+            {
+                k[len("routing_") :]: v
+                for k, v in s.items()
+                if k.startswith("routing_") and "_loop_" not in k
+            }
+        )
+        + " |"
+    )
+    lines += [
+        "",
+        "## Per loop (mean over layers)",
+        "",
+        "| loop | overlap with next | load entropy | max/mean | stream RMS | cos with next |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in range(1, H + 1):
+        overlap, cos = (
+            (f"{s[f'routing_overlap_loop_{t}']:.3f}", f"{s[f'stream_cos_loop_{t}']:.3f}")
+            if t < H
+            else ("–", "–")
+        )
+        lines.append(
+            f"| {t} | {overlap} | {s[f'routing_load_entropy_loop_{t}']:.3f} | "
+            f"{s[f'routing_load_max_mean_loop_{t}']:.2f} | {s[f'stream_rms_loop_{t}']:.3f} | {cos} |"
+        )
+    lines += [
+        "",
+        "The stream is RMS-normalised at the end of every loop, so its RMS stays ≈ 1 by construction; "
+        "the cosine shows how much a loop still changes the token's representation.",
+        "",
+    ]
+
+    lines += [
+        "## Expert load per layer",
+        "",
+        "Each row is a loop, each column a routed expert; colour = how often the expert is in a token's "
+        "top-k, divided by the uniform share (1 = balanced, 0 = never chosen).",
+        "",
+    ]
+    share_LHE = routing.load_share_LHE().cpu().numpy()
+    vmax = plots.share_vmax(share_LHE)  # one colour scale for all layers, so they compare
+    for layer in range(routing.L):
+        name = f"load_layer_{layer}.png"
+        plots.save_figure(
+            plots.heatmap_figure(
+                share_LHE[layer], f"Expert load, layer {layer} (held-out tokens)", vmax=vmax
+            ),
+            os.path.join(out, name),
+        )
+        lines += [f"![expert load, layer {layer}]({name})", ""]
+
+    lines += [
+        "## Routing of sample documents",
+        "",
+        f"Layer {layer_for_docs}. Columns are the document's tokens (input text below each); each band "
+        f"of rows is one loop and holds the {E} experts top to bottom; a black cell = the token visits "
+        f"that expert in that loop.",
+        "",
+    ]
+    for i, doc in enumerate(result["docs"]):
+        labels = _token_text(tokenizer, doc["tokens"])
+        name = f"doc_{i}.png"
+        title = f"Sample document {i}: experts visited per loop (layer {layer_for_docs})"
+        plots.save_figure(
+            plots.routing_picture_figure(doc["topk_LHSK"][layer_for_docs], labels, E, title),
+            os.path.join(out, name),
+        )
+        distinct = np.mean(
+            [
+                len(set(doc["topk_LHSK"][layer_for_docs][:, s_].reshape(-1).tolist()))
+                for s_ in range(len(labels))
+            ]
+        )
+        lines += [
+            f"**Document {i}** ({len(labels)} tokens; {distinct:.2f} distinct experts per token in "
+            f"layer {layer_for_docs}): `{''.join(labels)[:120]}`",
+            "",
+            f"![document {i}]({name})",
+            "",
+        ]
+    path = os.path.join(out, "report.md")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines))
+    return path
