@@ -41,7 +41,11 @@ def test_auto_runs_the_fastest_ranked_layout_at_64_ranks():
     text = "\n".join(report(cfg, args, dims))
     first = re.search(r"layouts of 64 ranks.*\n    (.+?):", text)[1]
     assert first == layout_name(dims)
-    assert estimate(cfg, args, dims).step_s < estimate(cfg, written_args, written).step_s / 2
+    # dp_shard 64 gathers every block over the network: slower than the layout chosen, which is
+    # the fastest of all the ranked ones.
+    chosen = estimate(cfg, args, dims).step_s
+    assert chosen < estimate(cfg, written_args, written).step_s
+    assert chosen == pytest.approx(min(r.estimate.step_s for r in ranked), abs=5e-4)  # ms ties
     # One line with the choice and the runner-up, kept with the degrees for the start-up log.
     assert dims.origin.startswith(f"layout auto: {layout_name(dims)} (estimated ")
     assert f"runner-up {layout_name(ranked[1].dims)}" in dims.origin
