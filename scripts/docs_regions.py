@@ -9,6 +9,14 @@ A region is a block of lines between an opening and a closing marker, each alone
 The markers may be indented (a region inside a list item); the producer's text is written with the
 opening marker's indentation. Regions do not nest, and a name appears once across all the docs, so
 every figure has one producer and one place.
+
+A refresh stamps the opening marker with what the text was made from:
+
+    <!-- refresh:NAME made-on 5f21355 sources 3a9c1e2b7d40 -->
+
+``made-on`` is the commit the refresh ran on (``+``: with uncommitted changes to the region's
+sources), ``sources`` a digest of the files the region describes and of its producer
+(scripts/docs_stamps.py); ``refresh_docs.py --check`` names the regions whose sources changed since.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OPEN_RE = re.compile(r"^(?P<indent>[ \t]*)<!-- refresh:(?P<name>[a-z0-9][a-z0-9-]*) -->[ \t]*$")
+OPEN_RE = re.compile(
+    r"^(?P<indent>[ \t]*)<!-- refresh:(?P<name>[a-z0-9][a-z0-9-]*)"
+    r"(?: made-on (?P<commit>[0-9a-f]+\+?|unknown) sources (?P<sources>[0-9a-f]+))? -->[ \t]*$"
+)
 CLOSE_RE = re.compile(r"^[ \t]*<!-- /refresh -->[ \t]*$")
 ANY_MARKER_RE = re.compile(r"<!-- */? *refresh")
 
@@ -35,6 +46,8 @@ class Region:
     start: int  # index of the opening marker's line
     end: int  # index of the closing marker's line
     body: str  # the text between the markers, indentation removed
+    commit: str | None = None  # the stamp: commit the text was made on ('+': sources were edited)
+    sources: str | None = None  # the stamp: digest of the sources and producer it was made from
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -68,7 +81,7 @@ def parse(text: str, path: str = "<text>") -> list[Region]:
         m = OPEN_RE.match(lines[open_at])
         indent = m["indent"]
         body = "\n".join(_dedent(ln, indent) for ln in lines[open_at + 1 : i])
-        regions.append(Region(path, m["name"], indent, open_at, i, body))
+        regions.append(Region(path, m["name"], indent, open_at, i, body, m["commit"], m["sources"]))
         open_at = None
     if open_at is not None:
         raise RegionError(
@@ -81,14 +94,31 @@ def _dedent(line: str, indent: str) -> str:
     return line[len(indent) :] if line.startswith(indent) else line.lstrip(" \t")
 
 
-def rewrite(text: str, new_bodies: dict[str, str], path: str = "<text>") -> str:
-    """The text with the body of every region named in new_bodies replaced; other regions are kept."""
+def marker(name: str, indent: str = "", stamp: tuple[str, str] | None = None) -> str:
+    """The opening marker of region `name`, with the stamp (commit, sources digest) when given."""
+    return (
+        f"{indent}<!-- refresh:{name}"
+        + (f" made-on {stamp[0]} sources {stamp[1]}" if stamp else "")
+        + " -->"
+    )
+
+
+def rewrite(
+    text: str,
+    new_bodies: dict[str, str],
+    path: str = "<text>",
+    stamps: dict[str, tuple[str, str]] | None = None,
+) -> str:
+    """The text with the body of every region named in new_bodies replaced (and its marker stamped
+    when `stamps` names it); other regions are kept as they are."""
     lines = text.split("\n")
     for region in reversed(parse(text, path)):
         if region.name not in new_bodies:
             continue
         body = new_bodies[region.name].strip("\n").split("\n")
         lines[region.start + 1 : region.end] = [(region.indent + ln) if ln else "" for ln in body]
+        if stamps and region.name in stamps:
+            lines[region.start] = marker(region.name, region.indent, stamps[region.name])
     return "\n".join(lines)
 
 

@@ -53,6 +53,10 @@ class Runner:
 
     def env(self) -> dict[str, str]:
         return {
+            # One intra-op thread unless told otherwise: the figures of a run depend on the thread
+            # count (another reduction order), and the README tour's check reruns it with the
+            # count its excerpt shows.
+            "OMP_NUM_THREADS": "1",
             **os.environ,
             "PYTHONPATH": str(ROOT),
             "TORCHTITAN_LOOM_CACHE": str(self.cache),

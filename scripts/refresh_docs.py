@@ -3,7 +3,7 @@
     python scripts/refresh_docs.py                       # every region (about 10 min on a quiet 2-core machine)
     python scripts/refresh_docs.py --only analysis-tables,short-run
     python scripts/refresh_docs.py --install --suite-log pytest.log   # also the install and test-suite times
-    python scripts/refresh_docs.py --check               # markers well-formed, every region has a producer
+    python scripts/refresh_docs.py --check               # markers well-formed and known; which regions are stale
     python scripts/refresh_docs.py --list                # regions, their pages and the commands they run
 
 A figure or console excerpt in the docs lives between ``<!-- refresh:NAME -->`` and
@@ -14,6 +14,12 @@ install into a new virtual environment, ``--suite-log`` reads the duration from 
 full ``python -m pytest tests -q``; without them those regions keep their text and are listed.
 A failing command leaves its regions untouched and makes the exit code 1; the others are written.
 Use OMP_NUM_THREADS=1 when other work shares the cores.
+
+Each rewritten region's marker is stamped with the commit it was made on and a digest of the sources
+it describes (scripts/docs_stamps.py). ``--check`` runs nothing: it exits 2 on malformed or unknown
+markers, and 1 when a region's sources (or its producer) changed since its stamp, naming each such
+region and the command that refreshes it; CI reruns the cheap deterministic regions and the README
+tour instead (tests/unit/test_docs_fresh.py, tests/unit/test_docs_tour.py).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_producers import PRODUCERS, Context  # noqa: E402
 from docs_regions import ROOT, RegionError, all_regions, doc_files, rewrite  # noqa: E402
 from docs_runner import CommandFailed, Runner, duration  # noqa: E402
+from docs_stamps import commit, digest, stale  # noqa: E402
 
 README_LIMIT = 12 * 1024
 
@@ -88,13 +95,24 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{r.name:<20} {r.path}"
                 + (f"  (needs --{p.needs.replace('_', '-')})" if p.needs else "")
+                + (f"  [CI: {p.check}]" if p.check else "")
+                + f"  describes {', '.join(p.sources)}"
             )
             for c in p.commands:
                 print("    $ " + c.replace("\n", "\n      "))
         return 0
     if ns.check:
-        print(f"refresh_docs: {len(regions)} regions in {len(doc_files())} files, all known")
-        return 0
+        old = stale(regions, PRODUCERS)
+        print(
+            f"refresh_docs: {len(regions)} regions in {len(doc_files())} files, all known; "
+            + (f"{len(old)} older than the code they describe:" if old else "all fresh")
+        )
+        for line in old:
+            print("  " + line)
+        if old:
+            names = ",".join(ln.split("region '")[1].split("'")[0] for ln in old)
+            print(f"refresh them: OMP_NUM_THREADS=1 python scripts/refresh_docs.py --only {names}")
+        return 1 if old else 0
     chosen = [r.name for r in regions]
     if ns.only:
         wanted = [n.strip() for n in ns.only.split(",") if n.strip()]
@@ -128,9 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             bodies[name] = PRODUCERS[name].fn(ctx)
         except (CommandFailed, OSError, ValueError, KeyError, IndexError, StopIteration) as exc:
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    stamps = {
+        n: (commit(PRODUCERS[n].sources), digest(PRODUCERS[n].sources, PRODUCERS[n].fn))
+        for n in bodies
+    }
     for f in doc_files():
         text = f.read_text(encoding="utf-8")
-        new = rewrite(text, bodies, str(f.relative_to(ROOT)))
+        new = rewrite(text, bodies, str(f.relative_to(ROOT)), stamps)
         if new != text:
             f.write_text(new, encoding="utf-8")
             print(f"rewrote {f.relative_to(ROOT)}")

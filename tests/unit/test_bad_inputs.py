@@ -323,9 +323,9 @@ def test_disk_full_during_save_on_a_small_tmpfs(tiny_pack, tmp_path, capsys):
 
 def test_disk_full_during_save_reported_from_the_writer(tiny_pack, tmp_path, capsys, monkeypatch):
     """The writer fails the way torch's does on ENOSPC (a RuntimeError wrapping the OSError)."""
-    from torchtitan_loom.components.checkpoint import manager
+    from torchtitan_loom.components.checkpoint import saving
 
-    real_save = manager.dcp.save
+    real_save = saving.dcp.save
 
     def failing_save(sd, checkpoint_id, **kw):
         if str(checkpoint_id).endswith("step-4"):
@@ -335,6 +335,6 @@ def test_disk_full_during_save_reported_from_the_writer(tiny_pack, tmp_path, cap
             )
         return real_save(sd, checkpoint_id=checkpoint_id, **kw)
 
-    monkeypatch.setattr(manager.dcp, "save", failing_save)
+    monkeypatch.setattr(saving.dcp, "save", failing_save)
     code = train.main(argv(tiny_pack, tmp_path / "run"))
     assert_disk_full_handled(tmp_path / "run", capsys, code)

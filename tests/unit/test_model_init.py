@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
-from torchtitan_loom.models.loom.model import init_generator_seed
+from torchtitan_loom.models.loom.weight_init import init_generator_seed
 
 
 DEBUG = loom_flavors["debug"]

@@ -49,8 +49,12 @@ MODEL_SOURCES = (
     "models/loom/flex_compiled.py",
     "models/loom/looping_residual.py",
     "models/loom/attention.py",
+    "models/loom/swiglu.py",
     "models/loom/moe.py",
     "models/loom/block.py",
+    "models/loom/expert_bias.py",
+    "models/loom/counts.py",
+    "models/loom/weight_init.py",
 )
 PROTOCOL_NAMES = ("ModelOutput", "Routing")
 WRAPPER_SOURCE = "models/loom/infra/hf_wrapper_template.py"

@@ -5,7 +5,10 @@
     safe_read.py   every read of a checkpoint: DCP's pickles admitted by an allow-list, never code
     integrity.py   checksums (CRC-32 per file), the marker's format version, finiteness checks
     resolve.py     which checkpoint a run loads; the up-front config check used by section_checks.py
-    manager.py     CheckpointManager: the save policy, sync/async save, load
+    manager.py     CheckpointManager: when to save; the facade the trainer calls
+    saving.py      what is saved, the sync/async write and its commit (rank 0)
+    pruning.py     the proof policy: PROVE_STEPS healthy steps before older checkpoints go
+    loading.py     which checkpoint is resumed, the fallback past a bad one, the restore
 
 Stop signals (what makes a run save and exit early) are components/runtime/preemption.py's.
 """

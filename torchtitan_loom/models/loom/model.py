@@ -16,8 +16,6 @@ E routed experts, K routed top-k.
 from __future__ import annotations
 
 import math
-import re
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,9 +36,9 @@ from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
 from torchtitan_loom.models.loom.target import KernelTarget, target_of
+from torchtitan_loom.models.loom.counts import count_flops_per_token, count_params
+from torchtitan_loom.models.loom.weight_init import init_parameters
 from torchtitan_loom.protocols import ModelOutput, Routing
-
-TRUNC_NORMAL_GAIN = 1.014762601732121  # restores the std after the fmod-3 fold (spec §3)
 
 
 def residual_gain(args: LoomModelArgs) -> float:
@@ -367,46 +365,12 @@ class LoomTransformer(nn.Module):
     # ------------------------------------------------------------------ counts
 
     def param_counts(self) -> dict[str, int]:
-        """{"total", "active"}: total = every parameter (all H routers included).
-
-        active = per token: for each of the L layers the attention (wqkv, wo), k of the E routed
-        experts, the shared experts, ONE router and the ffn_branch_rms weight; plus the embedding
-        row and the output head (V*D each, spec §2 "active incl. head and embedding").
-        """
-        total = sum(p.numel() for p in self.parameters())
-        per_layer = sum(
-            self._active_matmul_params(layer) + self._norm_params(layer) for layer in self.layers
-        )
-        head_and_embedding = self.output.weight.numel() + self.tok_embeddings.weight.numel()
-        return {"total": total, "active": per_layer + head_and_embedding}
+        """{"total", "active"} parameters (models/loom/counts.py)."""
+        return count_params(self)
 
     def flops_per_token(self, seq_len: int, head_calls: int = 1) -> float:
-        """Training FLOPs per token (forward + backward) over all H loops:
-
-            6 * (P_loop * H + V * D * head_calls) + 12 * L * H * n_heads * head_dim * seq_len
-
-        P_loop = matmul parameters a token uses in one loop, summed over the L layers (attention
-        wqkv + wo, k routed experts, shared experts, one router); V*D = output head, applied once
-        per forward (pass head_calls = number of segments for segmented training). The last term is
-        attention scores and values (QK^T and AV, 2 matmuls x 2 FLOPs x 3 for fwd+bwd, no causal
-        discount, TorchTitan convention). The embedding lookup and the norms are not counted.
-        """
-        args = self.args
-        p_loop = sum(self._active_matmul_params(layer) for layer in self.layers)
-        head = self.output.weight.numel()
-        attention = 12 * args.n_layers * args.num_loops * args.n_heads * args.head_dim * seq_len
-        return float(6 * (p_loop * args.num_loops + head * head_calls) + attention)
-
-    def _active_matmul_params(self, layer: LoomBlock) -> int:
-        moe = layer.moe
-        attention = sum(p.numel() for p in layer.attention.parameters())
-        routed = (moe.experts.w13.numel() + moe.experts.w2.numel()) * moe.top_k // moe.num_experts
-        shared = sum(p.numel() for p in moe.shared_experts.parameters())
-        return attention + routed + shared + moe.routers[0].numel()
-
-    @staticmethod
-    def _norm_params(layer: LoomBlock) -> int:
-        return 0 if layer.ffn_branch_norm is None else layer.ffn_branch_norm.weight.numel()
+        """Training FLOPs per token over all H loops (models/loom/counts.py)."""
+        return count_flops_per_token(self, seq_len, head_calls)
 
     # ------------------------------------------------------------------ init
 
@@ -418,68 +382,6 @@ class LoomTransformer(nn.Module):
         rank's shard), so the initial weights do not depend on device, world size or sharding.
         Router t >= 1 is drawn from router 0's seed: an exact copy (spec §3). `expert_bias` -> 0.
         """
-        for name, param in self.named_parameters():
-            if param.is_meta:
-                raise RuntimeError(
-                    f"parameter {name} is on the meta device: call model.to_empty(device=...) first"
-                )
-            # Names are canonical: AC goes through region_wrappers and compile is per block in place.
-            _copy_full(param, _init_value(name, tuple(param.shape), self.args))
+        init_parameters(self.named_parameters(), self.args)
         for moe in self.moe_layers():
             moe.expert_bias.zero_()
-
-
-_ROUTER = re.compile(r"^(layers\.\d+\.moe\.routers\.)\d+$")
-_STD_BY_SUFFIX = (  # (name pattern, fan-in is the expert width?)
-    (re.compile(r"^tok_embeddings\.weight$"), False),
-    (re.compile(r"^output\.weight$"), False),
-    (re.compile(r"^layers\.\d+\.attention\.(wqkv|wo)\.weight$"), False),
-    (re.compile(r"^layers\.\d+\.moe\.experts\.w13$"), False),
-    (re.compile(r"^layers\.\d+\.moe\.experts\.w2$"), True),
-    (re.compile(r"^layers\.\d+\.moe\.shared_experts\.\d+\.w13\.weight$"), False),
-    (re.compile(r"^layers\.\d+\.moe\.shared_experts\.\d+\.w2\.weight$"), True),
-)
-
-
-def _init_value(name: str, shape: tuple[int, ...], args: LoomModelArgs) -> torch.Tensor:
-    """The full fp32 CPU init tensor of parameter `name` (spec §3 table)."""
-    if re.fullmatch(r"layers\.\d+\.ffn_branch_norm\.weight", name):
-        return torch.ones(shape)
-    router = _ROUTER.match(name)
-    if router:  # plain normal; every loop's router from router 0's seed => identical copies
-        return _randn(router.group(1) + "0", shape, args.init_seed) / math.sqrt(args.dim)
-    for pattern, fan_in_is_expert_width in _STD_BY_SUFFIX:
-        if pattern.match(name):
-            std = 1.0 / math.sqrt(
-                args.expert_intermediate_size if fan_in_is_expert_width else args.dim
-            )
-            return torch.fmod(_randn(name, shape, args.init_seed), 3.0) * (TRUNC_NORMAL_GAIN * std)
-    raise ValueError(f"no init rule for parameter {name!r}; add one in models/loom/model.py")
-
-
-def init_generator_seed(init_seed: int, seed_name: str) -> int:
-    """32-bit generator seed of one parameter (the CPU generator only uses 32 bits of a seed).
-
-    zlib.crc32 is stable across processes, unlike Python's salted hash().
-    """
-    return zlib.crc32(f"{init_seed}:{seed_name}".encode())
-
-
-def _randn(seed_name: str, shape: tuple[int, ...], init_seed: int) -> torch.Tensor:
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(init_generator_seed(init_seed, seed_name))
-    return torch.randn(shape, generator=generator, dtype=torch.float32)
-
-
-def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the full-shape `full` into `param`, or this rank's shard of it when param is a DTensor."""
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        if isinstance(param, DTensor):
-            full = full.to(device=param.to_local().device, dtype=param.dtype)
-            # src_data_rank=None: every rank holds the same full tensor, so no communication.
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-            return
-    param.copy_(full)

@@ -1,0 +1,159 @@
+"""The resume path of CheckpointManager: which checkpoint is loaded, the fallback past one that
+fails to verify, and the restore itself (full resume or a model-only warm start).
+
+resolve.py ranks the candidates; here rank 0 decides, every rank gets the same answer, and a
+checkpoint that fails once loading began (an unreadable file, non-finite weights) is skipped for
+the next one, unless it was asked for by ``load_step`` / ``initial_load_path``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from torchtitan_loom.components.checkpoint import integrity, layout, resolve
+from torchtitan_loom.components.checkpoint import state as ckstate
+
+
+class LoadMixin:
+    """CheckpointManager's load path (uses its cfg, root, model, optimizer, states, device,
+    rank, world_size, _distributed, _unproven, _last_noted and _log)."""
+
+    def _decide(
+        self, exclude: dict[str, str]
+    ) -> tuple[Any, list[layout.Entry], list[str], str | None]:
+        """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or error."""
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                choice, found, skipped = resolve.choose(
+                    self.root, self.cfg.load_step, self.cfg.initial_load_path, exclude=exclude
+                )
+                payload = [(choice, found.incomplete, skipped, None)]
+            except ValueError as exc:
+                payload = [(None, [], [], str(exc))]
+        if self._distributed:
+            dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def _load(self) -> int | None:
+        """Newest checkpoint that verifies (checksums, then finite weights once loaded); a failing
+        one is skipped with a warning naming the file, unless it was asked for by load_step."""
+        exclude: dict[str, str] = {}  # path → why it was refused once loading it began
+        warned: set[str] = set()
+        while True:
+            choice, incomplete, skipped, error = self._decide(dict(exclude))
+            if error:
+                raise ckstate.CheckpointError(error)
+            for line in [layout.incomplete_warning(incomplete)] + skipped:
+                if line and line not in warned:  # each once, though the choice may be made again
+                    warned.add(line)
+                    self._log("warning: " + line)
+            if choice is None:
+                self._log(f"no checkpoint in {self.root}: starting from scratch")
+                return None
+            key = "initial_load_path" if choice.model_only else "load_step"
+            asked = self.cfg.load_step >= 0 or choice.model_only  # no other one to fall back on
+            self._log(f"loading checkpoint {choice.path} ...")
+            try:
+                step = self._load_choice(choice)
+            except ckstate.CheckpointUnreadable as exc:  # a refused entry, a read that failed
+                if asked:
+                    raise ckstate.CheckpointError(f"checkpoint.{key}: {exc}; refused") from None
+                exclude[choice.path] = str(exc)
+                continue
+            bad = integrity.model_finite(self.model)
+            if not bad:
+                break
+            if asked:
+                raise ckstate.CheckpointError(
+                    f"checkpoint.{key}: {choice.path} holds non-finite weights "
+                    f"({', '.join(bad)}); refused"
+                )
+            exclude[choice.path] = "refused after loading (non-finite weights)"
+        if step is not None:
+            self._unproven[step], self._last_noted = 0, step  # the steps after it prove it
+        if step is not None and self.rank == 0:
+            moved = layout.abandon_newer(self.root, step)
+            if moved:
+                self._log(
+                    f"moved the checkpoints newer than step {step} ({', '.join(moved)}) to "
+                    f"{os.path.join(self.root, layout.ABANDONED)}: kept, never loaded or overwritten"
+                )
+        return step
+
+    def _load_choice(self, choice: resolve.LoadChoice) -> int | None:
+        started = time.perf_counter()
+        meta = ckstate.read_metadata(choice.path)
+        lines = resolve.compat_errors(
+            choice.path,
+            self.model_name,
+            self.flavor,
+            self.model_args,
+            ckstate.model_shapes(self.model),
+            resume=not choice.model_only,
+        )
+        if lines:
+            raise ckstate.CheckpointError(
+                resolve.explain(choice.path, choice.step, lines, resume=not choice.model_only)
+            )
+        if choice.model_only:
+            self._load_model_only(choice.path)
+            self._log(
+                f"warm start: model weights from {choice.path} (optimizer, schedule, data and step "
+                f"start fresh) in {time.perf_counter() - started:.1f} s"
+            )
+            return None
+        self._load_full(choice.path, meta)
+        saved = layout.read_json(os.path.join(choice.path, "meta.json")) or {}
+        self.loaded_total_steps = saved.get(
+            "total_steps"
+        )  # training.steps of the run that saved it
+        ws = self.loaded_world_size = saved.get("world_size")
+        moved = (
+            f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
+        )
+        self._log(
+            f"resumed from {choice.path} (step {choice.step}{moved}) "
+            f"in {time.perf_counter() - started:.1f} s"
+        )
+        return choice.step
+
+    def _load_model_only(self, path: str) -> None:
+        sd = {"model": ckstate.model_state(self.model)}
+        ckstate.dcp_load(sd, path, no_dist=not self._distributed)
+        ckstate.set_model_state(self.model, sd["model"])
+
+    def _load_full(self, path: str, meta: dict[str, Any]) -> None:
+        keys = set(meta)
+        opt = ckstate.OptimizerLoad(self.model, self.optimizer, keys, "optimizer.")
+        sd: dict[str, Any] = {"model": ckstate.model_state(self.model), "optimizer": opt.template()}
+        for name, obj in self.states.items():
+            # Keys a newer version added are left at their defaults (load_state_dict handles them).
+            tmpl = {
+                k: v
+                for k, v in obj.state_dict().items()
+                if f"{name}.{k}" in keys or any(x.startswith(f"{name}.{k}.") for x in keys)
+            }
+            if not tmpl:
+                raise ckstate.CheckpointError(f"checkpoint {path} holds no '{name}' state")
+            sd[name] = tmpl
+        sd["rng"] = {k: v for k, v in ckstate.rng_state(self.device).items() if f"rng.{k}" in keys}
+        ckstate.dcp_load(sd, path, no_dist=not self._distributed)
+        ckstate.set_model_state(self.model, sd["model"])
+        opt.apply(sd["optimizer"])
+        for name, obj in self.states.items():
+            try:
+                obj.load_state_dict(sd[name])
+            except (
+                ValueError,
+                KeyError,
+            ) as exc:  # e.g. the data loader refuses another global batch size
+                raise ckstate.CheckpointError(
+                    f"checkpoint {path}: cannot restore '{name}': {exc}"
+                ) from None
+        # The trainer loads right before its loop, so nothing after this can advance the stream.
+        ckstate.set_rng_state(sd["rng"], self.device)

@@ -1,0 +1,54 @@
+"""Parameter and FLOP counts of a LoomTransformer (passed as nn.Module: this file sits below model.py): what the start line, the metrics' MFU and the
+cost model read (LOOM_SPEC.md §2 "active incl. head and embedding").
+
+Legend: L layers, H loops, E routed experts, k routed top-k, V vocab, D model dim.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torchtitan_loom.models.loom.block import LoomBlock
+
+
+def count_params(model: nn.Module) -> dict[str, int]:
+    """{"total", "active"}: total = every parameter (all H routers included).
+
+    active = per token: for each of the L layers the attention (wqkv, wo), k of the E routed
+    experts, the shared experts, ONE router and the ffn_branch_rms weight; plus the embedding
+    row and the output head (V*D each, spec §2 "active incl. head and embedding").
+    """
+    total = sum(p.numel() for p in model.parameters())
+    per_layer = sum(_active_matmul_params(layer) + _norm_params(layer) for layer in model.layers)
+    head_and_embedding = model.output.weight.numel() + model.tok_embeddings.weight.numel()
+    return {"total": total, "active": per_layer + head_and_embedding}
+
+
+def count_flops_per_token(model: nn.Module, seq_len: int, head_calls: int = 1) -> float:
+    """Training FLOPs per token (forward + backward) over all H loops:
+
+        6 * (P_loop * H + V * D * head_calls) + 12 * L * H * n_heads * head_dim * seq_len
+
+    P_loop = matmul parameters a token uses in one loop, summed over the L layers (attention
+    wqkv + wo, k routed experts, shared experts, one router); V*D = output head, applied once
+    per forward (pass head_calls = number of segments for segmented training). The last term is
+    attention scores and values (QK^T and AV, 2 matmuls x 2 FLOPs x 3 for fwd+bwd, no causal
+    discount, TorchTitan convention). The embedding lookup and the norms are not counted.
+    """
+    args = model.args
+    p_loop = sum(_active_matmul_params(layer) for layer in model.layers)
+    head = model.output.weight.numel()
+    attention = 12 * args.n_layers * args.num_loops * args.n_heads * args.head_dim * seq_len
+    return float(6 * (p_loop * args.num_loops + head * head_calls) + attention)
+
+
+def _active_matmul_params(layer: LoomBlock) -> int:
+    moe = layer.moe
+    attention = sum(p.numel() for p in layer.attention.parameters())
+    routed = (moe.experts.w13.numel() + moe.experts.w2.numel()) * moe.top_k // moe.num_experts
+    shared = sum(p.numel() for p in moe.shared_experts.parameters())
+    return attention + routed + shared + moe.routers[0].numel()
+
+
+def _norm_params(layer: LoomBlock) -> int:
+    return 0 if layer.ffn_branch_norm is None else layer.ffn_branch_norm.weight.numel()
