@@ -21,6 +21,62 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_times_s() -> list[float]:
+    """Seconds of each graph compile dynamo finished in this process (one per compiled frame,
+    inductor's code generation included), in order; [] where torch keeps no such metric."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        return [round(t, 3) for t in compilation_time_metrics.get("_compile.compile_inner", [])]
+    except Exception:  # noqa: BLE001 - a private metric: the record is worth more than it
+        return []
+
+
+def progress_record(
+    phase: str,
+    now: float,
+    build_s: float | None = None,
+    warm_times: list[float] = (),  # type: ignore[assignment]
+    timed_times: list[float] = (),  # type: ignore[assignment]
+    graphs0: int | None = None,
+) -> dict[str, Any]:
+    """The record of a cell still running: the phase it is in, the steps it has done, the graphs
+    compiled and each compile's time so far. Keys starting with "_" stay in memory (when the phase
+    started, the graph count before the first step): a SIGTERM handler reads them."""
+    return {
+        "status": "running",
+        "phase": phase,
+        "build_s": build_s,
+        "warmup_step_times_s": list(warm_times),
+        "warmup_first_step_s": warm_times[0] if warm_times else None,
+        "timed_step_times_s": list(timed_times),
+        "steps_done": len(warm_times) + len(timed_times),
+        "graphs_compiled": None if graphs0 is None else compiled_graphs() - graphs0,
+        "compile_times_s": compile_times_s(),
+        "_phase_started": now,
+        "_graphs0": graphs0,
+    }
+
+
+def progress_note(cell: dict[str, Any]) -> str:
+    """One line of how far a cell that did not finish got (empty for a finished one)."""
+    if cell.get("status") in ("ok", None) or "steps_done" not in cell:
+        return ""
+    compiles = cell.get("compile_times_s") or []
+    return (
+        f"{cell.get('steps_done')} steps done (warm-up s: "
+        f"{', '.join(f'{t:.1f}' for t in cell.get('warmup_step_times_s') or []) or 'none'}); "
+        f"build {_fmt(cell.get('build_s'), '.1f')} s; "
+        f"{len(compiles)} graph compiles finished"
+        + (f" ({', '.join(f'{t:.1f}' for t in compiles)} s)" if compiles else "")
+        + f"; cut during {cell.get('phase', '?')}"
+    )
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
 def spread(times_s: list[float]) -> dict[str, float | None]:
     """min / median / max of the timed steps, seconds."""
     if not times_s:

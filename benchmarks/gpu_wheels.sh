@@ -20,6 +20,13 @@ DEST="${1:-${ROOT}/.whl}"
 PYTHON="${PYTHON:-python3}"
 MAX_MIB="${MAX_MIB:-40}"
 mkdir -p "${DEST}"
+# One wheel per package: gpu_check.sh refuses a folder with two versions of one (stale ones would
+# install in glob order). The folder holds only what this script downloads, so it starts empty.
+old=("${DEST}"/*.whl)
+if [[ -e "${old[0]}" ]]; then
+  echo "removing the ${#old[@]} wheels of an earlier download from ${DEST}"
+  rm -f -- "${old[@]}"
+fi
 # manylinux2014 = glibc 2.17; torchao's wheel is tagged manylinux_2_28, so both are named.
 target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform any -d "${DEST}")

@@ -27,9 +27,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,15 @@ from torchtitan_loom.train import Trainer  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from throughput_report import PROFILE_STEPS, device_meta, format_shares, markdown  # noqa: E402
-from cell_record import compiled_graphs, failure_reason, kernels, mfu_measured, spread  # noqa: E402
+from cell_record import (  # noqa: E402
+    compile_times_s,
+    compiled_graphs,
+    failure_reason,
+    kernels,
+    mfu_measured,
+    progress_record,
+    spread,
+)
 from step_profile import profile_steps  # noqa: E402
 
 PRESET_FILES = {
@@ -93,6 +104,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--out", default="outputs/bench", help="output folder")
     p.add_argument(
+        "--hang-after-step",
+        type=int,
+        default=0,
+        help="for the GPU check's own tests: each cell sleeps until it is killed after this many "
+        "warm-up steps (0: never)",
+    )
+    p.add_argument(
         "--measured-peak-tflops",
         type=float,
         default=None,
@@ -117,6 +135,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             f"unexpected argument {overrides[0]!r}; config overrides look like --section.key value"
         )
     return args, overrides
+
+
+def public(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells without their in-memory keys (cell_record.progress_record)."""
+    return [{k: v for k, v in c.items() if not k.startswith("_")} for c in cells]
 
 
 def has_override(overrides: list[str], key: str) -> bool:
@@ -194,11 +217,15 @@ def run_cell(
     warmup: int,
     trace: Path | None = None,
     measured_peak_tflops: float | None = None,
+    progress: Callable[[dict[str, Any]], None] = lambda record: None,
+    hang_after_step: int = 0,
 ) -> dict[str, Any]:
     """Train `warmup` + `steps` steps of the config `argv`; the record of the timed steps (with
     `trace`, then PROFILE_STEPS profiled steps: the trace file and the time shares). Every step is
     timed alone (synchronised): the first warm-up step holds the compilation, and a recompile
-    inside the timed steps shows as a new graph and a slow step."""
+    inside the timed steps shows as a new graph and a slow step. `progress` gets the record so far
+    when the trainer is built and after every step (benchmarks/cell_record.py: progress_record),
+    so a cell cut by its caller still says how far it got."""
     try:
         cfg = load_config(argv)
         resolved = resolve(cfg, 1)
@@ -208,22 +235,42 @@ def run_cell(
     info = DistInfo(rank=0, world_size=1, device=device)
     trainer = None
     try:
+        t_build = time.perf_counter()
+        progress(progress_record("building the trainer", t_build))
         trainer = Trainer(cfg, resolved, info)
+        build_s = time.perf_counter() - t_build
         chosen = kernels(trainer, device.type, cfg.compile.enable)
         batches, train_step = iter(trainer.dataloader), trainer.train_step
         graphs0 = compiled_graphs()
+        warm_times: list[float] = []
+        times: list[float] = []
 
-        def timed_step() -> tuple[float, float]:
+        def timed_step(phase: str) -> tuple[float, float]:
+            progress(
+                progress_record(phase, time.perf_counter(), build_s, warm_times, times, graphs0)
+            )
             _sync(device)
             t0 = time.perf_counter()
             loss = train_step(next(batches)).seg_losses[-1]
             _sync(device)
             return time.perf_counter() - t0, loss
 
-        warm_times = [timed_step()[0] for _ in range(warmup)]
+        for k in range(warmup):
+            warm_times.append(timed_step(f"warm-up step {k + 1}/{warmup}")[0])
+            if k + 1 == hang_after_step:  # the GPU check's tests: a cell that never finishes
+                now = time.perf_counter()
+                progress(progress_record("hang", now, build_s, warm_times, times, graphs0))
+                while True:
+                    time.sleep(3600)
         graphs_warm = compiled_graphs()
         memory_stats(device)  # CUDA: resets the peak, so the record covers the timed steps only
-        timed = [timed_step() for _ in range(steps)]
+        timed = []
+        for k in range(steps):
+            timed.append(timed_step(f"timed step {k + 1}/{steps}"))
+            times.append(timed[-1][0])
+        progress(
+            progress_record("finishing", time.perf_counter(), build_s, warm_times, times, graphs0)
+        )
         times, losses = [t for t, _ in timed], [loss for _, loss in timed]
         elapsed = sum(times)
         shares = None
@@ -244,6 +291,8 @@ def run_cell(
             "peak_memory_gib": mem.get("memory_max_allocated_gib", mem.get("memory_max_rss_gib")),
             "peak_reserved_gib": mem.get("memory_max_reserved_gib"),
             "memory_kind": "cuda max allocated" if device.type == "cuda" else "process max RSS",
+            "build_s": build_s,
+            "compile_times_s": compile_times_s(),
             "warmup_first_step_s": warm_times[0] if warm_times else None,
             "warmup_step_times_s": warm_times,
             "graphs_compiled_in_warmup": graphs_warm - graphs0,
@@ -325,6 +374,38 @@ def main(argv: list[str] | None = None) -> int:
         out / f"throughput_{args.preset}.md",
     )
     cells: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}  # the cell running now, as far as it got
+
+    def write(extra: list[dict[str, Any]]) -> None:  # both files replaced whole
+        for path, text in (
+            (json_path, json.dumps({"meta": meta, "cells": public(cells + extra)}, indent=1)),
+            (md_path, markdown(meta, public(cells + extra))),
+        ):
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+
+    def on_progress(record: dict[str, Any]) -> None:
+        current.update(record)
+        write([current])
+
+    def on_term(signum: int, frame: Any) -> None:
+        """Cut by the caller (timeout's SIGTERM): record how far the cell got, then exit at once."""
+        if current:
+            since = time.perf_counter() - current.get("_phase_started", time.perf_counter())
+            graphs0 = current.get("_graphs0")
+            current.update(
+                status="timed out",
+                reason=f"stopped by signal {signum} during {current.get('phase')}, "
+                f"{since:.1f} s into it",
+                compile_times_s=compile_times_s(),
+                graphs_compiled=None if graphs0 is None else compiled_graphs() - graphs0,
+            )
+            write([current])
+        print(f"[throughput] stopped by signal {signum}: record written to {json_path}", flush=True)
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, on_term)
     started = time.perf_counter()
     # Order: AC none before loop, compile off before on, so a time budget cuts the least telling cells.
     for ac in args.ac:
@@ -339,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     print(f"[throughput] {args.preset} {name} ...", flush=True)
                     trace = out / "traces" / f"{args.preset}-{name}.json" if args.profile else None
+                    current.clear()
+                    current.update(cell)
                     cell.update(
                         run_cell(
                             cell_argv(
@@ -348,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
                             args.warmup,
                             trace,
                             args.measured_peak_tflops,
+                            on_progress,
+                            args.hang_after_step,
                         )
                     )
+                    current.clear()
                 result = (
                     f"{cell['tokens_per_s']:,.0f} tok/s"
                     if cell["status"] == "ok"
@@ -362,8 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                 cells.append(cell)
-                json_path.write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
-                md_path.write_text(markdown(meta, cells))
+                write([])
     print(markdown(meta, cells))
     return 0 if all(c["status"] != "error" for c in cells) else 1
 

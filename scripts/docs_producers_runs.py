@@ -29,6 +29,7 @@ from docs_context import (
     prose,
 )
 from docs_runner import ROOT, duration, machine
+from docs_tour_figures import after_console, cpu_kind, figures, record
 
 # ----- README
 
@@ -36,6 +37,7 @@ from docs_runner import ROOT, duration, machine
 def default_run_console(ctx: Context) -> str:
     """The default run's console: the header, the first logged step, the first and the last eval."""
     res = ctx.run(DEFAULT_RUN)
+    record(cpu_kind(), figures=figures(res.console))  # what CI compares on this CPU kind
     lines = res.console.rstrip("\n").split("\n")
     steps = [i for i, ln in enumerate(lines) if STEP_RE.search(ln)]
     evals = [i for i, ln in enumerate(lines) if "] eval at step" in ln]
@@ -130,6 +132,7 @@ def diag_cost(ctx: Context) -> str:
 def analysis_tables(ctx: Context) -> str:
     body, heatmap = analysis_text(ctx)
     shutil.copyfile(heatmap, ROOT / HEATMAP)
+    record(cpu_kind(), analysis=after_console(body))
     return body
 
 

@@ -215,11 +215,12 @@ def check_bf16_experts(ep_mesh, dp_mesh) -> None:
 def check_compile_breaks_at_dispatch(ep_mesh) -> None:
     """torch.compile of an EP MoE call (fullgraph off, as parallelize applies it with EP): with
     capacity off it breaks the graph only at the documented dispatch point, the host copy of the
-    split sizes in _split_sizes (one break reported by each of the 3 frames on the stack there:
-    LoomMoE.forward, ExpertParallelExperts.forward, _split_sizes); with capacity on (fixed slots)
+    split sizes in _split_sizes (every break reason's innermost frame is _split_sizes; dynamo
+    reports it once per frame it falls back through: 3 on torch 2.13 — LoomMoE.forward,
+    ExpertParallelExperts.forward, _split_sizes — and 2 on 2.11); with capacity on (fixed slots)
     not at all. Under bf16 autocast (fp32 breaks at the same point; one dtype keeps this 4-rank
     launch short)."""
-    for capacity_factor, want in ((0.0, ["_split_sizes"] * 3), (1.5, [])):
+    for capacity_factor, want in ((0.0, {"_split_sizes"}), (1.5, set())):
         moe = _bf16_layer(ep_mesh, capacity_factor)
         x, _ = _layer_inputs(dist.get_rank(), 64)
         torch._dynamo.reset()
@@ -227,7 +228,7 @@ def check_compile_breaks_at_dispatch(ep_mesh) -> None:
             explained = torch._dynamo.explain(moe)(x, moe.routers[0])
         torch._dynamo.reset()
         sites = [reason.user_stack[-1].name for reason in explained.break_reasons]
-        assert sites == want, (
+        assert set(sites) == want, (
             capacity_factor,
             [(r.reason[:60], r.user_stack[-3:]) for r in explained.break_reasons],
         )

@@ -41,3 +41,17 @@ def test_spread_of_the_step_times():
         "step_time_median_s": 2.5,
         "step_time_max_s": 10.0,
     }
+
+
+def test_a_cut_cell_says_how_far_it_got_and_a_finished_one_says_nothing():
+    from cell_record import progress_note, progress_record
+
+    running = progress_record("warm-up step 2/2", 0.0, 12.5, [81.2], [], None)
+    assert running["status"] == "running" and running["steps_done"] == 1
+    assert running["warmup_first_step_s"] == 81.2 and running["graphs_compiled"] is None
+    cut = {**running, "status": "timed out", "compile_times_s": [40.1, 2.5]}
+    assert progress_note(cut) == (
+        "1 steps done (warm-up s: 81.2); build 12.5 s; 2 graph compiles finished (40.1, 2.5 s); "
+        "cut during warm-up step 2/2"
+    )
+    assert progress_note({**cut, "status": "ok"}) == ""

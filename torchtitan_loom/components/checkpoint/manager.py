@@ -33,7 +33,7 @@ from torch import nn
 from torchtitan_loom.components.checkpoint import layout, resolve
 from torchtitan_loom.components.checkpoint.loading import LoadMixin
 from torchtitan_loom.components.checkpoint.pruning import PROVE_STEPS, ProofMixin
-from torchtitan_loom.components.checkpoint.saving import SaveMixin, _Pending
+from torchtitan_loom.components.checkpoint.saving import SaveMixin, _Pending, make_stager
 
 __all__ = ["ASYNC_MODES", "PROVE_STEPS", "CheckpointManager"]
 
@@ -97,17 +97,7 @@ class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):
             self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
         self.stager = None  # async_with_pinned_mem: the reused staging buffers
         if self._async and cfg.async_mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = self.device.type == "cuda"
-            self.stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
-                )
-            )
+            self.stager = make_stager(self.device)
 
     # ------------------------------------------------------------------------------------ helpers
     def _barrier(self) -> None:

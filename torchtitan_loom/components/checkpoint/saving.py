@@ -10,7 +10,8 @@ before it returns (so the next optimizer step cannot race the staging) and write
 thread over its own gloo group (a save on the default group while training runs collectives on
 it aborts gloo). ``async_with_pinned_mem`` stages through one ``DefaultStager`` owned by the manager:
 its CPU copies are allocated on the first save and reused by every later one (page-locked on CUDA,
-filled by non-blocking copies), instead of fresh CPU tensors per save. At most one save is in flight; rank 0 commits it (marker + rename) once its
+filled by non-blocking copies), instead of fresh CPU tensors per save (on torch 2.11 a new stager
+per save: see STAGER_SINGLE_USE). At most one save is in flight; rank 0 commits it (marker + rename) once its
 future is done, which DCP reports only after every rank's data and the metadata are written.
 A run that stops discards a save still in flight when it stopped for divergence or an error
 (``discard``): nothing is committed or pruned after it.
@@ -44,6 +45,27 @@ class _CommittedButIncomplete(Exception):
     def __init__(self, what: str, cause: BaseException) -> None:
         super().__init__(what)
         self.what, self.cause = what, cause
+
+
+# torch 2.11's DefaultStager closes its StateDictStager after every stage, which empties the
+# stager's copy table: a second save through it fails with KeyError: <class 'type'>. There each
+# save gets a new stager (no buffer reuse); 2.13 reuses one across saves.
+STAGER_SINGLE_USE = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+
+
+def make_stager(device: torch.device):
+    """The DCP stager of async_with_pinned_mem: page-locked, non-blocking copies on CUDA."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = device.type == "cuda"
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+    )
 
 
 @dataclass
@@ -190,6 +212,9 @@ class SaveMixin:
         sd = self._collect()
         no_dist = not self._distributed
         if self._async:
+            if self.stager is not None and STAGER_SINGLE_USE:
+                self.stager.close()
+                self.stager = make_stager(self.device)
             with ckstate.single_process_quiet():
                 future = dcp.async_save(
                     sd,

@@ -17,6 +17,8 @@ gradient); the gates' gradient is, in eager, a row-wise dot product (a batched G
 by [A, D, 1]), fp32 rounding away from the plain sum over D; every other value is bitwise the
 same. Compiled, it is the plain product and sum, which inductor fuses into one reduction.
 
+Traced by torch.compile, both forwards are out of place: torch 2.11 silently gives a Function
+whose forward returns a tensor it mutated zero input gradients (pytorch/pytorch#180642).
 Both are plain autograd functions of aten ops, so torch.compile traces them (no graph break;
 SwiGLU's compiled backward is the functional form, which inductor fuses into one kernel) and
 activation checkpointing recomputes them like any op.
@@ -34,9 +36,14 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_M2I: torch.Tensor) -> torch.Tensor:
         gate_MI, up_MI = h_M2I.chunk(2, dim=-1)
+        ctx.save_for_backward(h_M2I)
+        if torch.compiler.is_compiling():
+            # Out of place when traced: on torch 2.11 a Function whose forward returns a tensor it
+            # mutated in place gets zero input gradients under compile (pytorch/pytorch#180642,
+            # fixed in 2.13 by #180921). Inductor fuses the product into one kernel anyway.
+            return torch.nn.functional.silu(gate_MI) * up_MI
         act_MI = torch.nn.functional.silu(gate_MI)
         act_MI.mul_(up_MI)  # in place: the product needs no buffer of its own
-        ctx.save_for_backward(h_M2I)
         return act_MI
 
     @staticmethod
@@ -70,8 +77,11 @@ class _GateCombine(torch.autograd.Function):
     def forward(ctx, out_AD, gate_A, token_A, num_tokens: int):
         weighted_AD = out_AD * gate_A.unsqueeze(-1)
         y_ND = weighted_AD.new_zeros(num_tokens, out_AD.shape[-1])
-        y_ND.index_add_(0, token_A, weighted_AD)
         ctx.save_for_backward(out_AD, gate_A, token_A)
+        if torch.compiler.is_compiling():
+            # Out of place when traced: pytorch/pytorch#180642 (see _SwiGLU.forward).
+            return y_ND.index_add(0, token_A, weighted_AD)
+        y_ND.index_add_(0, token_A, weighted_AD)
         return y_ND
 
     @staticmethod
