@@ -29,9 +29,24 @@ LOG_RANK="${LOG_RANK:-0}"
 if [[ "${LAUNCHER:-}" == "srun" ]]; then
   NGPU=1  # one rank per process; OMP threads = the CPUs Slurm gave this task
 elif [[ -z "${NGPU:-}" ]]; then
-  NGPU="$("${PYTHON}" -c 'import torch; print(torch.cuda.device_count() or 1)' 2>/dev/null || echo 1)"
+  # Counted without importing torch (seconds of silence on a cold start): the devices
+  # CUDA_VISIBLE_DEVICES names when it is set, else nvidia-smi's list; 1 (a CPU rank) when none.
+  if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    NGPU=$(tr ',' '\n' <<<"${CUDA_VISIBLE_DEVICES}" | grep -c '[^[:space:]]' || true)
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  fi
+  (( ${NGPU:-0} > 0 )) || NGPU=1
+fi
+if ! [[ "${NGPU}" =~ ^[1-9][0-9]{0,3}$ ]]; then
+  echo "run_train.sh: NGPU=${NGPU}: expected the number of processes per node, 1 to 9999" >&2
+  exit 2
 fi
 NNODES="${NNODES:-${WORLD_SIZE:-1}}"
+if ! [[ "${NNODES}" =~ ^[1-9][0-9]{0,4}$ || "${NNODES}" == *:* ]]; then
+  echo "run_train.sh: NNODES=${NNODES}: expected a node count ≥ 1 (or MIN:MAX for an elastic run)" >&2
+  exit 2
+fi
 NODE_RANK="${NODE_RANK:-${RANK:-0}}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"

@@ -67,7 +67,7 @@ out['model'] = dict(
     intra=hw.intra_node_gbps, inter=hw.inter_node_gbps, node=hw.gpus_per_node,
     gpu_gib=hw.memory_gib,
 )
-dbg = load_config(['--job.config_file', 'train_configs/debug_model.toml'])
+dbg = load_config(['--job.config_file', 'train_configs/debug_model.toml', '--parallelism.dry_run'])  # no run folder read
 da, _ = resolve(dbg, 1)
 out['debug'] = dict(L=da.n_layers, H=da.num_loops, E=da.num_routed_experts, k=da.routed_top_k)
 print(json.dumps(out))

@@ -12,7 +12,8 @@ step 60 and ~0.8% at step 180 — as large as a real change of the math (the Swi
   exactly (every figure of the run, not only the excerpt's);
 - on any other kind, the early horizon (step <= EARLY_STEP) must agree within EARLY_RTOL (or 1.5
   units of the last printed digit), the counts and the lr exactly, and later figures within
-  LATE_RTOL, a bound that only catches gross breakage. A 1% change of the init moves the step-10
+  LATE_RTOL (losses; measured 0.8%) or LATE_GNORM_RTOL (gradient norms, which follow the routing
+  choices: measured 7.6% at step 60), bounds that only catch gross breakage. A 1% change of the init moves the step-10
   gradient norm by ~0.7% and the loss by ~9e-4 relative, well past the early bound
   (test_docs_tour.py checks that on a perturbed run).
 
@@ -34,6 +35,7 @@ KINDS_FILE = ROOT / "docs" / "tour_figures.json"
 EARLY_STEP = 10
 EARLY_RTOL = 3e-4
 LATE_RTOL = 0.02
+LATE_GNORM_RTOL = 0.2
 ANALYSIS_RTOL = 0.25
 
 STEP_RE = re.compile(r"\] step +(\d+)(?:/\d+)?\b")
@@ -111,7 +113,8 @@ def cross_kind_differences(want: dict[str, str], ran: dict[str, str]) -> list[st
                 abs(x - y) <= max(EARLY_RTOL * abs(x), 1.5 * u) for (x, u), (y, _) in zip(a, b)
             )
         else:
-            ok = all(abs(x - y) <= LATE_RTOL * abs(x) for (x, _), (y, _) in zip(a, b))
+            rtol = LATE_GNORM_RTOL if key.endswith(" gnorm") else LATE_RTOL
+            ok = all(abs(x - y) <= rtol * abs(x) for (x, _), (y, _) in zip(a, b))
         if not ok:
             bound = "exactly" if exact else "early" if step and step <= EARLY_STEP else "late"
             out.append(f"{key}: docs {value}, run {got} ({bound} bound)")

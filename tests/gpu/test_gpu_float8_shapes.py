@@ -10,15 +10,19 @@ Legend: M tokens, K input width, N output width.
 
 import importlib.util
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from torchtitan_loom.config import load_config
 
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"  # cwd-independent
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None, reason="torchao not installed"
 )
-PRESET = "train_configs/loom_1p7b_float8.toml"
+PRESET = f"{CONFIGS}/loom_1p7b_float8.toml"
 # float8 e4m3 forward / e5m2 gradients against bf16: a few per cent relative error.
 TOL = 0.1
 

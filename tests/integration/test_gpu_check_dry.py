@@ -236,4 +236,6 @@ def test_a_cell_cut_after_its_first_warm_up_step_says_how_far_it_got(tmp_path):
     assert "Cells that did not finish" in summary and "1 steps done" in summary
     assert took < 90 + 30, took
     # No stage process is left: the hanging cell died with its process group.
-    assert not subprocess.run(["pgrep", "-f", "--", "--hang-after-step"], capture_output=True).stdout
+    assert not subprocess.run(
+        ["pgrep", "-f", "--", "--hang-after-step"], capture_output=True
+    ).stdout

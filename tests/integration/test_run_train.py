@@ -26,11 +26,14 @@ def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_default_run_trains_and_logs(tmp_path):
+def test_default_run_trains_and_logs(tmp_path, launch_cost_s):
     dump = tmp_path / "run"
+    # One thread (two on two busy cores ran ~3x the CPU) and a limit that grows with the load: a
+    # 2-rank launch costs launch_cost_s here now; 20 steps are ~10 such launches on a quiet machine.
     proc = run_train(
         ["--training.steps", "20", "--job.dump_folder", str(dump), "--metrics.log_freq", "5"],
-        {"NGPU": "1"},
+        {"NGPU": "1", "OMP_NUM_THREADS": "1"},
+        timeout=max(600, 60 * launch_cost_s),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_jsonl(dump / "metrics.jsonl")
@@ -160,3 +163,41 @@ def test_config_error_exits_2_before_launching_ranks(tmp_path):
     proc = run_train(["--training.global_batch_size", "3"], {"NGPU": "1"})
     assert proc.returncode != 0
     assert "training.global_batch_size = 3: must be divisible" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NGPU": "0"}, "NGPU=0: expected the number of processes per node, 1 to 9999"),
+        ({"NGPU": "-2"}, "NGPU=-2: expected the number of processes per node"),
+        ({"NGPU": "abc"}, "NGPU=abc: expected the number of processes per node"),
+        ({"NNODES": "0"}, "NNODES=0: expected a node count ≥ 1 (or MIN:MAX for an elastic run)"),
+        ({"NNODES": "two"}, "NNODES=two: expected a node count ≥ 1"),
+    ],
+)
+def test_a_bad_process_or_node_count_is_one_line_before_python_starts(env, message, tmp_path):
+    # PYTHON points at nothing: the launcher must answer before it would start any Python.
+    proc = run_train(["--job.dump_folder", str(tmp_path)], {**env, "PYTHON": "/nonexistent"}, 30)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpus_are_counted_without_torch(tmp_path):
+    """No NGPU: CUDA_VISIBLE_DEVICES (here empty: no GPU, one CPU rank) is read by the shell; with a
+    PYTHON that only records its arguments, the first Python started is the trainer itself."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    env = {"PYTHON": str(fake), "CUDA_VISIBLE_DEVICES": ""}
+    os_env = {k: v for k, v in os.environ.items() if k != "NGPU"}
+    proc = subprocess.run(
+        ["./run_train.sh", "--training.steps", "1"],
+        cwd=ROOT, env={**os_env, **env}, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (call,) = log.read_text().splitlines()
+    assert (
+        call.startswith("-m torchtitan_loom.train --job.config_file") and "import torch" not in call
+    )

@@ -21,6 +21,8 @@ rules are checked (a CPU fake skips them). A CUDA rule found later becomes a cas
 import dataclasses
 import importlib.util
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,6 +36,8 @@ from cuda_trace import (  # tests/unit/cuda_trace.py
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve_model_args
 from torchtitan_loom.models.loom import loom_flavors
+
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"  # cwd-independent
 
 ARGS = loom_flavors["loom_1p7b"]
 B, S, LOOPS = 8, 1023, (1, 3)
@@ -142,7 +146,7 @@ def test_float8_segment_converts_what_it_claims():
     from torchtitan_loom.protocols import get_train_spec
 
     cfg = load_config(
-        ["--job.config_file", "train_configs/loom_1p7b_float8.toml", "--float8.experts", "false"]
+        ["--job.config_file", f"{CONFIGS}/loom_1p7b_float8.toml", "--float8.experts", "false"]
     )
     spec = get_train_spec("loom")
     plan, errors = plan_float8(cfg.float8, "cuda", (9, 0), "NVIDIA H200")
@@ -221,7 +225,7 @@ def float8_convert(cfg, tokens: int):
 
 
 def trace_preset(preset: str):
-    cfg = load_config(["--job.config_file", f"train_configs/{preset}"])
+    cfg = load_config(["--job.config_file", f"{CONFIGS}/{preset}"])
     t = cfg.training
     args = dataclasses.replace(resolve_model_args(cfg), n_layers=TRACE_LAYERS)
     fp32 = t.mixed_precision_param == "float32"
@@ -288,7 +292,7 @@ def test_the_meta_replay_catches_a_rule_the_cpu_fake_skips():
     fakes, and its replay on meta breaks torch._scaled_mm's rule."""
     if importlib.util.find_spec("torchao") is None:
         pytest.skip("torchao not installed")
-    cfg = load_config(["--job.config_file", "train_configs/loom_1p7b_float8.toml"])
+    cfg = load_config(["--job.config_file", f"{CONFIGS}/loom_1p7b_float8.toml"])
     args = dataclasses.replace(resolve_model_args(cfg), n_layers=1)
     rec, _ = trace_segment(
         args,

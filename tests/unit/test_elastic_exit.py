@@ -5,11 +5,15 @@ stops the run after the step also with checkpoints off; run_train.sh's elastic c
 
 import signal
 
+from pathlib import Path
+
 import pytest
 
 from torchtitan_loom import launch
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.preemption import ElasticRestarts, PreemptionWatcher
+
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"  # cwd-independent
 
 ELASTIC = {
     "TORCHELASTIC_RUN_ID": "loom-1",
@@ -107,7 +111,7 @@ def test_a_lost_launcher_stops_after_the_step_with_checkpoints_off(elastic, capf
 def test_the_elastic_config_check_covers_every_world_size_a_restart_may_bring(tmp_path, capsys):
     base = [
         "--job.config_file",
-        "train_configs/debug_model.toml",
+        f"{CONFIGS}/debug_model.toml",
         "--job.dump_folder",
         str(tmp_path / "run"),
     ]
@@ -149,5 +153,5 @@ def test_a_later_round_of_the_same_elastic_run_takes_the_run_lock_over(tmp_path)
 
 def test_the_elastic_config_check_refuses_job_overwrite(tmp_path, capsys):
     argv = ["--job.dump_folder", str(tmp_path / "run"), "--job.overwrite", "--check-config=1,2"]
-    assert launch.run(["--job.config_file", "train_configs/debug_model.toml", *argv], None) == 2
+    assert launch.run(["--job.config_file", f"{CONFIGS}/debug_model.toml", *argv], None) == 2
     assert "job.overwrite: an elastic run would move its own files aside" in capsys.readouterr().err

@@ -23,6 +23,8 @@ from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve_model_args
 from torchtitan_loom.protocols import get_train_spec
 
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"  # cwd-independent
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None, reason="torchao not installed"
 )
@@ -73,7 +75,7 @@ def run_dense(model, report, tokens: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_float8_preset_dense_linears_run_at_the_real_token_count(preset):
-    cfg = load_config(["--job.config_file", f"train_configs/{preset}"])
+    cfg = load_config(["--job.config_file", f"{CONFIGS}/{preset}"])
     tokens = cfg.training.micro_batch_size * cfg.training.seq_len  # per rank, on every layout
     model, report = converted_meta_model(cfg, tokens)
     assert report.dense and (report.padded_tokens == tokens) == bool(tokens % 16)
@@ -83,7 +85,7 @@ def test_float8_preset_dense_linears_run_at_the_real_token_count(preset):
 
 def test_without_the_pad_the_preset_token_count_is_refused_by_the_kernel_rule():
     """The check above can fail: 8 x 1023 tokens, unpadded, breaks torch._scaled_mm's rule."""
-    cfg = load_config(["--job.config_file", "train_configs/loom_1p7b_float8.toml"])
+    cfg = load_config(["--job.config_file", f"{CONFIGS}/loom_1p7b_float8.toml"])
     tokens = cfg.training.micro_batch_size * cfg.training.seq_len
     assert tokens % 16, tokens
     model, report = converted_meta_model(cfg, None)  # no token count: no pad
@@ -138,7 +140,7 @@ def run_experts(preset: str, alignment: int) -> None:
     from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel
     from torchtitan_loom.models.loom.float8_experts import swiglu_grouped
 
-    cfg = load_config(["--job.config_file", f"train_configs/{preset}"])
+    cfg = load_config(["--job.config_file", f"{CONFIGS}/{preset}"])
     args = resolve_model_args(cfg)
     tokens = cfg.training.micro_batch_size * cfg.training.seq_len
     E, D, inter = args.num_routed_experts, args.dim, args.expert_intermediate_size

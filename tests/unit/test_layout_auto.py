@@ -5,13 +5,17 @@ the padding of experts split over more ranks than there are experts."""
 
 import re
 
+from pathlib import Path
+
 import pytest
 
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.estimate import estimate, layout_name, rank_layouts, report
 
-PRESET = ["--job.config_file", "train_configs/loom_1p7b.toml", "--parallelism.dry_run"]
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"  # cwd-independent
+
+PRESET = ["--job.config_file", f"{CONFIGS}/loom_1p7b.toml", "--parallelism.dry_run"]
 
 
 def cfg_of(*argv: str):
@@ -20,7 +24,7 @@ def cfg_of(*argv: str):
 
 def test_presets_for_gpus_choose_their_layout():
     for preset in ("loom_329m", "loom_1p7b", "loom_1p7b_float8"):
-        cfg = load_config(["--job.config_file", f"train_configs/{preset}.toml"])
+        cfg = load_config(["--job.config_file", f"{CONFIGS}/{preset}.toml"])
         assert cfg.parallelism.layout == "auto", preset
     assert load_config([]).parallelism.layout == "degrees"  # the CPU default: degrees as written
 
@@ -57,7 +61,7 @@ def test_pinned_degrees_win_and_float8_experts_keep_ep_1():
     assert dims.ep == 2
     args, dims = resolve(cfg_of("--parallelism.dp_shard", "16"), 64)
     assert dims.dp_shard == 16 and dims.dp_replicate == 4
-    f8_preset = ["--job.config_file", "train_configs/loom_1p7b_float8.toml", "--float8.emulate"]
+    f8_preset = ["--job.config_file", f"{CONFIGS}/loom_1p7b_float8.toml", "--float8.emulate"]
     f8_preset += ["--compile.enable", "false"]  # emulated float8 experts do not compile on CPU
     f8 = load_config(f8_preset + ["--parallelism.dry_run"])
     assert f8.float8.experts

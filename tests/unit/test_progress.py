@@ -2,6 +2,9 @@
 the step FLOPs follow the model's count, and on CPU the 329m preset in bf16 gets a warning up front
 (never a refusal) while the debug run does not."""
 
+import tempfile
+from pathlib import Path
+
 import torch
 
 from torchtitan_loom.components.observability.progress import estimate_step, start_lines
@@ -10,11 +13,19 @@ from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer
 from torchtitan_loom.protocols import get_train_spec, segments
 
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"  # cwd-independent
+
 CPU = torch.device("cpu")
 
 
 def _estimate(argv, world=1):
-    cfg = load_config(argv)
+    # A fresh dump folder: what ./outputs holds (the README's first run, say) is not this test's.
+    with tempfile.TemporaryDirectory() as dump:
+        cfg = load_config([*argv, "--job.dump_folder", dump])
+        return _estimate_config(cfg, world)
+
+
+def _estimate_config(cfg, world):
     args, dims = resolve(cfg, world)
     with torch.device("meta"):
         model = LoomTransformer(args)
@@ -26,7 +37,7 @@ def _estimate(argv, world=1):
 
 
 def test_state_and_flops_follow_the_model():
-    cfg, model, est, fpt = _estimate(["--job.config_file", "train_configs/debug_model.toml"])
+    cfg, model, est, fpt = _estimate(["--job.config_file", f"{CONFIGS}/debug_model.toml"])
     n = sum(p.numel() for p in model.parameters())
     assert (
         est.params == n and abs(est.state_gib - 16 * n / 2**30) < 1e-12
@@ -35,7 +46,7 @@ def test_state_and_flops_follow_the_model():
     assert abs(est.step_tflop - fpt * t.global_batch_size * t.seq_len / 1e12) < 1e-12
     # FSDP over 4 ranks: a quarter of the state, a quarter of the step's rows per rank.
     _, _, est4, _ = _estimate(
-        ["--job.config_file", "train_configs/debug_model.toml", "--training.micro_batch_size", "4"],
+        ["--job.config_file", f"{CONFIGS}/debug_model.toml", "--training.micro_batch_size", "4"],
         world=4,
     )
     assert (
@@ -50,7 +61,7 @@ def test_the_activation_term_is_the_dry_runs():
 
     argv = [
         "--job.config_file",
-        "train_configs/debug_model.toml",
+        f"{CONFIGS}/debug_model.toml",
         "--training.micro_batch_size",
         "2",
     ]
@@ -65,7 +76,7 @@ def test_329m_in_bf16_on_cpu_is_warned_not_refused():
     cfg, _, est, _ = _estimate(
         [
             "--job.config_file",
-            "train_configs/loom_329m.toml",
+            f"{CONFIGS}/loom_329m.toml",
             "--training.mixed_precision_param",
             "bfloat16",
             "--parallelism.dry_run",
@@ -80,5 +91,5 @@ def test_329m_in_bf16_on_cpu_is_warned_not_refused():
         and lines[1].startswith("warning: one step of this config needs ~")
         and "it will run" in lines[1]
     )
-    cfg, _, est, _ = _estimate(["--job.config_file", "train_configs/debug_model.toml"])
+    cfg, _, est, _ = _estimate(["--job.config_file", f"{CONFIGS}/debug_model.toml"])
     assert len(start_lines(cfg, est, CPU, rate_tflops=0.02)) == 1

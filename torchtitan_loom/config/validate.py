@@ -250,7 +250,10 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
             errors.append(f"comm.{key} = {getattr(cfg.comm, key)}: must be ≥ 1")
     errors += parallelism_errors(cfg, dims, args)
     errors += float8_errors(cfg)
-    errors += relaunch_errors(cfg)
+    # The run folder only once the config is valid (its refusal is no cause of another problem),
+    # and never for the dry run, which writes nothing.
+    if not errors and not cfg.parallelism.dry_run:
+        errors += relaunch_errors(cfg)
     errors += checkpoint_errors(cfg, args if not errors else None)
     if errors:
         raise ConfigError("\n".join(errors))
