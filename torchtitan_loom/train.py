@@ -192,7 +192,9 @@ class Trainer(TrainerBuild, SegmentedStep):
         )
         if abort:
             return self._diverged(abort)
-        return self._save_or_stop(step, last=step == self.cfg.training.steps, healthy=out.healthy)
+        loss = out.seg_losses[-1] if out.seg_losses else None
+        last = step == self.cfg.training.steps
+        return self._save_or_stop(step, last=last, healthy=out.healthy, loss=loss)
 
     def _report(self, step: int, out: StepResult, report: StepMetrics) -> None:
         """The step's record and console line, with the held-out eval and downstream scores due."""
@@ -238,13 +240,17 @@ class Trainer(TrainerBuild, SegmentedStep):
         code = self.stop_signals.exit_code()
         return Outcome(Status.STOPPED, code, f"stopped before step {step + 1}")
 
-    def _save_or_stop(self, step: int, *, last: bool, healthy: bool) -> Outcome | None:
-        """Save what the checkpoint policy asks for (``healthy``: this step proves the checkpoint
-        before it); when the stop signals (or exit_after_step) stop the run here, this step is
-        saved and the Outcome's line says so."""
+    def _save_or_stop(
+        self, step: int, *, last: bool, healthy: bool, loss: float | None = None
+    ) -> Outcome | None:
+        """Save what the checkpoint policy asks for (``healthy``, ``loss``: whether this step
+        proves the checkpoint before it); when the stop signals (or exit_after_step) stop the run
+        here, this step is saved and the Outcome's line says so."""
         reason = self.stop_signals.stop_after(step, last=last)
         stopping = reason is not None
-        where = self.checkpointer.after_step(step, last=last, stopping=stopping, healthy=healthy)
+        where = self.checkpointer.after_step(
+            step, last=last, stopping=stopping, healthy=healthy, loss=loss
+        )
         if reason is None:
             return None
         code = self.stop_signals.exit_code()

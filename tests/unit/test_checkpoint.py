@@ -2,6 +2,8 @@
 piece of state, parameters without optimizer state, torn checkpoints, pruning and snapshots,
 async save, preemption."""
 
+import json
+import math
 import os
 import shutil
 import signal
@@ -373,3 +375,27 @@ def test_checkpoint_config_errors(argv, expected, tmp_path):
     with pytest.raises(ConfigError) as exc:
         resolve(load_config(["--job.dump_folder", str(tmp_path), *argv]), 1)
     assert expected in str(exc.value)
+
+
+def test_a_finite_explosion_inside_the_guard_warm_up_keeps_a_checkpoint_from_before_it(
+    tiny_pack, tmp_path
+):
+    """Issue 34: a step-8 run resumed at lr 10, a checkpoint every step, keep 1. Inside the spike
+    guard's warm-up the exploded losses feed its running average until the plateau's steps are
+    "healthy" (from step ~30 here);
+    the proof's loss bound (pruning.py: PROOF_LOSS_RATIO against the launch's first loss) still
+    keeps a checkpoint saved before the explosion."""
+    keep = ("--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1")
+    guard = ("--spike_guard.warmup_steps", "50", "--spike_guard.abort_on_spike", "false")
+    run(make_trainer(tiny_pack, tmp_path, "--training.steps", "8", *keep, *guard))
+    before = [e.step for e in layout.scan(str(tmp_path / "checkpoint")).of_kind("periodic")]
+    t = make_trainer(
+        tiny_pack, tmp_path, "--training.steps", "40", "--optimizer.lr", "10", *keep, *guard
+    )
+    run(t)
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert min(loss[s] for s in range(30, 41)) > 10 * loss[9], loss  # it exploded, finitely
+    assert all(math.isfinite(v) for v in loss.values())
+    kept = [e.step for e in layout.scan(str(tmp_path / "checkpoint")).of_kind("periodic")]
+    assert min(kept) <= 8, (before, kept)  # a checkpoint from before the explosion survives

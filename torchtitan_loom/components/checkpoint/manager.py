@@ -89,6 +89,7 @@ class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):
         ] = {}  # kind → the step last saved (or in flight) by this process
         self._unproven: dict[int, int] = {}  # saved step → healthy steps since (all so far)
         self._proven: int | None = None  # the newest checkpoint proven by PROVE_STEPS healthy steps
+        self._reference_loss: float | None = None  # what a proving step's loss is held against
         self._pruned_for: int | None = None
         self._last_noted = 0
         self._pg = None
@@ -116,15 +117,22 @@ class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):
 
     # ---------------------------------------------------------------------------------- save path
     def after_step(
-        self, step: int, *, last: bool = False, stopping: bool = False, healthy: bool = False
+        self,
+        step: int,
+        *,
+        last: bool = False,
+        stopping: bool = False,
+        healthy: bool = False,
+        loss: float | None = None,
     ) -> str | None:
         """Save what the policy asks for after global step ``step``; ``last``: no step follows in
         this process; ``stopping``: the run stops now (the stop signals decided), so this step is
-        saved and the save finished; ``healthy``: the step proves the checkpoints before it.
-        Returns the folder of that final save, else None."""
+        saved and the save finished; ``healthy`` and ``loss`` (the step's global loss): whether
+        the step proves the checkpoints before it (pruning.py). Returns the folder of that final
+        save, else None."""
         if not self.enabled:
             return None
-        self._note(step, healthy)
+        self._note(step, healthy, loss)
         self._poll()
         c = self.cfg
         # One save per step: a stop that follows this step's save (a signal during it) saves nothing more.
