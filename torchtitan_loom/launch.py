@@ -87,6 +87,12 @@ def run(argv: list[str], trainer_cls: Any) -> int:
     try:
         if info.world_size > 1:  # rank 0's launch id for every rank's metrics
             run_id = dist_utils.broadcast_object(run_id)
+            from torchtitan_loom.distributed.run_agreement import run_problem
+
+            problem = run_problem(cfg, to_toml(cfg), info.rank, run_id)  # one job, one folder
+            if problem:
+                print(shorten_line(f"run folder error: {problem}"), file=sys.stderr)
+                return exit_codes.BAD_INPUT
         code, peers_alive = _train(cfg, resolved, info, run_id, trainer_cls)
         return code
     finally:  # no barrier with a lost peer, nor after an error (the others may never reach it)

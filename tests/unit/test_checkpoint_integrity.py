@@ -203,3 +203,29 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_refused_never_restarted(
     assert train.main(args + ["--job.overwrite", "true"]) == 0  # the explicit way to start over
     replaced = [p for p in dump.iterdir() if p.name.startswith("replaced-")]
     assert len(replaced) == 1 and (replaced[0] / "checkpoint" / "step-4" / "__0_0.distcp").exists()
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated", "linked"])
+def test_a_save_missing_a_data_file_its_metadata_names_is_never_committed(pristine, tmp_path, how):
+    """What a rank writing onto a node-local disk leaves in rank 0's folder: the metadata names
+    __1_0.distcp (here __0_0.distcp) but the file is not there (or shorter, or a link). The commit
+    refuses it, naming the file and why the folder must be shared; the folder stays a .tmp-."""
+    src = os.path.join(pristine, "checkpoint", "step-4")
+    tmp = os.path.join(tmp_path, "checkpoint", ".tmp-step-4")
+    shutil.copytree(src, tmp)
+    for name in (layout.MARKER, integrity.CHECKSUMS):
+        os.remove(os.path.join(tmp, name))
+    data = os.path.join(tmp, "__0_0.distcp")
+    assert integrity.missing_data_files(tmp) is None
+    if how == "deleted":
+        os.remove(data)
+    elif how == "truncated":
+        os.truncate(data, os.path.getsize(data) // 2)
+    else:
+        os.rename(data, os.path.join(tmp_path, "elsewhere"))
+        os.symlink(os.path.join(tmp_path, "elsewhere"), data)
+    final = os.path.join(tmp_path, "checkpoint", "step-4")
+    with pytest.raises(layout.IncompleteSave) as exc:
+        layout.commit(tmp, final, {"step": 4, "kind": "periodic", "world_size": 2})
+    assert "__0_0.distcp" in str(exc.value) and "shared" in str(exc.value)
+    assert not os.path.exists(final) and not os.path.exists(os.path.join(tmp, layout.MARKER))

@@ -52,6 +52,42 @@ def _files(root: str) -> list[str]:
     return sorted(out)
 
 
+SHARED_FOLDER_HINT = (
+    "every rank writes its own files into the checkpoint folder, so job.dump_folder must be one "
+    "folder that every node sees (a shared file system), not a node-local disk"
+)
+
+
+def missing_data_files(root: str) -> str | None:
+    """None when every data file the DCP metadata of ``root`` names is there, a regular file, at
+    least as long as the bytes it points into; else one line naming what is missing. A rank's file
+    missing here means it wrote somewhere this rank cannot see (a node-local dump folder): a
+    checkpoint committed without it could never be loaded."""
+    from torchtitan_loom.components.checkpoint.safe_read import UnsafeCheckpoint, read_metadata_file
+
+    try:
+        storage = read_metadata_file(root).storage_data
+    except UnsafeCheckpoint as exc:  # its reader refuses a metadata file naming a missing file
+        return f"{exc}; {SHARED_FOLDER_HINT}" if "missing" in str(exc) else str(exc)
+    need: dict[str, int] = {}
+    for info in storage.values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    problems = []
+    for rel, size in sorted(need.items()):
+        path = os.path.join(root, rel)
+        if os.path.islink(path) or not os.path.isfile(path):
+            problems.append(f"{rel} missing" if not os.path.lexists(path) else f"{rel} not a file")
+        elif os.path.getsize(path) < size:
+            problems.append(f"{rel} {os.path.getsize(path)} bytes of {size}")
+    if not problems:
+        return None
+    shown = ", ".join(problems[:4]) + (
+        f" and {len(problems) - 4} more" if len(problems) > 4 else ""
+    )
+    return f"{root}: the DCP metadata names files this rank does not see ({shown}); {SHARED_FOLDER_HINT}"
+
+
 def write_checksums(root: str) -> dict[str, Any]:
     """Checksum every file of the (finished, not yet committed) checkpoint at ``root``."""
     files = {

@@ -43,6 +43,10 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)$")
 
 
+class IncompleteSave(RuntimeError):
+    """A save whose folder lacks a data file its metadata names: it is not committed."""
+
+
 @dataclass(frozen=True)
 class Entry:
     """One checkpoint directory found on disk."""
@@ -192,6 +196,9 @@ def commit(tmp: str, final: str, marker: dict, checksum: bool = True) -> None:
     Call only after every rank finished writing into ``tmp``.
     """
     if checksum:
+        missing = integrity.missing_data_files(tmp)
+        if missing:  # never commit a checkpoint that cannot be loaded
+            raise IncompleteSave(missing)
         integrity.write_checksums(tmp)
     write_json(
         os.path.join(tmp, MARKER),

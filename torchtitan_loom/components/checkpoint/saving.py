@@ -169,6 +169,8 @@ class SaveMixin:
                 f"checkpoints in {self.root} are untouched"
             )
         reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
+        if isinstance(exc, layout.IncompleteSave):
+            reason = str(exc)
         if self.rank == 0:
             try:
                 safe_files.remove_dir(tmp, self.root)
