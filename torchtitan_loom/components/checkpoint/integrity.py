@@ -105,10 +105,13 @@ def write_checksums(root: str) -> dict[str, Any]:
 
 
 def _marker(root: str) -> tuple[dict | None, str | None]:
+    from torchtitan_loom.components.runtime.safe_files import UnsafePathError, read_text
+
     try:
-        with open(os.path.join(root, MARKER)) as fh:
-            marker = json.load(fh)
-    except (OSError, ValueError) as exc:
+        marker = json.loads(read_text(os.path.join(root, MARKER)))
+    except UnsafePathError as exc:
+        return None, str(exc)
+    except (OSError, ValueError, RecursionError) as exc:
         return (
             None,
             f"{os.path.join(root, MARKER)}: unreadable completion marker ({type(exc).__name__})",
@@ -154,15 +157,21 @@ def verify(root: str, quick: bool = False) -> str | None:
             f"refused (only format-1 checkpoints, written before checksums existed, load unverified)"
         )
     sums_path = os.path.join(root, CHECKSUMS)
+    from torchtitan_loom.components.runtime.safe_files import UnsafePathError, read_text
+
     try:
-        with open(sums_path) as fh:
-            files = json.load(fh)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        files = json.loads(read_text(sums_path))["files"]
+        items = sorted(files.items())
+    except UnsafePathError as exc:
+        return str(exc)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         return f"{sums_path}: missing or unreadable checksum list ({type(exc).__name__})"
-    for rel, want in sorted(files.items()):
+    for rel, want in items:
         if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
             return f"{sums_path}: names {rel!r}, a file outside the checkpoint directory"
         path = os.path.join(root, rel)
+        if os.path.islink(path):  # loading never follows a link out of the folder
+            return f"{path}: a symbolic link; a checkpoint holds only its own files"
         if not os.path.isfile(path):
             return f"{path}: file missing"
         size = os.path.getsize(path)

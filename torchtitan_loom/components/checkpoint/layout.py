@@ -145,12 +145,13 @@ def incomplete_warning(entries: list[Entry]) -> str | None:
 
 
 def read_json(path: str) -> dict | None:
-    """The JSON object at ``path``, or None when it is missing or unreadable."""
+    """The JSON object at ``path``, or None when it is missing, unreadable, or not a regular file
+    of a sane size (safe_files.read_text: a FIFO does not block, a link is not followed)."""
     try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        value = json.loads(safe_files.read_text(path))
+    except (OSError, ValueError, RecursionError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 def write_json(path: str, payload: dict) -> None:

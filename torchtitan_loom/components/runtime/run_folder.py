@@ -75,18 +75,26 @@ def _flat(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_run(dump_folder: str) -> dict[str, Any] | None:
+    """run.json, or None when there is none (or it is not JSON); RunFolderError when something
+    other than a regular file is there (a FIFO would block, a link to /dev/zero never end)."""
+    path = os.path.join(dump_folder, RUN_JSON)
     try:
-        with open(os.path.join(dump_folder, RUN_JSON)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        run = json.loads(safe_files.read_text(path))
+    except safe_files.UnsafePathError as exc:
+        raise RunFolderError(str(exc)) from None
+    except (OSError, ValueError, RecursionError):
         return None
+    return run if isinstance(run, dict) else None
 
 
 def relaunch_errors(cfg: Any) -> list[str]:
     """Why this launch may not continue the run in job.dump_folder ([] = it may)."""
     if cfg.job.overwrite:
         return []
-    run = read_run(cfg.job.dump_folder)
+    try:
+        run = read_run(cfg.job.dump_folder)
+    except RunFolderError as exc:
+        return [f"job.dump_folder = '{cfg.job.dump_folder}': {exc}"]
     if run is None:
         return []
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
@@ -167,10 +175,11 @@ class RunLock:
 
     def _handle_existing(self, log) -> None:
         try:
-            with open(self.path) as fh:
-                held = json.load(fh)
+            held = json.loads(safe_files.read_text(self.path))
             host, pid = held["host"], int(held["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except safe_files.UnsafePathError as exc:
+            raise RunFolderError(f"{exc} (the run lock)") from None
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             raise RunFolderError(
                 f"{self.path}: unreadable run lock; if no run uses this folder, delete it"
             ) from None
@@ -198,9 +207,8 @@ class RunLock:
 
     def release(self) -> None:
         try:
-            with open(self.path) as fh:
-                mine = json.load(fh).get("pid") == os.getpid()
-        except (OSError, ValueError):
+            mine = json.loads(safe_files.read_text(self.path)).get("pid") == os.getpid()
+        except (OSError, ValueError, AttributeError, RecursionError):
             return
         if mine:
             os.remove(self.path)

@@ -15,6 +15,9 @@ writes (``run.json.partial -> ~/.bashrc``) must not make a relaunch write outsid
     real_dir       a path that is about to be renamed or removed must be a directory, not a link,
                    and lie inside the folder that owns it with no link on the way
     planted_links  the names of a list that are links (the up-front check of a launch)
+    read_text      a small file the run reads back (run.json, RUN.lock, a checkpoint's JSON files):
+                   opened O_NOFOLLOW | O_NONBLOCK (a FIFO does not block the open), a regular file
+                   only, at most a size its format allows (a link to /dev/zero is refused, not read)
 
 Every writer calls these at the moment it writes, not only before the launch: a link planted while
 the run goes on is refused by the next write, rename or removal that would go through it.
@@ -25,8 +28,10 @@ Pure filesystem code; every refusal is ``UnsafePathError`` with one line naming 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 
 _NEW_FILE = (
     os.O_WRONLY
@@ -85,11 +90,17 @@ def open_append(path: str, owner: str):
     """A text file object appending to ``path`` (created if missing), never through a link."""
     check_inside(os.path.dirname(path) or owner, owner)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError:
+    try:  # O_NONBLOCK: a FIFO at the name fails (ENXIO) or opens at once, never waits
+        fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
         _refuse_link(path)  # ELOOP from O_NOFOLLOW: say which link
+        if exc.errno == errno.ENXIO:
+            raise UnsafePathError(f"{path} is a FIFO, not a regular file; refusing to write to it")
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafePathError(f"{path} is not a regular file; refusing to write to it")
+    os.set_blocking(fd, True)
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
@@ -157,3 +168,38 @@ def remove_dir(path: str, owner: str) -> None:
 def planted_links(folder: str, names: list[str]) -> list[str]:
     """Paths of ``folder/<name>`` that are symbolic links."""
     return [os.path.join(folder, n) for n in names if os.path.islink(os.path.join(folder, n))]
+
+
+SMALL_FILE_MAX = 16 << 20  # run.json, RUN.lock, index.json, meta.json, CHECKSUMS.json: KiBs
+
+
+def read_text(path: str, max_bytes: int = SMALL_FILE_MAX) -> str:
+    """The text of the regular file at ``path``, read without following a link or blocking, at
+    most ``max_bytes``: UnsafePathError (one line) for a link, a FIFO, a device or a socket, or a
+    larger file; FileNotFoundError when nothing is there."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise UnsafePathError(
+                f"{path} is a symbolic link; refusing to read through it"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "device or socket"
+            raise UnsafePathError(f"{path} is a {kind}, not a regular file; refusing to read it")
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise UnsafePathError(f"{path} is larger than the {max_bytes:,} bytes it can hold")
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", errors="replace")
