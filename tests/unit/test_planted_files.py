@@ -86,3 +86,32 @@ def test_a_planted_checksum_list_skips_that_checkpoint_without_blocking(
     said = out + err
     assert "step-4" in said and "CHECKSUMS.json" in said, said[-2000:]
     assert "resum" in said and "step 2" in said, said[-2000:]  # the one before loads
+
+
+def test_a_link_planted_in_the_save_folder_is_never_written_through(tmp_path):
+    """What a link planted in .tmp-step-N while DCP writes would get: SafeWriter creates every file
+    new (O_EXCL | O_NOFOLLOW), so the save fails naming the link and the outside file keeps its
+    bytes; a folder with a link is never committed (test_checkpoint_integrity.py)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
+
+    tmp, outside = tmp_path / ".tmp-step-8", tmp_path / "outside.txt"
+    tmp.mkdir()
+    outside.write_text("precious")
+    (tmp / "__0_0.distcp").symlink_to(outside)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    with pytest.raises((OSError, CheckpointException)) as exc:
+        dcp.save({"w": torch.ones(1000)}, storage_writer=SafeWriter(tmp), no_dist=True)
+    assert "refusing to write through it" in str(exc.value), exc.value
+    assert outside.read_text() == "precious"
+    # Without the link the same save works, and a load reads it back.
+    (tmp / "__0_0.distcp").unlink()
+    for leftover in tmp.iterdir():
+        leftover.unlink()
+    dcp.save({"w": torch.ones(1000)}, storage_writer=SafeWriter(tmp), no_dist=True)
+    back = {"w": torch.zeros(1000)}
+    dcp.load(back, checkpoint_id=str(tmp), no_dist=True)
+    assert torch.equal(back["w"], torch.ones(1000))

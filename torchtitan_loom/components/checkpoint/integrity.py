@@ -59,12 +59,15 @@ SHARED_FOLDER_HINT = (
 
 
 def missing_data_files(root: str) -> str | None:
-    """None when every data file the DCP metadata of ``root`` names is there, a regular file, at
-    least as long as the bytes it points into; else one line naming what is missing. A rank's file
-    missing here means it wrote somewhere this rank cannot see (a node-local dump folder): a
-    checkpoint committed without it could never be loaded."""
+    """None when ``root`` holds no link and every data file its DCP metadata names is there, a
+    regular file at least as long as the bytes it points into; else one line naming what is wrong.
+    A rank's file missing here means it wrote somewhere this rank cannot see (a node-local dump
+    folder): a checkpoint committed without it could never be loaded."""
     from torchtitan_loom.components.checkpoint.safe_read import UnsafeCheckpoint, read_metadata_file
 
+    links = sorted(n for n in os.listdir(root) if os.path.islink(os.path.join(root, n)))
+    if links:
+        return f"{root}: {', '.join(links)}: symbolic links; a checkpoint holds only its own files"
     try:
         storage = read_metadata_file(root).storage_data
     except UnsafeCheckpoint as exc:  # its reader refuses a metadata file naming a missing file
@@ -76,7 +79,7 @@ def missing_data_files(root: str) -> str | None:
     problems = []
     for rel, size in sorted(need.items()):
         path = os.path.join(root, rel)
-        if os.path.islink(path) or not os.path.isfile(path):
+        if not os.path.isfile(path):
             problems.append(f"{rel} missing" if not os.path.lexists(path) else f"{rel} not a file")
         elif os.path.getsize(path) < size:
             problems.append(f"{rel} {os.path.getsize(path)} bytes of {size}")

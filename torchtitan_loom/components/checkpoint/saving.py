@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import (
 )  # a BaseException, not an Exception
 
 from torchtitan_loom.components.runtime import safe_files
+from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 
@@ -221,6 +222,7 @@ class SaveMixin:
                 future = dcp.async_save(
                     sd,
                     checkpoint_id=tmp,
+                    storage_writer=SafeWriter(tmp),
                     process_group=self._pg,
                     no_dist=no_dist,
                     async_stager=self.stager,
@@ -231,7 +233,7 @@ class SaveMixin:
             self._pending = _Pending(future, step, kind, periodic and snapshot, started)
             return
         with ckstate.single_process_quiet():
-            dcp.save(sd, checkpoint_id=tmp, no_dist=no_dist)
+            dcp.save(sd, checkpoint_id=tmp, storage_writer=SafeWriter(tmp), no_dist=no_dist)
         self._barrier()  # every rank finished writing
         error = None
         if self.rank == 0:
