@@ -136,7 +136,8 @@ def test_a_cell_that_cannot_run_keeps_its_record_and_reason(tmp_path):
     proc = run("--dry", "--skip-tests", str(out), BENCH_EXTRA="--model.attn_backend flash_attn")
     assert proc.returncode == 1
     records = json.loads((out / "cells.json").read_text())
-    assert list(records) == sorted(CELLS)
+    # bf16_compiled did not pass, so float8 ran eager (float8_eager).
+    assert list(records) == ["bf16_compiled", "bf16_eager", "float8_eager"]
     for rec in records.values():
         cell = rec["cells"][0]
         assert cell["status"] == "unsupported" and "flash-attn" in cell["reason"]
