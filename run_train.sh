@@ -55,14 +55,17 @@ unset WORLD_SIZE RANK
 
 # An explicit --job.config_file wins over CONFIG_FILE.
 overrides=("$@")
+help=0
 for arg in "$@"; do
   case "$arg" in
-    --help|-h) exec "${PYTHON}" -m torchtitan_loom.train --help ;;
+    --help|-h) help=1 ;;
     --job.config_file|--job.config_file=*|--job.config-file|--job.config-file=*) CONFIG_FILE="" ;;
   esac
 done
 config_args=()
 [[ -n "${CONFIG_FILE}" ]] && config_args=(--job.config_file "${CONFIG_FILE}")
+# --help shows the values this very command would run with (the preset file applied).
+(( help )) && exec "${PYTHON}" -m torchtitan_loom.train "${config_args[@]}" "${overrides[@]}"
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
 export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"

@@ -45,7 +45,7 @@ def _errors(kind: str, exc: BaseException) -> int:
 def run(argv: list[str], trainer_cls: Any) -> int:
     """Check, launch and train; returns the process exit code."""
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        print(help_text([a for a in argv if a not in ("--help", "-h")]))
         return exit_codes.OK
     checks = [a for a in argv if a == "--check-config" or a.startswith("--check-config=")]
     argv = [a for a in argv if a not in checks]

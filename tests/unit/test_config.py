@@ -297,3 +297,24 @@ def test_preset_comments_quote_no_duration():
         comments = [ln for ln in open(path) if ln.lstrip().startswith("#")]
         stale = [ln for ln in comments if re.search(r"\d\s*(minutes?|min|hours?|seconds?)\b", ln)]
         assert not stale, (path, stale)
+
+
+def test_a_flag_without_its_value_says_so():
+    for argv in (["--training.steps"], ["--training.steps", "--eval.interval", "3"]):
+        with pytest.raises(ConfigError) as exc:
+            load_config(argv)
+        assert str(exc.value) == "--training.steps is given without a value; it takes int"
+    assert load_config(["--checkpoint.enable"]).checkpoint.enable is True  # a bool flag alone
+
+
+def test_help_shows_the_values_the_command_would_run_with_and_names_their_file():
+    from torchtitan_loom.config import help_text
+
+    preset = str(ROOT / "train_configs" / "debug_model.toml")
+    text = help_text(["--job.config_file", preset, "--training.steps", "7"])
+    assert f"Values shown: {preset} over the schema's defaults, with the command line's" in text
+    assert "--job.dump_folder  str = './outputs/debug'" in text  # the preset's, not ./outputs
+    assert "--training.steps  int = 7" in text
+    bare = help_text()
+    assert "Values shown: the schema's defaults (no config file)." in bare
+    assert "--training.steps  int = 300" in bare

@@ -150,3 +150,23 @@ def test_load_step_moves_newer_checkpoints_to_abandoned(tiny_pack, tmp_path, cap
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6]
     assert r[6]["launch"] == {"resumed_from_step": 2} and r[6]["run_id"] != r[5]["run_id"]
+
+
+def test_a_live_run_is_named_first_whatever_else_the_relaunch_gets_wrong(
+    tiny_pack, tmp_path, capsys
+):
+    """Issue 35: relaunching over a live run with other settings (which the finished-run or
+    other-run rules would refuse) names the live run, alone, before anything else."""
+    assert train.main(argv(tiny_pack, tmp_path)) == 0
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lock(tmp_path, other.pid)
+        capsys.readouterr()
+        assert train.main(argv(tiny_pack, tmp_path, "--checkpoint.enable", "false")) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and f"in use by a live run: pid {other.pid} on this host" in err[0], (
+            err
+        )
+    finally:
+        other.kill()
+        other.wait()

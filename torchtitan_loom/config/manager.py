@@ -78,6 +78,8 @@ def _nearest(name: str, options: list[str], prefix: str = "") -> str:
 def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     """Convert a TOML value or CLI string to the annotated type, or raise ConfigError."""
     inner, optional = _split_optional(tp)
+    if isinstance(value, _BareFlag) and inner is not bool:
+        raise ConfigError(f"--{key} is given without a value; it takes {type_name(tp)}")
     bad = ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
     if optional and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
         return None
@@ -158,6 +160,11 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     setattr(getattr(cfg, sec), key, value)
 
 
+class _BareFlag(str):
+    """The value of a flag given alone (``--section.flag``): "true" for a bool key, and for any
+    other key the sign that its value is missing."""
+
+
 def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
     """Split argv into (dotted key, raw value) pairs; a bare flag means true."""
     pairs: list[tuple[str, Any]] = []
@@ -174,7 +181,7 @@ def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
             key, value = body, argv[i + 1]
             i += 2
         else:
-            key, value = body, "true"
+            key, value = body, _BareFlag("true")
             i += 1
         pairs.append((key, value))
     return pairs
@@ -257,17 +264,37 @@ def load_config(argv: list[str]) -> JobConfig:
     return cfg
 
 
-def help_text() -> str:
-    """Every section and key with its type, default and doc (what --help prints)."""
+def help_text(argv: list[str] | None = None) -> str:
+    """Every section and key with its type, value and doc (what --help prints). With ``argv`` (the
+    rest of the command line: a config file, overrides), each value is the one that command would
+    run with, and the header names the file it came from; a problem in it is named, and the
+    schema's defaults shown instead."""
+    values, source, problem = None, "the schema's defaults (no config file)", None
+    if argv:
+        try:
+            values = load_config(argv)
+        except ConfigError as exc:
+            problem = str(exc).splitlines()[0]
+        else:
+            file = values.job.config_file
+            source = f"{file} over the schema's defaults" if file else "the schema's defaults"
+            if any(a.startswith("--") and "config_file" not in a for a in argv):
+                source += ", with the command line's overrides"
     lines = [
         "usage: run_train.sh [--job.config_file FILE] [--section.key VALUE ...]",
         "Precedence: CLI > TOML > defaults. Booleans: --section.flag / --section.flag false.",
+        f"Values shown: {source}."
+        if problem is None
+        else f"Values shown: the schema's defaults "
+        f"(the command's config has a problem: {problem}).",
         "",
     ]
     for sec, cls in section_types().items():
         lines.append(f"[{sec}]  {SECTION_DOCS.get(sec, '')}")
         for key, (tp, f) in section_fields(cls).items():
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if values is not None and sec != "model":
+                default = getattr(getattr(values, sec), key)
             extra = (
                 f" (one of: {', '.join(f.metadata['choices'])})"
                 if f.metadata.get("choices")

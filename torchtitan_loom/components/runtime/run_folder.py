@@ -91,6 +91,9 @@ def relaunch_errors(cfg: Any) -> list[str]:
     """Why this launch may not continue the run in job.dump_folder ([] = it may)."""
     if cfg.job.overwrite:
         return []
+    live = live_run(cfg.job.dump_folder)
+    if live:  # the cause of any other refusal below: say it first, alone
+        return [live]
     try:
         run = read_run(cfg.job.dump_folder)
     except RunFolderError as exc:
@@ -127,6 +130,35 @@ def relaunch_errors(cfg: Any) -> list[str]:
             f"continue (it would start over and mix two histories in metrics.jsonl); {hint}"
         ]
     return []
+
+
+def live_run(dump_folder: str) -> str | None:
+    """The line RunLock refuses a live run's folder with, when its lock names a live process (on
+    this host: its pid is alive; on another host it cannot be checked and counts as live); else
+    None. Read without blocking or following a link; an unreadable lock is RunLock's to report.
+    Only rank 0 asks (it takes the lock; the other ranks of its launch would find it holding it),
+    and a lock of an earlier round of this elastic run is RunLock's to take over."""
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return None
+    path = os.path.join(dump_folder, LOCK)
+    try:
+        held = json.loads(safe_files.read_text(path))
+        host, pid = str(held["host"]), int(held["pid"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    from torchtitan_loom.components.runtime.preemption import ElasticRestarts
+
+    elastic = ElasticRestarts.from_env(os.environ).elastic_run
+    if elastic and held.get("elastic_run") == elastic:
+        return None
+    if host == socket.gethostname() and (pid == os.getpid() or not _pid_alive(pid)):
+        return None
+    where = "this host" if host == socket.gethostname() else f"host {host}"
+    return (
+        f"{dump_folder} is in use by a live run: pid {pid} on {where}, started "
+        f"{held.get('started')} (run {held.get('run_id')}); wait for it, stop it, or use another "
+        f"job.dump_folder (if that run is dead, delete {path})"
+    )
 
 
 def _pid_alive(pid: int) -> bool:
