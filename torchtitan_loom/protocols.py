@@ -13,10 +13,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported by what uses these types; the config reads this module first
+    import torch
+    from torch import nn
 
 
 def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
@@ -212,7 +213,7 @@ class ModelCost(NamedTuple):
     """Values of the step's expert-count tensor (summed over the ranks once per step)."""
 
 
-GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+GroupedGemm = Callable[..., Any]  # (x_MD, w_EDF, offsets_E) -> y_MF, tensors
 """(a_PK, b_EKN, ends_E) -> out_PN: group e is rows [ends_E[e-1], ends_E[e]) of a times b[e]."""
 
 
@@ -297,6 +298,8 @@ def cast_for_inference(
 ) -> dict[str, torch.Tensor]:
     """``tensors`` (a state dict, or a model's named parameters and buffers) with every floating one
     in ``dtype`` except those ``spec.inference_fp32_fn`` keeps in fp32."""
+    import torch
+
     keep = spec.inference_fp32_fn or (lambda name: False)
     return {
         name: t.to(dtype) if torch.is_floating_point(t) and not keep(name) else t
@@ -335,9 +338,30 @@ def register_train_spec(name: str, spec: TrainSpec) -> None:
 def get_train_spec(name: str) -> TrainSpec:
     """The spec registered as `name`; imports the bundled model packages on first use."""
     if name not in _REGISTRY:
-        importlib.import_module(_MODELS_PACKAGE)
+        bundled = importlib.import_module(_MODELS_PACKAGE).BUNDLED
+        if name in bundled:
+            importlib.import_module(bundled[name][1])  # registers it
     if name not in _REGISTRY:
         raise ValueError(
-            f"unknown train spec {name!r}; registered: {', '.join(sorted(_REGISTRY)) or 'none'}"
+            f"unknown train spec {name!r}; registered: {', '.join(sorted(_known())) or 'none'}"
         )
     return _REGISTRY[name]
+
+
+def model_args_of(name: str) -> tuple[Mapping[str, Any], Mapping[str, tuple[str, ...]]]:
+    """(flavors, arg_choices) of the spec `name` without importing its model: a registered spec's
+    own, or a bundled model's ``args`` module (torch-free), so the config can check its [model]
+    keys before torch is imported."""
+    if name in _REGISTRY:
+        return _REGISTRY[name].model_args, _REGISTRY[name].arg_choices
+    bundled = importlib.import_module(_MODELS_PACKAGE).BUNDLED
+    if name in bundled:
+        args = importlib.import_module(bundled[name][0])
+        return args.FLAVORS, args.FIELD_CHOICES
+    raise ValueError(
+        f"unknown train spec {name!r}; registered: {', '.join(sorted(_known())) or 'none'}"
+    )
+
+
+def _known() -> set[str]:
+    return set(_REGISTRY) | set(importlib.import_module(_MODELS_PACKAGE).BUNDLED)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__" and not {"--help", "-h"} & set(sys.argv):
+if __name__ == "__main__":
+    from torchtitan_loom.config.early import answer_early
+
+    answer_early(sys.argv[1:])  # --help and the config's own problems, before torch
     # `python -m`: importing torch and the trainer takes seconds on a cold start; say so first.
     print("[torchtitan_loom] importing torch and the trainer ...", flush=True)
 

@@ -246,8 +246,8 @@ def test_cli_exit_code_2_and_one_line_per_error():
     assert proc.stderr.strip().splitlines() == [
         "config error: unknown key 'training.stepz'; did you mean 'training.steps'?"
     ]
-    # Said before the seconds of imports; --help prints only the help.
-    assert proc.stdout == "[torchtitan_loom] importing torch and the trainer ...\n"
+    # Answered before torch is imported (config/early.py): nothing about importing is said.
+    assert proc.stdout == ""
     proc = subprocess.run(
         [sys.executable, "-m", "torchtitan_loom.train", "--help"],
         capture_output=True,
@@ -259,6 +259,21 @@ def test_cli_exit_code_2_and_one_line_per_error():
     assert proc.stdout.startswith("usage: ")
 
 
+def test_the_config_is_read_and_checked_without_importing_torch():
+    """Issue 35: a typo is answered before torch is imported. load_config (TOML, CLI, keys, types,
+    choices, the model's flavors), --help's text and the early answer import no torch module."""
+    code = (
+        "import sys\n"
+        "from torchtitan_loom.config import ConfigError, help_text, load_config\n"
+        f"load_config(['--job.config_file', {str(ROOT / 'train_configs' / 'loom_1p7b.toml')!r}])\n"
+        "help_text(['--model.flavor', 'debug'])\n"
+        "try:\n    load_config(['--trainig.steps', '3'])\nexcept ConfigError:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
 def test_model_keys_are_generated_from_the_model_args_and_choices_come_from_their_modules():
     from torchtitan_loom.components.optim import lr_scheduler, optimizer
     from torchtitan_loom.config.manager import section_fields
@@ -266,9 +281,8 @@ def test_model_keys_are_generated_from_the_model_args_and_choices_come_from_thei
     from torchtitan_loom.config.schema import Optimizer as OptimizerSection
     from torchtitan_loom.distributed import activation_checkpoint
     from torchtitan_loom.models.loom import args as loom_args
-    from torchtitan_loom.protocols import get_train_spec
 
-    Model = model_section(get_train_spec("loom"))
+    Model = model_section("loom")
     model_keys = set(section_fields(Model)) - {"name", "flavor"}
     assert model_keys == {f.name for f in dataclasses.fields(loom_args.LoomModelArgs)} - {
         "init_seed"

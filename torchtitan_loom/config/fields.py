@@ -17,7 +17,7 @@ import typing
 from dataclasses import field
 from typing import Any
 
-from torchtitan_loom.protocols import TrainSpec, get_train_spec
+from torchtitan_loom.protocols import model_args_of
 
 
 def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None):
@@ -48,20 +48,19 @@ _NOT_MODEL_KEYS = ("init_seed",)
 DEFAULT_MODEL = "loom"
 
 
-def model_section(spec: TrainSpec) -> type:
-    """[model] of ``spec``: name, flavor, then one optional override per field of its args dataclass
-    (None keeps the flavor's value)."""
-    args_cls = type(next(iter(spec.model_args.values())))
+def model_section(name: str) -> type:
+    """[model] of the spec ``name``: name, flavor, then one optional override per field of its args
+    dataclass (None keeps the flavor's value). Reads the flavors without importing the model
+    (protocols.model_args_of): ValueError for an unknown name."""
+    flavors, arg_choices = model_args_of(name)
+    args_cls = type(next(iter(flavors.values())))
     docs, hints = attribute_docs(args_cls), typing.get_type_hints(args_cls)
     fields = [
-        ("name", str, opt(spec.name, "Registered TrainSpec name; the keys below are its model's.")),
+        ("name", str, opt(name, "Registered TrainSpec name; the keys below are its model's.")),
         (
             "flavor",
             str,
-            opt(
-                next(iter(spec.model_args)),
-                f"Size preset of the spec ({spec.name}: {', '.join(spec.model_args)}).",
-            ),
+            opt(next(iter(flavors)), f"Size preset of the spec ({name}: {', '.join(flavors)})."),
         ),
     ]
     for f in dataclasses.fields(args_cls):
@@ -70,7 +69,7 @@ def model_section(spec: TrainSpec) -> type:
                 (
                     f.name,
                     hints[f.name] | None,
-                    opt(None, docs.get(f.name, ""), choices=spec.arg_choices.get(f.name)),
+                    opt(None, docs.get(f.name, ""), choices=arg_choices.get(f.name)),
                 )
             )
     # Equal by values (each call makes a new class, so the dataclass __eq__'s class check would fail).
@@ -89,4 +88,4 @@ def _same_section(a: Any, b: Any) -> bool:
 
 def default_model() -> Any:
     """The [model] section of the default model, all keys unset."""
-    return model_section(get_train_spec(DEFAULT_MODEL))()
+    return model_section(DEFAULT_MODEL)()

@@ -17,7 +17,7 @@ from typing import Any
 
 from torchtitan_loom.config.aliases import ALIASES, AliasError, aliases_of, translate
 from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig, model_section
-from torchtitan_loom.protocols import get_train_spec
+
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -237,7 +237,7 @@ def load_config(argv: list[str]) -> JobConfig:
     names = [v for k, v, _ in sources if k == "model.name"]
     if names:
         try:
-            cfg.model = model_section(get_train_spec(str(names[-1])))()
+            cfg.model = model_section(str(names[-1]))()
         except ValueError as exc:  # the other keys are still checked, against the default model
             errors.append(f"model.name: {exc}")
             sources = [src for src in sources if src[0] != "model.name"]

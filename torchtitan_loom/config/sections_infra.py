@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_loom.components.checkpoint.manager import ASYNC_MODES
-from torchtitan_loom.components.quantization.float8 import DENSE_RECIPES, EXPERT_RECIPES
+from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES
+from torchtitan_loom.components.quantization.recipes import DENSE_RECIPES, EXPERT_RECIPES
 from torchtitan_loom.config.fields import opt
-from torchtitan_loom.distributed.activation_checkpoint import AC_MODES
-from torchtitan_loom.distributed.estimate import LAYOUTS
-from torchtitan_loom.distributed.utils import COMPILE_BACKENDS, FSDP_SYNC, RESHARD_AFTER_FORWARD
+from torchtitan_loom.distributed.choices import (
+    AC_MODES,
+    COMPILE_BACKENDS,
+    FSDP_SYNC,
+    LAYOUTS,
+    RESHARD_AFTER_FORWARD,
+)
 
 
 @dataclass

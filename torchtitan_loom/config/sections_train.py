@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_loom.components.optim.lr_scheduler import VALID_KINDS as LR_KINDS
-from torchtitan_loom.components.optim.optimizer import OPTIMIZER_NAMES
-from torchtitan_loom.components.optim.optimizer import (
+from torchtitan_loom.components.optim.choices import LR_KINDS, OPTIMIZER_NAMES
+from torchtitan_loom.components.optim.choices import (
     VALID_IMPLEMENTATIONS as OPTIMIZER_IMPLEMENTATIONS,
 )
 from torchtitan_loom.config.fields import opt
-from torchtitan_loom.distributed.utils import DEVICES, DTYPES
+from torchtitan_loom.distributed.choices import DEVICES, DTYPE_NAMES
 
 
 @dataclass
@@ -50,10 +49,10 @@ class Training:
         1.0, "Gradient clip on the global L2 norm before every optimizer step; ≤ 0 disables."
     )
     mixed_precision_param: str = opt(
-        "bfloat16", "Compute dtype of parameters in forward/backward.", choices=tuple(DTYPES)
+        "bfloat16", "Compute dtype of parameters in forward/backward.", choices=tuple(DTYPE_NAMES)
     )
     mixed_precision_reduce: str = opt(
-        "float32", "Dtype of gradient reductions across ranks.", choices=tuple(DTYPES)
+        "float32", "Dtype of gradient reductions across ranks.", choices=tuple(DTYPE_NAMES)
     )
     seed: int = opt(
         0,

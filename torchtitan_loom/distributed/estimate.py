@@ -32,7 +32,8 @@ from torchtitan_loom.protocols import get_train_spec, segments
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)
 _OVERLAPPED = ("all_gather", "reduce_scatter")
-LAYOUTS = ("degrees", "auto")
+from torchtitan_loom.distributed.choices import LAYOUTS  # noqa: E402,F401  (re-exported)
+
 """parallelism.layout: the degrees as written, or the fastest layout of rank_layouts (auto)."""
 
 

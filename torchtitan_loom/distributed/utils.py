@@ -20,17 +20,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-DEVICES = ("auto", "cpu", "cuda")
-# The package's one dtype table: (config name, the tools' short name, torch dtype). The config's
-# training.mixed_precision_* take the long names, the tools' --dtype / --param-dtype the short ones.
-_DTYPE_TABLE = (("bfloat16", "bf16", torch.bfloat16), ("float32", "fp32", torch.float32))
+from torchtitan_loom.distributed.choices import (  # noqa: F401  (re-exported: their users' names)
+    COMPILE_BACKENDS,
+    DEVICES,
+    DTYPE_NAMES,
+    FSDP_SYNC,
+    RESHARD_AFTER_FORWARD,
+)
+
+# The package's one dtype table (its names in choices.py): config name or the tools' short name
+# -> torch dtype.
+_DTYPE_TABLE = tuple((name, short, getattr(torch, name)) for name, short in DTYPE_NAMES.items())
 DTYPES = {name: dtype for name, _, dtype in _DTYPE_TABLE}
 SHORT_DTYPES = {short: dtype for _, short, dtype in _DTYPE_TABLE}
-# The knobs every parallelize function honours: compile.backend, parallelism.fsdp_reshard_after_forward
-# and parallelism.fsdp_sync (when FSDP reduces within a segment: after its last micro-batch, or each).
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-RESHARD_AFTER_FORWARD = {"default": False, "never": False, "always": True}
-FSDP_SYNC = ("segment", "micro_batch")
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,6 @@
-"""Bundled models; importing this package registers their train specs ("loom")."""
+"""Bundled models. Each is named in BUNDLED with two modules: its args (``FLAVORS``, the size
+presets, and ``FIELD_CHOICES``; torch-free, so the config reads them before torch is imported) and
+the module that registers its TrainSpec when imported (protocols.get_train_spec imports it on the
+first lookup)."""
 
-from torchtitan_loom.models import loom  # noqa: F401  (registers the "loom" spec)
+BUNDLED = {"loom": ("torchtitan_loom.models.loom.args", "torchtitan_loom.models.loom.infra.spec")}

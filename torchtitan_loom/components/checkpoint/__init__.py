@@ -13,7 +13,21 @@
 Stop signals (what makes a run save and exit early) are components/runtime/preemption.py's.
 """
 
-from torchtitan_loom.components.checkpoint.manager import CheckpointManager
-from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
+import importlib
+
+# Imported on first use (PEP 562): the config reads modes.py before torch is imported, and these
+# import torch.
+_LAZY = {
+    "CheckpointManager": "torchtitan_loom.components.checkpoint.manager",
+    "CheckpointError": "torchtitan_loom.components.checkpoint.state",
+    "load_full": "torchtitan_loom.components.checkpoint.state",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["CheckpointError", "CheckpointManager", "load_full"]

@@ -37,7 +37,7 @@ from torchtitan_loom.components.checkpoint.saving import SaveMixin, _Pending, ma
 
 __all__ = ["ASYNC_MODES", "PROVE_STEPS", "CheckpointManager"]
 
-ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES  # noqa: E402
 
 
 class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-OPTIMIZER_NAMES = ("AdamW",)
-VALID_IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
+from torchtitan_loom.components.optim.choices import OPTIMIZER_NAMES, VALID_IMPLEMENTATIONS  # noqa: E402,F401
+
 # Device types with fused AdamW kernels in torch 2.11+ (torch checks this lazily at step()).
 FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu", "hpu")
 

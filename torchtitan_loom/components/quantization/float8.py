@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-DENSE_RECIPES = ("tensorwise", "rowwise")
-EXPERT_RECIPES = ("auto", "fp8_rowwise", "mxfp8")
+from torchtitan_loom.components.quantization.recipes import DENSE_RECIPES, EXPERT_RECIPES  # noqa: E402,F401
+
 DIM_MULTIPLE = 16  # float8 GEMMs need both weight dims divisible by 16
 # torch._scaled_mm also needs its inner dim divisible by 16; in the weight-gradient GEMM
 # (grad_out^T @ x) that dim is the token count of a micro-batch (8 x 1023 = 8184 in loom_1p7b).

@@ -205,3 +205,41 @@ def _check_enum(name: str, value: str, valid: tuple[str, ...]) -> None:
         raise ValueError(
             f"LoomModelArgs.{name}={value!r} is not valid; choose one of {', '.join(valid)}"
         )
+
+
+# The size presets (spec §1.1), torch-free: the config reads them before torch is imported.
+_LOOM_SIZES = dict(vocab_size=49152, num_loops=9, max_seq_len=1023)
+
+loom_flavors = {
+    # Tiny and CPU-fast: head_dim 64, 8 routed + 2 shared experts, 2 routed per token.
+    "debug": LoomModelArgs(
+        vocab_size=512,
+        dim=128,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        num_loops=3,
+        max_seq_len=256,
+        num_routed_experts=8,
+        num_shared_experts=2,
+        top_k=4,
+        expert_intermediate_size=128,
+    ),
+    # T_moe_L10: 313,863,168 parameters at H = 9.
+    "loom_329m": LoomModelArgs(
+        dim=512, n_layers=10, n_heads=8, n_kv_heads=4, expert_intermediate_size=512, **_LOOM_SIZES
+    ),
+    # T_moe_L15_E32: 1,644,913,920 parameters at H = 9.
+    "loom_1p7b": LoomModelArgs(
+        dim=1280,
+        n_layers=15,
+        n_heads=20,
+        n_kv_heads=10,
+        expert_intermediate_size=768,
+        **_LOOM_SIZES,
+    ),
+}
+
+for _args in loom_flavors.values():
+    _args.validate()
+FLAVORS = loom_flavors  # the name models/__init__.py's BUNDLED contract reads
