@@ -26,6 +26,7 @@ from torchtitan_loom.components.runtime.preemption import ElasticRestarts
 from torchtitan_loom.components.runtime.run_folder import (
     RunFolderError,
     RunLock,
+    live_run,
     new_run_id,
     record_launch,
     replace_old_run,
@@ -52,6 +53,10 @@ def run(argv: list[str], trainer_cls: Any) -> int:
     try:
         if checks and checks[-1].startswith("--check-config="):
             return _check_world_sizes(argv, checks[-1].split("=", 1)[1])
+        live = None if checks else _live_run(argv)
+        if live:  # the cause of whatever else this launch would be refused for: said first, alone
+            print(shorten_line(f"run folder error: {live}"), file=sys.stderr)
+            return exit_codes.BAD_INPUT
         cfg, resolved = load_and_resolve(
             argv, lambda c: c.parallelism.dry_run_world_size or dist_utils.world_size_from_env()
         )
@@ -99,6 +104,16 @@ def run(argv: list[str], trainer_cls: Any) -> int:
         dist_utils.destroy_distributed(wait_for_all=peers_alive)
         if lock is not None:
             lock.release()
+
+
+def _live_run(argv: list[str]) -> str | None:
+    """On rank 0 of a launch, the line naming a live run that holds the dump folder (its lock's pid
+    is alive), else None; a config that does not load is the config check's to report."""
+    try:
+        cfg = load_config(argv)
+    except ConfigError:
+        return None
+    return live_run(cfg.job.dump_folder)
 
 
 def _check_world_sizes(argv: list[str], sizes: str) -> int:

@@ -3,9 +3,18 @@ index — on hand-made directories, no tensors."""
 
 import json
 import os
+import pickle
 import shutil
 
 from torchtitan_loom.components.checkpoint import layout
+
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+)
 
 
 def fake_ckpt(root, step, kind="periodic", complete=True, tmp=False):
@@ -14,9 +23,16 @@ def fake_ckpt(root, step, kind="periodic", complete=True, tmp=False):
         layout.temp_dir(str(root), step, kind) if tmp else layout.final_dir(str(root), step, kind)
     )
     os.makedirs(path)
-    for name in (layout.DCP_METADATA, "__0_0.distcp"):
-        with open(os.path.join(path, name), "w") as fh:
-            fh.write(f"{kind} {step}")
+    content = f"{kind} {step}"
+    with open(os.path.join(path, "__0_0.distcp"), "w") as fh:
+        fh.write(content)
+    # Real DCP metadata naming the data file (a commit checks every file its metadata names).
+    md = Metadata(
+        state_dict_metadata={"tag": BytesStorageMetadata()},
+        storage_data={MetadataIndex("tag"): _StorageInfo("__0_0.distcp", 0, len(content))},
+    )
+    with open(os.path.join(path, layout.DCP_METADATA), "wb") as fh:
+        pickle.dump(md, fh)
     if complete and not tmp:
         layout.write_json(os.path.join(path, layout.MARKER), {"step": step})
     return path

@@ -6,6 +6,8 @@ the commands its producer runs, the rewrite keeps everything outside the regions
 training command the docs show is still a valid config.
 """
 
+import json
+import os
 import re
 import shlex
 import sys
@@ -134,3 +136,40 @@ def test_every_documented_training_command_is_a_valid_config():
             load_config(args)
         except Exception as exc:  # the message names the key
             pytest.fail(f"{page}: `{line}` is not a valid config: {exc}")
+
+
+def test_every_documented_command_runs_after_the_readmes_first_command(tmp_path, monkeypatch):
+    """Issue 35: the README's first command leaves a finished debug run in ./outputs/debug; every
+    other training command the docs show, typed next in the same folder, must pass the config
+    checks that look at its run folder (the data of a corpus the reader has not packed, or a GPU
+    this machine lacks, are not this check's)."""
+    from torchtitan_loom.components.runtime import run_folder
+    from torchtitan_loom.config import ConfigError
+    from torchtitan_loom.config.validate import resolve
+
+    monkeypatch.chdir(tmp_path)
+    first = load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")])
+    os.makedirs(first.job.dump_folder)
+    finished = {"identity": run_folder.identity(first), "status": "finished", "step": 180}
+    (tmp_path / first.job.dump_folder / run_folder.RUN_JSON).write_text(json.dumps(finished))
+    checked = 0
+    for page, line in _train_commands():
+        words = shlex.split(line.replace("$NODE", "0"))
+        env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+        launcher = next(
+            i for i, w in enumerate(words) if w in ("./run_train.sh", "torchtitan_loom.train")
+        )
+        args = [w for w in words[launcher + 1 :] if w != "…"]
+        if "--help" in args or (page == "README.md" and args == []):  # the first command itself
+            continue
+        args = [str(ROOT / a) if a.startswith("train_configs/") else a for a in args]
+        if "--job.config_file" not in args and words[launcher] == "./run_train.sh":
+            args = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *args]
+        world = int(env.get("NGPU", "1")) * int(env.get("NNODES", "1").split(":")[0])
+        try:
+            resolve(load_config(args), world)
+        except ConfigError as exc:
+            folder = [ln for ln in str(exc).splitlines() if "job.dump_folder" in ln]
+            assert not folder, f"{page}: `{line}` after the README's first command: {folder}"
+        checked += 1
+    assert checked >= 10

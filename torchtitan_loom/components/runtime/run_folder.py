@@ -91,9 +91,6 @@ def relaunch_errors(cfg: Any) -> list[str]:
     """Why this launch may not continue the run in job.dump_folder ([] = it may)."""
     if cfg.job.overwrite:
         return []
-    live = live_run(cfg.job.dump_folder)
-    if live:  # the cause of any other refusal below: say it first, alone
-        return [live]
     try:
         run = read_run(cfg.job.dump_folder)
     except RunFolderError as exc:
