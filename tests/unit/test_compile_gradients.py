@@ -19,7 +19,6 @@ Legend: B batch, S sequence.
 
 import copy
 import importlib.util
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,30 +26,10 @@ import torch
 from torchtitan_loom.components.loss import token_ce_sum
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.infra.parallelize import apply_compile
-from torchtitan_loom.protocols import get_train_spec
 from batches import two_document_batch  # tests/unit/batches.py
+from test_float8 import converted  # tests/unit/test_float8.py
 
 SEGMENTS = ((1, 2), (3, 4))  # H = 4 in two segments: a fresh start and a carried one
-
-
-def _float8(model: LoomTransformer) -> LoomTransformer:
-    from torchtitan_loom.components.quantization.float8 import Float8Converter, plan_float8
-
-    section = SimpleNamespace(
-        enable=True,
-        recipe="tensorwise",
-        emulate=True,
-        experts=True,
-        experts_recipe="auto",
-        enable_fsdp_float8_all_gather=False,
-        precompute_float8_dynamic_scale_for_fsdp=False,
-        filter_fqns=[],
-    )
-    plan, errors = plan_float8(section, "cpu", None, "cpu")
-    assert not errors, errors
-    spec = get_train_spec("loom")
-    Float8Converter(plan, spec.float8_never_convert, spec.float8_experts_fn).convert(model)
-    return model
 
 
 def _grads(model: LoomTransformer) -> dict[str, torch.Tensor | None]:
@@ -67,7 +46,9 @@ def _model(float8: bool) -> LoomTransformer:
     torch.manual_seed(0)
     model = LoomTransformer(loom_flavors["debug"].replace(num_loops=4))
     model.init_weights()
-    return _float8(model) if float8 else model
+    if float8:  # dense linears tensorwise and the routed experts, emulated (test_float8's helper)
+        converted(model, experts=True)
+    return model
 
 
 CASES = [

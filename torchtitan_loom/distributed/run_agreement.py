@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from torchtitan_loom.distributed.utils import broadcast_object
+
 PROBE_PREFIX = ".shared-probe-"
 
 
@@ -59,7 +61,7 @@ def run_problem(cfg: Any, config_toml: str, rank: int, run_id: str) -> str | Non
             written = token
         except OSError as exc:
             written = f"error: {exc.strerror or exc}"
-    written = _bcast(written)
+    written = broadcast_object(written)
     try:
         with open(probe, "rb") as fh:
             found = fh.read(256).decode(errors="replace") == written
@@ -84,9 +86,3 @@ def run_problem(cfg: Any, config_toml: str, rank: int, run_id: str) -> str | Non
                 "node (a shared file system), not a node-local disk"
             )
     return None
-
-
-def _bcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

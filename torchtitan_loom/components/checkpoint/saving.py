@@ -169,9 +169,10 @@ class SaveMixin:
                 f"checkpoint step {step} not saved: {exc}; nothing pruned, the previous "
                 f"checkpoints in {self.root} are untouched"
             )
-        reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
-        if isinstance(exc, layout.IncompleteSave):
+        if isinstance(exc, layout.IncompleteSave):  # its message says what is missing and why
             reason = str(exc)
+        else:
+            reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
         if self.rank == 0:
             try:
                 safe_files.remove_dir(tmp, self.root)
