@@ -24,7 +24,8 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-CONFIG_FILE="${CONFIG_FILE:-${ROOT}/train_configs/debug_model.toml}"
+# Empty: the trainer's default preset, train_configs/debug_model.toml (config/early.py).
+CONFIG_FILE="${CONFIG_FILE:-}"
 LOG_RANK="${LOG_RANK:-0}"
 if [[ "${LAUNCHER:-}" == "srun" ]]; then
   NGPU=1  # one rank per process; OMP threads = the CPUs Slurm gave this task

@@ -74,8 +74,9 @@ done
 # Every setting is checked before anything is created.
 for var in TOTAL_S STEPS WARMUP BATCH MICRO GPU_TEST_S; do
   value="${!var:-}"
-  if [[ -n "${value}" && ! "${value}" =~ ^[1-9][0-9]*$ ]]; then
-    die "${var}=${value}: must be a positive whole number of $( [[ ${var} == *_S ]] && echo seconds || echo steps/rows )"
+  # At most 7 digits: bash arithmetic wraps past 2^63 (TOTAL_S=2^64-1 would read as -1).
+  if [[ -n "${value}" && ! "${value}" =~ ^[1-9][0-9]{0,6}$ ]]; then
+    die "${var}=${value}: must be a whole number in [1, 9999999] of $( [[ ${var} == *_S ]] && echo seconds || echo steps/rows )"
   fi
 done
 for var in PROFILE KEEP_WORK; do

@@ -31,6 +31,7 @@ from torchtitan_loom.components.runtime.run_folder import (
     record_launch,
     replace_old_run,
 )
+from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.runtime.safe_files import UnsafePathError
 from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import load_and_resolve, resolve
@@ -72,23 +73,43 @@ def run(argv: list[str], trainer_cls: Any) -> int:
             print(dry_run(cfg, *resolved))
         return exit_codes.OK
     run_id, lock = new_run_id(), None
+    # The run folder is held from here (safe_files.HeldFolder): every write, rename and removal
+    # under it checks that the name still leads to this directory, so a folder swapped mid-run
+    # stops the run instead of taking its checkpoints, index and run.json elsewhere.
+    cfg.job.dump_folder = safe_files.HeldFolder(cfg.job.dump_folder)
     if rank0:  # before any process group: one live run per folder
+        log = lambda m: print(f"[torchtitan_loom] {m}", flush=True)  # noqa: E731
         try:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
+            cfg.job.dump_folder.check()  # made just now: held from its creation
             lock = RunLock(
                 cfg.job.dump_folder,
                 run_id,
-                log=lambda m: print(f"[torchtitan_loom] {m}", flush=True),
+                log=log,
                 elastic_run=ElasticRestarts.from_env(os.environ).elastic_run,
             )
-            replace_old_run(cfg)
+            replace_old_run(cfg, log=log)
         except (RunFolderError, OSError) as exc:
             if lock is not None:
                 lock.release()
             print(shorten_line(f"run folder error: {exc}"), file=sys.stderr)
             return exit_codes.BAD_INPUT
-    info = dist_utils.init_distributed(cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds)
+    try:
+        info = dist_utils.init_distributed(
+            cfg.training.device, timeout_s=cfg.comm.init_timeout_seconds
+        )
+    except dist_utils.PeersMissing as exc:
+        if lock is not None:
+            lock.release()
+        print(shorten_line(f"launch error: {exc}"), file=sys.stderr)
+        return exit_codes.BAD_INPUT
     peers_alive = False
+    if info.rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":  # a node's console says it joined
+        print(
+            f"[torchtitan_loom] joined the run as rank {info.rank} of {info.world_size}; rank 0 "
+            f"logs its progress and writes {cfg.job.dump_folder}",
+            flush=True,
+        )
     try:
         if info.world_size > 1:  # rank 0's launch id for every rank's metrics
             run_id = dist_utils.broadcast_object(run_id)
@@ -194,9 +215,11 @@ def _lines(kind: str, exc: BaseException) -> str:
     return "\n".join(shorten_line(f"{kind} error: {line}") for line in str(exc).splitlines())
 
 
-def outcome_of(exc: BaseException, cfg: Any, step: int = 0) -> Outcome | None:
-    """The Outcome of an exception that ends a launch (of ``cfg``, after global step ``step``) in a
-    known way; None for anything else (a bug: the caller re-raises it, with its traceback)."""
+def outcome_of(exc: BaseException, cfg: Any, step: int = 0, in_step: bool = True) -> Outcome | None:
+    """The Outcome of an exception that ends a launch (of ``cfg``, after global step ``step``;
+    ``in_step``: raised inside step ``step + 1``, else in the work after step ``step``: its
+    metrics, eval or checkpoint) in a known way; None for anything else (a bug: the caller
+    re-raises it, with its traceback)."""
     if isinstance(exc, CheckpointSaveError):  # disk full during a save: older checkpoints stay
         msg = shorten_line(f"checkpoint error: {exc}")
         return Outcome(Status.FAILED, exit_codes.FAILED, msg, error=True)
@@ -211,7 +234,7 @@ def outcome_of(exc: BaseException, cfg: Any, step: int = 0) -> Outcome | None:
         return Outcome(Status.STOPPED, exit_codes.INTERRUPTED, msg, error=True)
     why = dist_utils.lost_peer(exc) if isinstance(exc, Exception) else None
     if why is not None:
-        return _lost_peer(cfg, step, why)
+        return _lost_peer(cfg, step, why, in_step)
     if isinstance(exc, OSError):  # a file of the run could not be written: a full disk, say
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         what = "disk full" if full else "i/o error"
@@ -239,7 +262,7 @@ def _steps(first: int, last: int) -> str:
     return f"step {first} is" if first == last else f"steps {first}-{last} are"
 
 
-def _lost_peer(cfg: Any, step: int, why: str) -> Outcome:
+def _lost_peer(cfg: Any, step: int, why: str, in_step: bool = True) -> Outcome:
     """A collective failed because a peer is gone: one line, no traceback, and the exit code that
     makes an elastic agent restart the group (1 without restarts left: relaunch by hand)."""
     elastic = ElasticRestarts.from_env(os.environ)
@@ -258,7 +281,8 @@ def _lost_peer(cfg: Any, step: int, why: str) -> Outcome:
         if code == exit_codes.RESTART
         else f"relaunch to continue; the run {resume}"
     )
-    msg = shorten_line(f"lost a peer during step {step + 1} ({why}): exiting {code}; {then}")
+    when = f"during step {step + 1}" if in_step else f"after step {step} (its eval or save)"
+    msg = shorten_line(f"lost a peer {when} ({why}): exiting {code}; {then}")
     status = Status.STOPPED if code == exit_codes.RESTART else Status.FAILED
     return Outcome(status, code, msg, error=True)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    from torchtitan_loom.config.early import answer_early
+    from torchtitan_loom.config.early import answer_early, with_default_preset
 
-    answer_early(sys.argv[1:])  # --help and the config's own problems, before torch
+    answer_early(with_default_preset(sys.argv[1:]))  # --help and the config's problems, pre-torch
     # `python -m`: importing torch and the trainer takes seconds on a cold start; say so first.
     print("[torchtitan_loom] importing torch and the trainer ...", flush=True)
 
@@ -62,6 +62,7 @@ class Trainer(TrainerBuild, SegmentedStep):
     ) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
         self.run_id = run_id or new_run_id()
+        self.in_step = True  # whether the loop is inside a step (else in the work after one)
         self.model_args, self.parallel_dims = resolved
         t = cfg.training
         dist_utils.set_determinism(t.seed, t.deterministic)
@@ -110,7 +111,8 @@ class Trainer(TrainerBuild, SegmentedStep):
         if (
             self.info.rank == 0
         ):  # after the resume succeeded: a refused one leaves the run as it was
-            safe_files.atomic_write(os.path.join(cfg.job.dump_folder, "config.toml"), to_toml(cfg))
+            dump = cfg.job.dump_folder
+            safe_files.atomic_write(os.path.join(dump, "config.toml"), to_toml(cfg), dump)
             record_launch(cfg, self.run_id, "running", self.state.step, resumed)
             self.launch_recorded = True
 
@@ -129,7 +131,7 @@ class Trainer(TrainerBuild, SegmentedStep):
             self.checkpointer.close()  # the save still in flight belongs to the run: committed
         except BaseException as exc:
             self.checkpointer.discard()  # nothing is committed after an error
-            known = launch.outcome_of(exc, self.cfg, self.state.step)
+            known = launch.outcome_of(exc, self.cfg, self.state.step, self.in_step)
             self._finish(known or Outcome(Status.FAILED, exit_codes.FAILED, "", error=True))
             if known is None:
                 raise
@@ -168,6 +170,7 @@ class Trainer(TrainerBuild, SegmentedStep):
         with tools:
             while self.state.step < t.steps:
                 position = self.dataloader.state_dict()
+                self.in_step = True  # an error from here is "during step N + 1" (launch.outcome_of)
                 try:
                     out = self.train_step(next(data_iter))
                 except StepAbandoned:  # a stop before the step's first update: nothing changed
@@ -175,6 +178,7 @@ class Trainer(TrainerBuild, SegmentedStep):
                     self.dataloader.load_state_dict(position)  # trained after the resume
                     return self._abandoned()
                 step = self.state.step
+                self.in_step = False  # its metrics, eval and save: "after step N"
                 if profiler is not None:
                     profiler.step()
                 snapshots.step(step)
@@ -303,4 +307,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(with_default_preset(sys.argv[1:])))  # the preset ./run_train.sh runs, too

@@ -53,8 +53,14 @@ def cell_rows(summary: str) -> dict[str, list[str]]:
         ((), {}, "OUT_DIR missing"),
         (("--fast", "x"), {}, "unknown option --fast"),
         (("a", "b"), {}, "one OUT_DIR only"),
-        (("out",), {"TOTAL_S": "abc"}, "TOTAL_S=abc: must be a positive whole number of seconds"),
-        (("out",), {"STEPS": "0"}, "STEPS=0: must be a positive whole number"),
+        (
+            ("out",),
+            {"TOTAL_S": "abc"},
+            "TOTAL_S=abc: must be a whole number in [1, 9999999] of seconds",
+        ),
+        (("out",), {"STEPS": "0"}, "STEPS=0: must be a whole number in [1, 9999999]"),
+        # 2^64 - 1: bash arithmetic would wrap it to -1 and run with no time at all.
+        (("out",), {"TOTAL_S": str(2**64 - 1)}, f"TOTAL_S={2**64 - 1}: must be a whole number in"),
         (("out",), {"FAIL_STAGE": "bf16"}, "FAIL_STAGE=bf16: not a stage; valid: deps peak"),
     ],
 )

@@ -30,5 +30,8 @@ def test_every_listed_path_exists_and_every_subject_test_is_listed():
 def test_ci_runs_the_torch211_environment_before_the_readme_suite():
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.index("bash .ci/torch211.sh") < ci.index("python -m pytest tests")
+    # Alongside the suite, and waited for: its failure fails CI.
+    assert ci.index("python -m pytest tests") < ci.index('wait "${TORCH211}"')
+    assert ci.rstrip().endswith("(( suite == 0 && torch211 == 0 ))")
     script = (ROOT / ".ci" / "torch211.sh").read_text()
     assert "torch==2.11.0" in script and "torch211_tests.txt" in script

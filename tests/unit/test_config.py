@@ -332,3 +332,30 @@ def test_help_shows_the_values_the_command_would_run_with_and_names_their_file()
     bare = help_text()
     assert "Values shown: the schema's defaults (no config file)." in bare
     assert "--training.steps  int = 300" in bare
+
+
+def test_python_m_train_without_a_config_runs_the_preset_run_train_sh_runs(tmp_path):
+    """Issue 35: `python -m torchtitan_loom.train` without a config trained the schema's defaults
+    (300 steps into ./outputs) where ./run_train.sh trains the debug preset; both now take the
+    preset from one place (config/early.py), whatever the current directory."""
+    import subprocess
+    import sys
+
+    from torchtitan_loom.config.early import DEFAULT_PRESET, with_default_preset
+
+    assert DEFAULT_PRESET == str(ROOT / "train_configs" / "debug_model.toml")
+    assert with_default_preset(["--training.steps", "3"]) == [
+        "--job.config_file",
+        DEFAULT_PRESET,
+        "--training.steps",
+        "3",
+    ]
+    named = ["--job.config_file=other.toml"]
+    assert with_default_preset(named) == named
+    help_of = lambda cmd: subprocess.run(  # noqa: E731
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    ).stdout
+    module = help_of([sys.executable, "-m", "torchtitan_loom.train", "--help"])
+    script = help_of([str(ROOT / "run_train.sh"), "--help"])
+    assert f"Values shown: {DEFAULT_PRESET} over the schema's defaults." in module
+    assert module == script

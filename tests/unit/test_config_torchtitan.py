@@ -3,7 +3,7 @@ its resolved config.toml uses our names; TorchTitan's documented command lines c
 meaning here get one line saying what to use; warmup_steps ↔ warmup_ratio; gc_freq."""
 
 import gc
-from torchtitan_loom.config.manager import tomllib  # tomli on 3.10
+from torchtitan_loom.config.toml_file import tomllib  # tomli on 3.10
 
 import pytest
 

@@ -122,14 +122,20 @@ def test_checkpoints_off_cannot_continue_a_run(tiny_pack, tmp_path, capsys):
     assert len(rows(tmp_path)) == 6
 
 
-def test_overwrite_moves_the_old_run_aside(tiny_pack, tmp_path):
+def test_overwrite_moves_the_old_run_aside(tiny_pack, tmp_path, capsys):
     assert train.main(argv(tiny_pack, tmp_path)) == 0
     old_id = run_folder.read_run(str(tmp_path))["run_id"]
+    capsys.readouterr()
     assert (
         train.main(argv(tiny_pack, tmp_path, "--training.seed", "1", "--job.overwrite", "true"))
         == 0
     )
     old = tmp_path / f"replaced-{old_id}"
+    moved = [ln for ln in capsys.readouterr().out.splitlines() if "job.overwrite: moved" in ln]
+    assert moved == [
+        f"[torchtitan_loom] job.overwrite: moved the previous run's run.json, config.toml, "
+        f"metrics.jsonl, checkpoint to {old}"
+    ], moved
     assert len(rows(old)) == 4 and (old / "checkpoint" / "step-4" / layout.MARKER).exists()
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [1, 2, 3, 4] and r[0]["launch"] == {"resumed_from_step": None}

@@ -7,11 +7,30 @@ passes goes on to the full checks (the model, the layout, the data, the run fold
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.config.manager import ConfigError, help_text, load_config
+
+
+# What a command line without --job.config_file runs, ./run_train.sh's and `python -m
+# torchtitan_loom.train`'s alike: the debug model on the bundled corpus (in a checkout of the
+# repository; an installed wheel without train_configs/ runs the schema's defaults).
+DEFAULT_PRESET = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "train_configs",
+    "debug_model.toml",
+)
+
+
+def with_default_preset(argv: list[str]) -> list[str]:
+    """``argv`` with ``--job.config_file DEFAULT_PRESET`` in front when it names no config file."""
+    named = any(a.split("=", 1)[0] in ("--job.config_file", "--job.config-file") for a in argv)
+    if named or not os.path.isfile(DEFAULT_PRESET):
+        return argv
+    return ["--job.config_file", DEFAULT_PRESET, *argv]
 
 
 def answer_early(argv: list[str]) -> None:

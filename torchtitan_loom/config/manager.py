@@ -10,31 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import sys
 import types
 import typing
 from typing import Any
 
 from torchtitan_loom.config.aliases import ALIASES, AliasError, aliases_of, translate
+from torchtitan_loom.config.errors import ConfigError
 from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig, model_section
+from torchtitan_loom.config.toml_file import flatten, read_toml
 
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A bad config: one line per problem, each naming the key and what would be valid.
-
-    ``partial`` (set by load_config): the config built from every key that was valid, so the
-    cross-field checks (validate.py) can still run and a user sees every problem in one run."""
-
-    def __init__(self, message: str, partial: JobConfig | None = None) -> None:
-        super().__init__(message)
-        self.partial = partial
-
+# Printed problems: the first MAX_PROBLEMS in full (with a suggestion each), then how many more. A
+# generated file of 10⁶ unknown keys is answered in seconds, not after 10⁶ fuzzy matches.
+MAX_PROBLEMS = 20
+# Integers the code can hold: a step, a row count or a seed beyond a signed 64-bit value overflows
+# the tensors and generators it reaches (seeds, timeouts and sizes have tighter rules elsewhere).
+INT_MAX = 2**63 - 1
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -68,7 +59,9 @@ def type_name(tp: Any) -> str:
     return f"{name} or none" if optional else name
 
 
-def _nearest(name: str, options: list[str], prefix: str = "") -> str:
+def _nearest(name: str, options: list[str], prefix: str = "", suggest: bool = True) -> str:
+    if not suggest:
+        return ""
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     if close:
         return f"; did you mean '{prefix}{close[0]}'?"
@@ -92,14 +85,16 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     if inner is int:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, int):
-            return value
-        if from_cli:
+        if not isinstance(value, int):
+            if not from_cli:
+                raise bad
             try:
-                return int(str(value).replace("_", ""))
+                value = int(str(value).replace("_", ""))
             except ValueError:
                 raise bad from None
-        raise bad
+        if abs(value) > INT_MAX:
+            raise ConfigError(f"{key} = {value}: beyond a 64-bit integer (|value| ≤ 2^63 - 1)")
+        return value
     if inner is float:
         if isinstance(value, bool):
             raise bad
@@ -112,9 +107,11 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
                 raise bad from None
         raise bad
     if inner is str:
-        if isinstance(value, str):
-            return value
-        raise bad
+        if not isinstance(value, str):
+            raise bad
+        if "\x00" in value:  # no file name or value of the run can hold one (the OS refuses it)
+            raise ConfigError(f"{key} = {value!r}: contains a NUL byte")
+        return value
     if typing.get_origin(inner) is list:
         elem = typing.get_args(inner)[0]
         items = value.split(",") if from_cli and isinstance(value, str) else value
@@ -128,29 +125,40 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     raise ConfigError(f"{key}: unsupported annotation {tp!r}")  # a schema bug, not a user error
 
 
-def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
-    sections = section_types(cfg)
+Schema = dict[str, dict[str, tuple[Any, dataclasses.Field]]]
+
+
+def schema_of(cfg: JobConfig) -> Schema:
+    """Section -> key -> (annotation, field) of ``cfg``'s sections (read once per load: resolving
+    the annotations is the slow part of checking a key)."""
+    return {sec: section_fields(cls) for sec, cls in section_types(cfg).items()}
+
+
+def _set(
+    cfg: JobConfig, sections: Schema, dotted: str, value: Any, from_cli: bool, suggest: bool = True
+) -> None:
+    """Check and set one key (``suggest``: name the nearest valid key of a wrong one)."""
     try:  # a TorchTitan spelling becomes ours here, before any check (aliases.py)
         dotted, value, _ = translate(dotted.replace("-", "_"), value)
     except AliasError as exc:
         raise ConfigError(str(exc)) from None
     if "." not in dotted:
         raise ConfigError(
-            f"'{dotted}': options are --section.key{_nearest(dotted, list(sections))}"
+            f"'{dotted}': options are --section.key{_nearest(dotted, list(sections), '', suggest)}"
         )
     sec, key = dotted.split(".", 1)
     if sec not in sections:
-        raise ConfigError(f"unknown section '{sec}'{_nearest(sec, list(sections))}")
-    fields = section_fields(sections[sec])
+        raise ConfigError(f"unknown section '{sec}'{_nearest(sec, list(sections), '', suggest)}")
+    fields = sections[sec]
     key = key.replace("-", "_")
     if key not in fields and sec == "model":
         raise ConfigError(
             f"model.{key}: not a key of model '{cfg.model.name}'"
-            f"{_nearest(key, list(fields), prefix='model.')}"
+            f"{_nearest(key, list(fields), 'model.', suggest)}"
         )
     if key not in fields:
         raise ConfigError(
-            f"unknown key '{sec}.{key}'{_nearest(key, list(fields), prefix=sec + '.')}"
+            f"unknown key '{sec}.{key}'{_nearest(key, list(fields), sec + '.', suggest)}"
         )
     tp, f = fields[key]
     value = _coerce(f"{sec}.{key}", tp, value, from_cli)
@@ -187,25 +195,12 @@ def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
-def _read_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"job.config_file: no such file '{path}'") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {exc}") from None
-
-
-def _flatten(prefix: str, table: dict[str, Any]) -> list[tuple[str, Any]]:
-    """Dotted keys of a TOML table; nested tables (TorchTitan's [quantize.linear.float8]) join with dots."""
-    out: list[tuple[str, Any]] = []
-    for key, value in table.items():
-        if isinstance(value, dict):
-            out += _flatten(f"{prefix}.{key}", value)
-        else:
-            out.append((f"{prefix}.{key}", value))
-    return out
+def problems_message(errors: list[str]) -> str:
+    """The first MAX_PROBLEMS problems, one line each, then how many more there are."""
+    if len(errors) <= MAX_PROBLEMS:
+        return "\n".join(errors)
+    more = len(errors) - MAX_PROBLEMS
+    return "\n".join(errors[:MAX_PROBLEMS] + [f"... and {more:,} more problems (fix these first)"])
 
 
 def _per_step(written: str, key: str, value: Any, from_cli: bool) -> tuple[str, str, int]:
@@ -225,13 +220,16 @@ def load_config(argv: list[str]) -> JobConfig:
     config_file = next((v for k, v in pairs if k in ("job.config_file", "job.config-file")), "")
     sources: list[tuple[str, Any, bool]] = []
     if config_file:
-        for sec, table in _read_toml(config_file).items():
+        for sec, table in read_toml(config_file).items():
             if not isinstance(table, dict):
                 errors.append(
                     f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}"
                 )
                 continue
-            sources += [(k, v, False) for k, v in _flatten(sec, table)]
+            try:
+                sources += [(k, v, False) for k, v in flatten(sec, table)]
+            except ConfigError as exc:
+                errors.append(str(exc))
     sources += [(k, v, True) for k, v in pairs]
     # [model]'s keys are the chosen model's: find the name first (the last one given wins).
     names = [v for k, v, _ in sources if k == "model.name"]
@@ -241,6 +239,7 @@ def load_config(argv: list[str]) -> JobConfig:
         except ValueError as exc:  # the other keys are still checked, against the default model
             errors.append(f"model.name: {exc}")
             sources = [src for src in sources if src[0] != "model.name"]
+    schema = schema_of(cfg)
     # Step counts for fraction keys wait for the final training.steps; a later canonical write wins.
     pending: dict[str, tuple[str, str, int]] = {}
     for key, value, from_cli in sources:
@@ -249,7 +248,7 @@ def load_config(argv: list[str]) -> JobConfig:
             if alias is not None and alias.per_training_step:
                 pending[alias.key] = _per_step(key, alias.key, value, from_cli)
                 continue
-            _set(cfg, key, value, from_cli)
+            _set(cfg, schema, key, value, from_cli, suggest=len(errors) < MAX_PROBLEMS)
             pending.pop(key.replace("-", "_"), None)
         except ConfigError as exc:
             errors.append(str(exc))
@@ -258,9 +257,9 @@ def load_config(argv: list[str]) -> JobConfig:
         if total < 1 or steps > total:
             errors.append(f"{written} = {steps}: must lie in [0, training.steps = {total}]")
         else:
-            _set(cfg, key, steps / total, from_cli=False)
+            _set(cfg, schema, key, steps / total, from_cli=False)
     if errors:
-        raise ConfigError("\n".join(errors), partial=cfg)
+        raise ConfigError(problems_message(errors), partial=cfg)
     return cfg
 
 

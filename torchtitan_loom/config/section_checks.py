@@ -8,9 +8,9 @@ nothing here creates a process group or a tensor of real memory.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from torchtitan_loom.config.schema import JobConfig
@@ -24,16 +24,17 @@ def pack_max_seq_len(path: str, key: str, errors: list[str]) -> int | None:
             f"{key}: no such directory '{path}' (a packed corpus; see python -m torchtitan_loom.tools.pack)"
         )
         return None
-    if not os.path.isfile(meta):
+    if not os.path.lexists(meta):
         errors.append(
             f"{key}: '{path}' has no metadata.json; is it a pack written by torchtitan_loom.tools.pack?"
         )
         return None
-    try:
-        with open(meta) as fh:
-            return int(json.load(fh)["max_seq_len"])
-    except (ValueError, KeyError, TypeError) as exc:
-        errors.append(f"{key}: '{meta}' is unreadable or lacks max_seq_len ({exc})")
+    from torchtitan_loom.components.data.pack_format import PackError, read_metadata
+
+    try:  # no link or FIFO followed, its size capped, every field's type and range checked
+        return read_metadata(Path(path))["max_seq_len"]
+    except PackError as exc:
+        errors.append(f"{key}: {exc}")
         return None
 
 
@@ -91,11 +92,14 @@ def vocab_errors(cfg: JobConfig, args: Any) -> list[str]:
     """model.vocab_size against each pack's tokenizer: the embedding needs a row for every token id.
     The suggestion rounds the tokenizer's size up to a multiple of 256 (LOOM_SPEC §8.2)."""
     errors = []
+    from torchtitan_loom.components.data.pack_format import PackError, read_metadata
+
     for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if not path:
+            continue
         try:
-            with open(os.path.join(path, "metadata.json")) as fh:
-                tok_vocab = int(json.load(fh)["tokenizer_info"]["vocab_size"])
-        except (OSError, ValueError, KeyError, TypeError):
+            tok_vocab = read_metadata(Path(path))["tokenizer_info"]["vocab_size"]
+        except (PackError, OSError):
             continue  # a missing or broken pack is reported by pack_max_seq_len / open_pack
         if args.vocab_size < tok_vocab:
             set_by = (

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
 from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
-from torchtitan_loom.config.manager import ConfigError, load_config
+from torchtitan_loom.config.manager import INT_MAX, ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
 from torchtitan_loom.config.section_checks import (
     checkpoint_errors,
@@ -37,6 +37,11 @@ class Resolved(NamedTuple):
     model_args: Any
     dims: ParallelDims
 
+
+# Ranges the code can use: collective timeouts (timedelta and the backends' milliseconds overflow
+# long before 2^63 s) and the tokens of one batch (kernels index a batch with 32-bit integers).
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_BATCH_TOKENS = 2**31 - 1
 
 # Model-section keys that are not model-args overrides.
 _MODEL_META_KEYS = ("name", "flavor")
@@ -246,8 +251,25 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if t.gc_freq < 0:
         errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
-        if getattr(cfg.comm, key) < 1:
-            errors.append(f"comm.{key} = {getattr(cfg.comm, key)}: must be ≥ 1")
+        if not 1 <= getattr(cfg.comm, key) <= MAX_TIMEOUT_S:
+            errors.append(
+                f"comm.{key} = {getattr(cfg.comm, key)}: must lie in [1, {MAX_TIMEOUT_S}] "
+                f"(a week: a hung collective must fail while someone still waits for it)"
+            )
+    if not 0 <= t.seed <= INT_MAX:
+        errors.append(f"training.seed = {t.seed}: must lie in [0, 2^63 - 1]")
+    batches = [
+        ("training.global_batch_size", t.global_batch_size, t.seq_len),
+        ("training.micro_batch_size", t.micro_batch_size, t.seq_len),
+        ("eval.batch_size", cfg.eval.batch_size, t.seq_len),
+        ("eval.downstream_batch_size", cfg.eval.downstream_batch_size, t.seq_len),
+    ]
+    for key, rows, seq_len in batches:
+        if rows * max(seq_len, 1) > MAX_BATCH_TOKENS:
+            errors.append(
+                f"{key} = {rows}: {rows:,} rows × seq_len {seq_len} tokens is over 2^31 tokens in "
+                f"one batch (32-bit indexing in the attention and embedding kernels)"
+            )
     errors += parallelism_errors(cfg, dims, args)
     errors += float8_errors(cfg)
     # The run folder only once the config is valid (its refusal is no cause of another problem),

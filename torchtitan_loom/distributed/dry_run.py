@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import Sharding, get_train_spec
 
@@ -32,7 +33,7 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
     rows = t.global_batch_size // dims.dp
     lines.append(
         f"batch: {t.global_batch_size} rows × {t.seq_len} tokens per step = {rows} rows per data-parallel "
-        f"rank ({dims.dp} ranks) = {rows // t.micro_batch_size} micro-batches of {t.micro_batch_size}"
+        f"rank ({count(dims.dp, 'rank')}) = {count(rows // t.micro_batch_size, 'micro-batch', 'micro-batches')} of {t.micro_batch_size}"
     )
     lines.append(
         f"activation_checkpoint={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}, "

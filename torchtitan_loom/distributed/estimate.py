@@ -23,6 +23,7 @@ import math
 import re
 from typing import Any, Callable, NamedTuple
 
+from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
@@ -96,7 +97,9 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
             max(s.activation_bytes for s in segs)
         ),
         "logits and their gradient": float(segs[0].logits_bytes),
-        f"carries of {micro} micro-batches": float(micro * segs[0].carry_bytes),
+        f"carries of {count(micro, 'micro-batch', 'micro-batches')}": float(
+            micro * segs[0].carry_bytes
+        ),
     }
     memory["total"] = sum(memory.values())
     collectives = comm_plan.predict(cfg, cost, dims, model_args.num_loops)
@@ -149,7 +152,8 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
             lines.append(f"    {part:<44} {nbytes / _GIB:8.2f}")
     sync = cfg.parallelism.fsdp_sync
     lines.append(
-        f"  communication per step on each rank ({n_seg} segments × {micro} micro-batches, FSDP "
+        f"  communication per step on each rank ({count(n_seg, 'segment')} × "
+        f"{count(micro, 'micro-batch', 'micro-batches')}, FSDP "
         f"sync per {sync}):"
     )
     if not est.collectives:
@@ -164,7 +168,7 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
     lines.append(
         f"  FLOPs per step: {est.flops / 1e12:,.1f} TFLOP model + {est.recompute_flops / 1e12:,.1f} "
         f"TFLOP recompute ({cfg.activation_checkpoint.mode}) on each rank; "
-        f"{est.flops * dims.world_size / 1e12:,.1f} TFLOP model over all {dims.world_size} ranks"
+        f"{est.flops * dims.world_size / 1e12:,.1f} TFLOP model over all {count(dims.world_size, 'rank')}"
     )
     if not est.overlapped_s:
         hidden = ""

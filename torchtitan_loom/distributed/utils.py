@@ -62,8 +62,25 @@ def init_distributed(requested_device: str, timeout_s: float = 300.0) -> DistInf
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        except dist.DistError as exc:  # a peer that never came (or a store that is not there)
+            raise PeersMissing(_missing_peers(exc, rank, world, timeout_s)) from None
     return DistInfo(rank=rank, world_size=world, device=device)
+
+
+class PeersMissing(RuntimeError):
+    """The process group did not form: a rank never joined within comm.init_timeout_seconds."""
+
+
+def _missing_peers(exc: BaseException, rank: int, world: int, timeout_s: float) -> str:
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (
+        f"the {world} ranks did not all join within {timeout_s:g} s (comm.init_timeout_seconds): "
+        f"rank {rank} waited at {where} ({first}); start every node with the same MASTER_ADDR, "
+        f"MASTER_PORT and NNODES, or look for the node that failed before joining"
+    )
 
 
 # What a collective raises when a peer's process is gone (gloo: its socket reset or closed; any

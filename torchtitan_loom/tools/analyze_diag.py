@@ -9,13 +9,15 @@ Legend: L layers, H loops, P panels (steps shown), G parameter groups × segment
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from typing import Any
 
 import numpy as np
+
+from torchtitan_loom.tools.input_files import metrics_rows
+from torchtitan_loom.tools.out_files import write_figure
 
 PANELS = 4
 _BRANCH_KEY = re.compile(r"^diag/([^/]+)/([^/]+)/layer_(\d+)/loop_(\d+)$")
@@ -32,15 +34,11 @@ TITLES = {
 def read_diagnostics(metrics_path: str) -> dict[str, Any]:
     """{"branch": {(branch, stat): {step: array [L, H]}}, "grad": {step: {"group/segment_j": norm}}}."""
     rows: dict[int, dict[str, Any]] = {}
-    with open(metrics_path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a crash: the rest still reads
-                continue
-            diag = {k: v for k, v in row.items() if k.startswith("diag/")}
-            if diag:
-                rows[int(row["step"])] = diag
+    # A damaged line (cut by a crash, edited) is skipped with one warning: the rest still reads.
+    for row in metrics_rows(metrics_path):
+        diag = {k: v for k, v in row.items() if k.startswith("diag/")}
+        if diag:
+            rows[row["step"]] = diag
     branch: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     grad: dict[int, dict[str, float]] = {}
     for step, diag in sorted(rows.items()):
@@ -62,11 +60,11 @@ def read_diagnostics(metrics_path: str) -> dict[str, Any]:
     return {"branch": branch, "grad": grad}
 
 
-def _figure(width_in: float, height_in: float):
+def _figure(width_in: float, height_in: float, layout: str | None = None):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width_in, height_in), dpi=100)
+    fig = Figure(figsize=(width_in, height_in), dpi=100, layout=layout)
     FigureCanvasAgg(fig)
     return fig
 
@@ -107,7 +105,14 @@ def grad_figure(grad: dict[int, dict[str, float]]):
     steps = sorted(grad)
     names = sorted({n for by_name in grad.values() for n in by_name})
     grid_GT = np.array([[grad[s].get(n, math.nan) for s in steps] for n in names])
-    fig = _figure(max(4.0, 0.5 * len(steps) + 3.0), max(2.5, 0.25 * len(names) + 1.2))
+    # Wide enough for the longest name (7 pt ≈ 0.06 in a character), the cells, the colour bar
+    # and its label: a narrow figure cut the label and the title off.
+    longest = max((len(n) for n in names), default=0)
+    fig = _figure(
+        max(5.0, 0.5 * len(steps) + 2.6 + 0.06 * longest),
+        max(2.5, 0.25 * len(names) + 1.2),
+        layout="constrained",  # lays the colour bar and its label out too
+    )
     ax = fig.add_subplot(1, 1, 1)
     image = ax.imshow(
         np.log10(np.clip(grid_GT, 1e-12, None)),
@@ -120,7 +125,6 @@ def grad_figure(grad: dict[int, dict[str, float]]):
     ax.set_xlabel("step")
     ax.set_title("gradient norm per submodule (before clipping)", fontsize=10)
     fig.colorbar(image, ax=ax, label="log10 norm")
-    fig.tight_layout()
     return fig
 
 
@@ -141,9 +145,9 @@ def report_section(metrics_path: str, out: str) -> list[str]:
     for (branch, stat), by_step in sorted(data["branch"].items()):
         name = f"diag_{branch}_{stat}.png"
         fig = stat_figure(by_step, f"{branch} output: {TITLES.get(stat, stat)}")
-        fig.savefig(os.path.join(out, name), dpi=100)
+        write_figure(fig, os.path.join(out, name), out, dpi=100)
         lines += [f"![{branch} {stat}]({name})", ""]
     if data["grad"]:
-        grad_figure(data["grad"]).savefig(os.path.join(out, "diag_grad_norm.png"), dpi=100)
+        write_figure(grad_figure(data["grad"]), os.path.join(out, "diag_grad_norm.png"), out, 100)
         lines += ["![gradient norm per submodule](diag_grad_norm.png)", ""]
     return lines

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
+from torchtitan_loom.tools.out_files import write_figure, write_file
 
 
 def _token_text(pack_tokenizer: str, vocab_ids: list[int]) -> list[str]:
@@ -39,10 +40,15 @@ def write_report(
     out: str,
     tokenizer: str,
     layer_for_docs: int,
+    tail: list[str] | None = None,
 ) -> str:
+    """Write the figures and report.md (ending with ``tail``, e.g. the diagnostics section) into
+    ``out``, which exists; every file through out_files.write_file (never through a link)."""
     from torchtitan_loom.components.observability import routing_plots as plots
 
-    os.makedirs(out, exist_ok=True)
+    def save(fig, name: str) -> None:
+        write_figure(fig, os.path.join(out, name), out, plots.DPI)
+
     routing: RoutingStats = result["routing"]
     losses, H, E = result["losses"], routing.H, routing.E
     step = info.get("step")
@@ -56,9 +62,9 @@ def write_report(
         "",
     ]
 
-    plots.save_figure(
+    save(
         plots.loss_curve_figure(losses, "Held-out loss after each loop (early exit)"),
-        os.path.join(out, "loss_per_loop.png"),
+        "loss_per_loop.png",
     )
     lines += [
         "## Held-out loss after every loop",
@@ -141,11 +147,11 @@ def write_report(
     vmax = plots.share_vmax(share_LHE)  # one colour scale for all layers, so they compare
     for layer in range(routing.L):
         name = f"load_layer_{layer}.png"
-        plots.save_figure(
+        save(
             plots.heatmap_figure(
                 share_LHE[layer], f"Expert load, layer {layer} (held-out tokens)", vmax=vmax
             ),
-            os.path.join(out, name),
+            name,
         )
         lines += [f"![expert load, layer {layer}]({name})", ""]
 
@@ -161,10 +167,7 @@ def write_report(
         labels = _token_text(tokenizer, doc["tokens"])
         name = f"doc_{i}.png"
         title = f"Sample document {i}: experts visited per loop (layer {layer_for_docs})"
-        plots.save_figure(
-            plots.routing_picture_figure(doc["topk_LHSK"][layer_for_docs], labels, E, title),
-            os.path.join(out, name),
-        )
+        save(plots.routing_picture_figure(doc["topk_LHSK"][layer_for_docs], labels, E, title), name)
         distinct = np.mean(
             [
                 len(set(doc["topk_LHSK"][layer_for_docs][:, s_].reshape(-1).tolist()))
@@ -178,7 +181,8 @@ def write_report(
             f"![document {i}]({name})",
             "",
         ]
+    if tail:
+        lines += ["", ""] + tail  # as the diagnostics section was appended before
     path = os.path.join(out, "report.md")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
+    write_file(path, "\n".join(lines), out)
     return path

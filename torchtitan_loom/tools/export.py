@@ -3,8 +3,13 @@
     python -m torchtitan_loom.tools.export CKPT OUT [--dtype fp32|bf16] [--verify] [--format safetensors|hf] [--force]
 
 CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder or a run's
-dump folder (the newest complete checkpoint inside is used). OUT must be absent or empty unless
-``--force`` (an existing export is never overwritten by accident). OUT receives:
+dump folder (the newest complete checkpoint inside is used; it is resolved once, and ``--verify``
+checks that same step even when the run saves a newer one meanwhile). OUT must be absent or empty
+unless ``--force`` (an existing export is never overwritten by accident); this is checked before
+the checkpoint is read. ``--force`` removes only the regular files an export writes (either
+format's names, see EXPORT_NAMES) and leaves anything else in OUT; a symbolic link at such a name,
+or OUT itself a link when ``--force`` would clear it, is refused (one line, exit 2), never written
+or removed through (tools/out_files.py). OUT receives:
 
     model.safetensors   every model tensor at its full shape, keyed by parameter name
                         (``model.pt``, a plain torch state dict, when safetensors is not installed)
@@ -47,8 +52,15 @@ from torchtitan_loom.tools.export_format import (
     model_spec,
     read_export,
 )
-from torchtitan_loom.tools.hf_export import export_hf
-from torchtitan_loom.tools.loading import LoadError, load, load_tokenizer
+from torchtitan_loom.tools.hf_export import HF_NAMES, export_hf
+from torchtitan_loom.tools.loading import LoadError, TokenizerFileError, load, load_tokenizer
+from torchtitan_loom.tools.out_files import clear_out, make_out
+from torchtitan_loom.tools.out_files import check_out as _check_out
+
+# Every name an export writes, in either format: what --force may replace (out_files.py).
+EXPORT_NAMES = frozenset(
+    {"model.safetensors", "model.pt", MODEL_ARGS_FILE, "config.toml", *HF_NAMES}
+)
 
 
 def cast_for_export(
@@ -71,15 +83,16 @@ def _checkpoint_model(ckpt: str) -> dict[str, torch.Tensor]:
 
 
 def check_out(out: str, force: bool) -> None:
-    """``out`` may receive an export: absent, an empty directory, or anything with ``force``."""
-    if os.path.lexists(out) and not os.path.isdir(out):
-        raise ExportError(f"{out}: exists and is not a directory; choose an output folder")
-    present = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    if present and not force:
-        raise ExportError(
-            f"{out} already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
-            f"pass --force to overwrite the export there, or choose a new folder"
-        )
+    """``out`` may receive an export: absent, an empty directory, or with ``force`` a folder whose
+    export files are regular files (no link); ExportError otherwise. Removes nothing."""
+    _check_out(out, force, EXPORT_NAMES, ExportError)
+
+
+def prepare_out(out: str, force: bool) -> None:
+    """Right before writing: check ``out`` again, remove an earlier export's files (``force``),
+    create the folder."""
+    clear_out(out, force, EXPORT_NAMES, ExportError)
+    make_out(out, ExportError)
 
 
 def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str:
@@ -88,7 +101,11 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
     if dtype not in SHORT_DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(SHORT_DTYPES)}")
     check_out(out, force)
-    ckpt = find_checkpoint(ckpt)
+    return _export(find_checkpoint(ckpt), out, dtype, force)
+
+
+def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
+    """``export`` of the checkpoint directory ``ckpt`` that find_checkpoint already verified."""
     info = read_model_args(ckpt)
     if info is None:
         raise ExportError(
@@ -96,7 +113,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
         )
     spec, args = model_spec(info)
     tensors = cast_for_export(spec, _checkpoint_model(ckpt), SHORT_DTYPES[dtype])
-    os.makedirs(out, exist_ok=True)
+    prepare_out(out, force)
     try:
         from safetensors.torch import save_file
     except ImportError:  # optional dependency (pip install torchtitan_loom[export])
@@ -112,7 +129,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
             torch.save(tensors, tmp)
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp) and not os.path.islink(tmp):
             os.remove(tmp)
     meta = layout.read_json(os.path.join(ckpt, "meta.json")) or {}
     layout.write_json(
@@ -129,8 +146,8 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
     )
     written = [name, MODEL_ARGS_FILE]
     if os.path.isfile(os.path.join(ckpt, "config.toml")):
-        with open(os.path.join(ckpt, "config.toml"), "rb") as fh:
-            safe_files.atomic_write(os.path.join(out, "config.toml"), fh.read())
+        text = safe_files.read_text(os.path.join(ckpt, "config.toml"))
+        safe_files.atomic_write(os.path.join(out, "config.toml"), text, owner=out)
         written.append("config.toml")
     give_umask_mode(out, written)
     return path
@@ -140,10 +157,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def verify(ckpt: str, out: str) -> int:
-    """Compare every exported tensor bit for bit with the DCP source; returns how many matched."""
-    ckpt = find_checkpoint(ckpt)
+def verify(ckpt: str | None, out: str) -> int:
+    """Compare every exported tensor bit for bit with the DCP source; returns how many matched.
+    ``ckpt``: a step-N directory is used as it is; a checkpoint or run folder gives its checkpoint
+    of the step the export records (not the newest: the run may have saved another since); None:
+    the checkpoint directory the export records as its source."""
     info, exported = read_export(out)
+    step = info.get("step")
+    if ckpt is None:
+        ckpt = info.get("source")
+        if not isinstance(ckpt, str):
+            raise ExportError(f"{out}: {MODEL_ARGS_FILE} records no source; name the checkpoint")
+    return _verify(
+        find_checkpoint(ckpt, step if isinstance(step, int) else None), info, exported, out
+    )
+
+
+def _verify(ckpt: str, info: dict[str, Any], exported: dict[str, torch.Tensor], out: str) -> int:
+    """``verify`` against the checkpoint directory ``ckpt`` that find_checkpoint already verified."""
     spec, _ = model_spec(info)
     source = _checkpoint_model(ckpt)
     bad = integrity.nonfinite_names(source)
@@ -233,15 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     if ns.format == "hf":
         return _main_hf(ns)
     try:
-        ckpt = find_checkpoint(ns.ckpt)
-        note = integrity.unverified_note(ckpt)
-        if note:
-            print(f"warning: {note}", file=sys.stderr)
-        print(f"export: reading the model of {ckpt} ...", flush=True)
-        path = export(ckpt, ns.out, ns.dtype, force=ns.force)
+        check_out(ns.out, ns.force)  # before the checkpoint is read (checksums read every byte)
+        print(f"export: reading the model of {ns.ckpt} ...", flush=True)
+        ckpt = find_checkpoint(ns.ckpt)  # once: --verify checks this step, whatever comes after
+        path = _export(ckpt, ns.out, ns.dtype, ns.force)
         print(f"exported {ckpt} → {path} ({ns.dtype})")
         if ns.verify:
-            print(f"verified: {verify(ns.ckpt, ns.out)} tensors bit-identical to the checkpoint")
+            print(f"export: verifying {path} against {ckpt} ...", flush=True)
+            info, exported = read_export(ns.out)
+            count = _verify(ckpt, info, exported, ns.out)
+            print(f"verified: {count} tensors bit-identical to the checkpoint")
     except (ExportError, OSError) as exc:
         print(shorten_line(f"export error: {exc}"), file=sys.stderr)
         return exit_codes.BAD_INPUT
@@ -254,15 +286,19 @@ def _main_hf(ns: argparse.Namespace) -> int:
         print("export error: --verify applies to --format safetensors only", file=sys.stderr)
         return exit_codes.BAD_INPUT
     try:
-        check_out(ns.out, ns.force)
+        check_out(ns.out, ns.force)  # before the checkpoint is read
         print(f"export: loading {ns.ckpt} ...", flush=True)
         loaded = load(ns.ckpt, need_tokenizer=False)
         try:
             loaded.tokenizer = load_tokenizer(
                 loaded.pack_path, None, loaded.args.vocab_size, loaded.checkpoint
             )
+        except TokenizerFileError:
+            raise  # a damaged tokenizer.json is an error, not a folder without tokenizer files
         except LoadError as exc:
             print(f"export: no tokenizer files ({exc})", file=sys.stderr)
+        print(f"export: writing the Hugging Face folder {ns.out} ...", flush=True)
+        prepare_out(ns.out, ns.force)
         files = export_hf(loaded, ns.out, SHORT_DTYPES[ns.dtype])
     except (LoadError, ExportError, OSError) as exc:
         print(shorten_line(f"export error: {exc}"), file=sys.stderr)

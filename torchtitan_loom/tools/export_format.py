@@ -20,9 +20,11 @@ class ExportError(ValueError):
     """A checkpoint that cannot be exported, or an export that does not match its source."""
 
 
-def find_checkpoint(path: str) -> str:
+def find_checkpoint(path: str, step: int | None = None) -> str:
     """The complete DCP checkpoint directory that ``path`` names (see module doc), its files
-    matching their checksums (integrity.py)."""
+    matching their checksums (integrity.py). In a checkpoint or run folder: the newest one, or with
+    ``step`` the one of that step (export --verify checks the step it exported, not a newer one
+    the run saved meanwhile)."""
     if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
         if os.path.isfile(os.path.join(path, "meta.json")) and not layout.is_complete(path):
             raise ExportError(
@@ -30,11 +32,15 @@ def find_checkpoint(path: str) -> str:
             )
         return _verified(path)
     for root in (path, os.path.join(path, "checkpoint")):
-        newest = layout.scan(root).newest() if os.path.isdir(root) else None
-        if newest is not None:
-            return _verified(newest.path)
+        found = layout.scan(root) if os.path.isdir(root) else None
+        entry = None if found is None else found.newest() if step is None else found.find(step)
+        if entry is not None:
+            return _verified(entry.path)
+    which = (
+        "no complete step-N checkpoint" if step is None else f"no complete step-{step} checkpoint"
+    )
     raise ExportError(
-        f"{path}: not a checkpoint directory (no .metadata) and no complete step-N checkpoint "
+        f"{path}: not a checkpoint directory (no .metadata) and {which} "
         f"under it or under {os.path.join(path, 'checkpoint')}"
     )
 
@@ -75,10 +81,21 @@ def umask_mode() -> int:
 
 def give_umask_mode(folder: str, names: list[str]) -> None:
     """Exported files get the umask's mode: safetensors and the O_EXCL temporary files create them
-    0600, which another user or an inference server could not read."""
+    0600, which another user or an inference server could not read. Changed through a descriptor
+    opened O_NOFOLLOW: a link planted at a name since it was written is refused, not followed."""
     mode = umask_mode()
     for name in names:
-        os.chmod(os.path.join(folder, name), mode)
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+        except OSError:
+            if os.path.islink(path):
+                raise ExportError(f"{path} became a symbolic link; refusing to change it") from None
+            raise
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
 
 def _export_file(out: str, name: Any) -> str:

@@ -6,19 +6,24 @@
 CKPT: a run folder, a step-N checkpoint directory or an export folder. The tokenizer is the
 training pack's (``--tokenizer`` must match it). ``--loops H'`` stops after loop H' (early exit);
 ``--temperature 0`` is greedy. Capacity dropping is off. Bad input: one line, exit code 2.
+
+Progress goes to stderr (stdout carries only the text): "generate: loading CKPT ..." is printed
+before torch and the model code are imported (tens of seconds on a cold file system), and when the
+load took over SLOW_S seconds, one more line before sampling starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-import torch
-
+# Nothing here imports torch: the first line is printed before that wait (see run()).
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime import exit_codes
-from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
-from torchtitan_loom.tools.loading import LoadError, check_loops, load
+from torchtitan_loom.tools.input_files import LoadError
+
+SLOW_S = 5.0  # a load slower than this is followed by a line saying what comes next
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(ns: argparse.Namespace) -> str:
     """The generated continuation (without the prompt)."""
+    start = time.monotonic()
+    # stderr: stdout carries only the text
+    print(f"generate: loading {ns.ckpt} ...", file=sys.stderr, flush=True)
+    import torch
+
+    from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
+    from torchtitan_loom.tools.loading import check_loops, load
+
     cfg = SamplingConfig(
         max_new_tokens=ns.max_new_tokens,
         temperature=ns.temperature,
@@ -64,8 +77,6 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError(problems[0])
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
-    # stderr: stdout carries only the text
-    print(f"generate: loading {ns.ckpt} ...", file=sys.stderr, flush=True)
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.args.num_loops)
     ids = loaded.tokenizer.encode(ns.prompt)
@@ -76,6 +87,13 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError(
             f"--prompt is {len(ids)} tokens; the model takes at most max_seq_len={max_len} "
             f"positions, so a prompt may have at most {max_len - 1}"
+        )
+    if time.monotonic() - start > SLOW_S:
+        print(
+            f"generate: step {loaded.step} loaded in {time.monotonic() - start:.0f} s; sampling up "
+            f"to {cfg.max_new_tokens} tokens ...",
+            file=sys.stderr,
+            flush=True,
         )
     prompt_BS = torch.tensor([ids], dtype=torch.long, device=ns.device)
     new_BS = generate(loaded.model, prompt_BS, cfg, loops=loops, eos_id=loaded.tokenizer.eos_id)

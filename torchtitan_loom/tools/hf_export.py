@@ -14,7 +14,9 @@
                           "<|endoftext|>", 257 PAD "<pad>"), so ``AutoTokenizer`` needs no remote code
                           and gives the ids the model was trained on
 
-Every file gets the mode the umask gives (export_format.give_umask_mode).
+Every file gets the mode the umask gives (export_format.give_umask_mode). Every file is written
+through a temporary file created O_EXCL | O_NOFOLLOW and renamed (tools/out_files.py), never
+through a symbolic link planted at its name.
 
 transformers 5.x's ``AutoTokenizer.from_pretrained(OUT)`` reads config.json first, whose
 ``auto_map`` names the remote LoomConfig: without ``trust_remote_code`` it asks the [y/N] question
@@ -30,16 +32,19 @@ import ast
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 import torchtitan_loom
+from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.tools.export_format import give_umask_mode
 from torchtitan_loom.tools.loading import Loaded
+from torchtitan_loom.tools.out_files import write_file
 
 MODELING_FILE = "modeling_loom.py"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_NAMES = ("config.json", MODELING_FILE, "model.safetensors", *TOKENIZER_FILES)
 _PKG = Path(torchtitan_loom.__file__).parent
 # Stitch order: every module after the ones it imports from.
 MODEL_SOURCES = (
@@ -153,7 +158,7 @@ def _byte_symbols() -> list[str]:
 def byte_tokenizer_json(path: str) -> None:
     """Write the byte tokenizer (ByteTokenizer) as a ``tokenizers`` tokenizer.json: a BPE model
     without merges over the 256 byte symbols (id = byte value), ByteLevel pre-tokenizer and
-    decoder, EOS 256 and PAD 257 as special tokens."""
+    decoder, EOS 256 and PAD 257 as special tokens. Never through a link at ``path``."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
@@ -161,7 +166,7 @@ def byte_tokenizer_json(path: str) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in (BYTE_EOS, BYTE_PAD)])
-    tok.save(path)
+    write_file(path, tok.to_str(pretty=True), os.path.dirname(path) or ".")
 
 
 def _tokenizer_files(loaded: Loaded, out: str) -> list[str]:
@@ -172,7 +177,8 @@ def _tokenizer_files(loaded: Loaded, out: str) -> list[str]:
     if isinstance(tok, HFTokenizer):
         src = Path(tok.name_or_path)
         src = src / "tokenizer.json" if src.is_dir() else src
-        shutil.copyfile(src, os.path.join(out, "tokenizer.json"))
+        with open(src, "rb") as fh:  # the file the tokenizer was just built from
+            write_file(os.path.join(out, "tokenizer.json"), fh.read(), out)
         eos = tok._tok.id_to_token(tok.eos_id)
         pad = None if tok.pad_id is None else tok._tok.id_to_token(tok.pad_id)
     elif isinstance(tok, ByteTokenizer):
@@ -188,27 +194,35 @@ def _tokenizer_files(loaded: Loaded, out: str) -> list[str]:
     }
     if pad is not None:
         cfg["pad_token"] = pad
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
-        json.dump(cfg, fh, indent=2)
-    with open(os.path.join(out, "special_tokens_map.json"), "w") as fh:
-        json.dump({k: v for k, v in cfg.items() if k.endswith("_token")}, fh, indent=2)
-    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    write_file(os.path.join(out, "tokenizer_config.json"), json.dumps(cfg, indent=2), out)
+    special = {k: v for k, v in cfg.items() if k.endswith("_token")}
+    write_file(os.path.join(out, "special_tokens_map.json"), json.dumps(special, indent=2), out)
+    return list(TOKENIZER_FILES)
 
 
 def export_hf(loaded: Loaded, out: str, dtype: torch.dtype = torch.float32) -> list[str]:
     """Write the HF folder for ``loaded`` into ``out``; returns the file names written."""
     from safetensors.torch import save_file
 
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, MODELING_FILE), "w") as fh:
-        fh.write(modeling_source())
+    os.makedirs(
+        out, exist_ok=True
+    )  # export.prepare_out made and checked it; a library call may not
+    write_file(os.path.join(out, MODELING_FILE), modeling_source(), out)
     buffers = {name for name, _ in loaded.model.named_buffers()}
     tensors = {}
     for name, t in loaded.model.state_dict().items():
         if torch.is_floating_point(t) and name not in buffers:
             t = t.to(dtype)
         tensors["model." + name] = t.detach().contiguous().clone()
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(out, "model.safetensors")
+    fd, tmp = safe_files.new_temp(path)  # created O_EXCL | O_NOFOLLOW, then renamed over the name
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp) and not os.path.islink(tmp):
+            os.remove(tmp)
     tok = loaded.tokenizer
     config = {
         "architectures": ["LoomForCausalLM"],
@@ -231,9 +245,7 @@ def export_hf(loaded: Loaded, out: str, dtype: torch.dtype = torch.float32) -> l
             "flavor": loaded.flavor,
         },
     }
-    with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=2)
-        fh.write("\n")
+    write_file(os.path.join(out, "config.json"), json.dumps(config, indent=2) + "\n", out)
     files = ["config.json", MODELING_FILE, "model.safetensors"] + _tokenizer_files(loaded, out)
     give_umask_mode(out, files)
     return files

@@ -13,7 +13,6 @@ Modes: ``on`` (refuse to score on a gap, or when there is nothing to compare wit
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,9 @@ import torch
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import get_train_spec, portable_args
+from torchtitan_loom.tools.input_files import metrics_rows
 from torchtitan_loom.tools.loading import LoadError, Loaded, run_folder
+from torchtitan_loom.tools.progress import Progress
 
 MODES = ("on", "off", "record")
 
@@ -57,16 +58,14 @@ class HoldoutResult:
 
 def logged_eval_loss(metrics_path: str, step: int) -> float | None:
     """``eval_loss`` of the last metrics.jsonl row of ``step`` that has one (later rows win: a
-    resumed run appends steps it had already logged)."""
+    resumed run appends steps it had already logged). A damaged line is skipped with one warning
+    naming the file and the line (tools/input_files.py); with the row of ``step`` among them, the
+    check then finds no logged loss and says so."""
     found = None
-    with open(metrics_path) as fh:
-        for line in fh:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row.get("step") == step and row.get("eval_loss") is not None:
-                found = float(row["eval_loss"])
+    for row in metrics_rows(metrics_path):
+        loss = row.get("eval_loss")
+        if row["step"] == step and isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            found = float(loss)
     return found
 
 
@@ -89,9 +88,14 @@ def metrics_file(loaded: Loaded) -> str | None:
 
 @torch.no_grad()
 def recompute_eval_loss(
-    loaded: Loaded, device: torch.device, rank: int = 0, world: int = 1
+    loaded: Loaded,
+    device: torch.device,
+    rank: int = 0,
+    world: int = 1,
+    progress: Progress | None = None,
 ) -> tuple[float, int]:
-    """(held-out loss after all H loops, valid tokens) as the trainer's eval measured it."""
+    """(held-out loss after all H loops, valid tokens) as the trainer's eval measured it;
+    ``progress`` gets a line after the first batch and then every ~10 s."""
     from torchtitan_loom.components.data import PackError, build_eval_loader
 
     cfg = loaded.config
@@ -124,13 +128,21 @@ def recompute_eval_loss(
             out = trained(m["input_ids"], m["positions"], m["doc_ids"])
             ce += token_ce_sum(out.logits_BSV, m["labels"]).double()
             n_tok += count_valid(m["labels"])
+        if progress is not None:
+            progress.tick(lambda: f"holdout check: {int(n_tok.item()):,} held-out tokens read")
     dist_utils.all_reduce(ce)
     dist_utils.all_reduce(n_tok)
     return (ce / n_tok.clamp(min=1)).item(), int(n_tok.item())
 
 
 def check(
-    loaded: Loaded, mode: str, threshold: float, device: torch.device, rank: int = 0, world: int = 1
+    loaded: Loaded,
+    mode: str,
+    threshold: float,
+    device: torch.device,
+    rank: int = 0,
+    world: int = 1,
+    progress: Progress | None = None,
 ) -> HoldoutResult:
     """Run the check; raises LoadError when ``mode == "on"`` and it fails (or cannot run)."""
     result = HoldoutResult(mode, loaded.step, None, None, threshold)
@@ -152,7 +164,9 @@ def check(
             f"holdout check: no eval_loss logged at step {loaded.step} in {where}; evaluate at the "
             "checkpoint steps (eval.interval), or pass --holdout-check record|off"
         )
-    result.recomputed, result.tokens = recompute_eval_loss(loaded, device, rank, world)
+    if progress is not None:
+        progress.phase(f"holdout check: recomputing the held-out loss of step {loaded.step}")
+    result.recomputed, result.tokens = recompute_eval_loss(loaded, device, rank, world, progress)
     if mode == "on" and result.gap > threshold:
         raise LoadError(
             f"holdout check failed: recomputed eval loss {result.recomputed:.5f} vs {result.logged:.5f} "

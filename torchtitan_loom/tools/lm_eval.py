@@ -11,6 +11,12 @@ Scoring runs with capacity dropping off and fp32 parameters by default, so a que
 not depend on its batch. Results go to ``<CKPT>/eval_results/<timestamp>/results.json`` (metrics,
 per-sample scores, step, commit, config, holdout) and ``summary.md``. Needs ``pip install
 torchtitan_loom[eval]``. Bad input: one line, exit code 2.
+
+Progress on stdout (rank 0): a line before each slow phase (loading, indexing the tasks, the
+holdout check, scoring) and, inside the holdout check and scoring, one after the first batch and
+then one every ~10 s (tools/progress.py). A damaged line of the run's metrics.jsonl is skipped with
+one warning line naming the file and the line (tools/input_files.py); if it held the logged
+eval_loss of the step, ``--holdout-check on`` then refuses with "no eval_loss logged".
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
 from torchtitan_loom.tools.holdout import MODES, check
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
+from torchtitan_loom.tools.progress import Progress, plural
 
 DEFAULT_THRESHOLD = 0.005
 # A tqdm progress bar as it is drawn ("  40%|████      | 4/10 [00:01<00:01, 3.9it/s]").
@@ -198,9 +205,9 @@ def write_results(root: str, payload: dict[str, Any]) -> str:
 
 def run(ns: argparse.Namespace) -> str | None:
     """Check, score, write; returns the results folder on rank 0 (None on other ranks)."""
-    if (
-        int(os.environ.get("RANK", "0")) == 0
-    ):  # importing lm-eval and loading the model are slow and silent
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    progress = Progress("lm_eval", stream=None if rank0 else io.StringIO())  # rank 0 speaks
+    if rank0:  # importing lm-eval and loading the model are slow and silent
         print(f"lm_eval: loading lm-eval, then the checkpoint {ns.ckpt} ...", flush=True)
     try:
         import lm_eval  # noqa: F401
@@ -225,9 +232,16 @@ def run(ns: argparse.Namespace) -> str | None:
     info = dist_utils.init_distributed(ns.device)
     loaded = load(ns.ckpt, device=str(info.device), tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.args.num_loops)
+    progress.phase(f"step {loaded.step} loaded; indexing the lm-eval tasks")
     tm = _task_manager(ns, tasks)
     holdout = check(
-        loaded, ns.holdout_check, ns.holdout_threshold, info.device, info.rank, info.world_size
+        loaded,
+        ns.holdout_check,
+        ns.holdout_threshold,
+        info.device,
+        info.rank,
+        info.world_size,
+        progress,
     )
     if info.rank == 0 and holdout.recomputed is not None:
         logged = "none logged" if holdout.logged is None else f"logged {holdout.logged:.5f}"
@@ -242,7 +256,17 @@ def run(ns: argparse.Namespace) -> str | None:
     lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
     if info.rank == 0:
         print(f"lm_eval: scoring {', '.join(tasks)} (step {loaded.step}) ...", flush=True)
-    with quiet_scoring():
+    progress.new_loop()
+    forwards = 0
+
+    def scored(*_) -> None:  # a forward hook (torch's API): counts batches for the progress line
+        nonlocal forwards
+        forwards += 1
+        progress.tick(
+            lambda: f"scoring: {plural(forwards, 'batch')} of up to {ns.batch_size} scored"
+        )
+
+    with quiet_scoring(), model.register_forward_hook(scored):  # the handle removes the hook
         res = simple_evaluate(
             model=lm,
             tasks=tasks,

@@ -32,10 +32,9 @@ from torchtitan_loom.tools.export_format import (
     model_spec,
     read_export,
 )
+from torchtitan_loom.tools.input_files import LoadError, TokenizerFileError, check_tokenizer_json
 
-
-class LoadError(ValueError):
-    """A checkpoint, tokenizer or pack that cannot be used; the message names it and what is valid."""
+__all__ = ["LoadError", "Loaded", "TokenizerFileError", "load", "load_tokenizer"]
 
 
 @dataclasses.dataclass
@@ -115,14 +114,45 @@ def _pack_path(config: Any | None) -> Path | None:
     return bundled_corpus_path(config.data.cache_dir or None)
 
 
+def _tokenizer_json(pack: Path | None, override: str | None, export_dir: str | None) -> str | None:
+    """The tokenizer.json that pack_tokenizer will load, when it is a file that exists (the same
+    choice: --tokenizer, else the pack's recorded one, else the copy in the export folder)."""
+    name = override
+    if name is None and pack is not None and (Path(pack) / "metadata.json").is_file():
+        try:
+            recorded = str(pack_tok.pack_tokenizer_info(pack).get("name_or_path", ""))
+            name = pack_tok.recorded_tokenizer(Path(pack), recorded)
+        except (TokenizerError, AttributeError):
+            name = None  # pack_tokenizer itself says what is wrong with the pack
+    if (name is None or (name != "byte" and not Path(name).exists())) and export_dir:
+        name = export_dir
+    if name is None or name == "byte":
+        return None
+    path = Path(name) / "tokenizer.json" if Path(name).is_dir() else Path(name)
+    return str(path) if path.is_file() else None
+
+
 def load_tokenizer(
     pack: Path | None, override: str | None, model_vocab: int, export_dir: str | None = None
 ) -> Tokenizer:
-    """The pack's tokenizer, or ``override`` when it matches the pack (components/data/tokenizer.py)."""
+    """The pack's tokenizer, or ``override`` when it matches the pack (components/data/tokenizer.py).
+    A damaged tokenizer.json is TokenizerFileError naming it (the ``tokenizers`` package raises
+    a bare Exception that names no file)."""
+    path = _tokenizer_json(pack, override, export_dir)
+    if path is not None:
+        check_tokenizer_json(path)
     try:
         return pack_tok.pack_tokenizer(pack, override, model_vocab, export_dir)
     except TokenizerError as exc:
         raise LoadError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - tokenizers' parse errors are plain Exception
+        if path is None:
+            raise
+        raise TokenizerFileError(
+            f"tokenizer file {path}: not a tokenizer the tokenizers package can load "
+            f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); "
+            "replace it with the tokenizer.json the pack was written with"
+        ) from None
 
 
 def recorded_tokenizer(pack: Path, recorded: str) -> str:

@@ -11,12 +11,14 @@ import functools
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
+from torchtitan_loom.components.data.pack_arrays import token_range
 from torchtitan_loom.components.data.pack_format import open_pack, read_metadata
 from torchtitan_loom.components.data.pack_writer import PackWriter
 from torchtitan_loom.components.data.tokenizer import build_tokenizer
@@ -29,6 +31,7 @@ from torchtitan_loom.tools.pack_sources import (
 
 DOCS_PER_TASK = 256  # documents sent to a worker at a time
 PROGRESS_EVERY_S = 2.0  # seconds between progress lines on stderr
+QUIET_S = 4.0  # a step silent this long says what it waits on (users saw 25-50 s of nothing)
 
 
 def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -55,38 +58,91 @@ def _encode_batch(task: tuple[str, str | None, list[str]]) -> list[np.ndarray]:
 
 
 def _ordered_parallel(
-    pool, name: str, eos_token: str | None, batches: Iterator[list[str]], ahead: int
+    pool,
+    name: str,
+    eos_token: str | None,
+    batches: Iterator[list[str]],
+    ahead: int,
+    on_first_wait: Callable[[], None] = lambda: None,
 ) -> Iterator[list[np.ndarray]]:
     """Results in submission order (so the pack does not depend on the number of workers), with
-    at most `ahead` batches in flight (Pool.imap would read the whole corpus into its queue)."""
+    at most `ahead` batches in flight (Pool.imap would read the whole corpus into its queue).
+    ``on_first_wait`` runs before the first result is awaited (the workers may still be starting)."""
     pending: collections.deque = collections.deque()
+    waited = False
     for b in batches:
         pending.append(pool.apply_async(_encode_batch, ((name, eos_token, b),)))
         if len(pending) >= ahead:
+            if not waited:
+                on_first_wait()
+                waited = True
             yield pending.popleft().get()
+    if pending and not waited:
+        on_first_wait()
     while pending:
         yield pending.popleft().get()
 
 
 class Progress:
-    """Periodic 'docs, tokens and their rates' line on stderr, with an ETA when the document count is known."""
+    """What the packer is doing, on stderr: a 'docs, tokens and their rates' line every
+    PROGRESS_EVERY_S while documents flow (with an ETA when the document count is known), and,
+    while a step prints nothing (loading the tokenizer, opening a dataset, reading a large file,
+    starting the tokenizer workers, writing the pack), a line naming the step once it has been
+    quiet for QUIET_S and then every QUIET_S. A step that ends or fails sooner prints nothing, so
+    an input error stays the only line. Use as a context manager (it starts and stops a watcher
+    thread)."""
 
     def __init__(self, total_docs: int | None = None) -> None:
         self.t0 = self.last = time.perf_counter()
         self.total_docs = total_docs
+        self._lock = threading.Lock()
+        self._step: str | None = None
+        self._step_t0 = self.t0
+        self._done = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="pack-progress", daemon=True)
+
+    def __enter__(self) -> Progress:
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._watcher.join()
+
+    def restart_clock(self) -> None:
+        """Rates and ETA count from now (the tokenising), not from the loading before it."""
+        with self._lock:
+            self.t0 = time.perf_counter()
+
+    def step(self, what: str) -> None:
+        """Name the step that starts now (printed only if it stays quiet for QUIET_S)."""
+        with self._lock:
+            self._step, self._step_t0 = what, time.perf_counter()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(QUIET_S, 0.5)):
+            with self._lock:
+                now = time.perf_counter()
+                if self._step is None or now - self.last < QUIET_S:
+                    continue
+                self.last = now
+                line = f"pack: {self._step} ({now - self._step_t0:.0f} s) ..."
+            print(line, file=sys.stderr, flush=True)
 
     def update(self, docs: int, tokens: int, final: bool = False) -> None:
         now = time.perf_counter()
-        if final or now - self.last >= PROGRESS_EVERY_S:
+        with self._lock:
+            if not (final or now - self.last >= PROGRESS_EVERY_S):
+                return
             self.last = now
-            dt = max(now - self.t0, 1e-9)
-            line = f"pack: {docs:,} docs ({docs / dt:,.0f}/s), {tokens:,} tokens ({tokens / dt:,.0f}/s)"
-            if final:
-                line += f", done in {dt:.1f}s"
-            elif self.total_docs and docs:
-                eta = (self.total_docs - docs) / (docs / dt)
-                line += f", {100 * docs / self.total_docs:.1f}% of {self.total_docs:,} docs, ETA {eta:,.0f}s"
-            print(line, file=sys.stderr, flush=True)
+        dt = max(now - self.t0, 1e-9)
+        line = f"pack: {docs:,} docs ({docs / dt:,.0f}/s), {tokens:,} tokens ({tokens / dt:,.0f}/s)"
+        if final:
+            line += f", done in {dt:.1f}s"
+        elif self.total_docs and docs:
+            eta = (self.total_docs - docs) / (docs / dt)
+            line += f", {100 * docs / self.total_docs:.1f}% of {self.total_docs:,} docs, ETA {eta:,.0f}s"
+        print(line, file=sys.stderr, flush=True)
 
 
 def _replace_problem(out: Path) -> str | None:
@@ -131,8 +187,13 @@ def run_pack(args: argparse.Namespace, created_by: str) -> Path:
             "need --seq-len ≥ 2 (the record length: training.seq_len + 1), --epochs ≥ 1, "
             "--workers ≥ 1 and --holdout-tokens ≥ 0"
         )
+    with Progress() as progress:
+        return _tokenise_and_write(args, created_by, progress)
+
+
+def _load_tokenizer(args: argparse.Namespace):
     try:
-        tok = build_tokenizer(args.tokenizer, args.eos_token)
+        return build_tokenizer(args.tokenizer, args.eos_token)
     except (ValueError, ImportError, OSError):
         raise
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own bare Exception
@@ -141,13 +202,21 @@ def run_pack(args: argparse.Namespace, created_by: str) -> Path:
             f"{str(e).splitlines()[0] if str(e) else 'no message'}); pass 'byte' or a valid "
             f"tokenizer.json (or a directory holding one)"
         ) from None
+
+
+def _tokenise_and_write(args: argparse.Namespace, created_by: str, progress: Progress) -> Path:
+    progress.step(f"loading the tokenizer {str(args.tokenizer)!r}")
+    tok = _load_tokenizer(args)
     # An absolute path: the tools read it back wherever they run (a relative one means relative to the pack).
     where = tok.name_or_path if tok.name_or_path == "byte" else os.path.abspath(tok.name_or_path)
     info = {"vocab_size": tok.vocab_size, "name_or_path": where, "eos_token_id": tok.eos_id}
+    if args.hf_dataset:
+        how = "streaming" if args.streaming else "a first use downloads and prepares it"
+        progress.step(f"opening --hf-dataset {args.hf_dataset!r} ({how})")
     hf_rows, hf_total = open_hf_dataset(args) if args.hf_dataset else (None, None)
     # The ETA needs every input's document count: known when the HF dataset is the only input.
     only_hf = hf_rows is not None and not (args.jsonl or args.text or args.parquet)
-    progress = Progress(hf_total if only_hf else None)
+    progress.total_docs = hf_total if only_hf else None
     extra = {"created_by": created_by}
     if args.hf_dataset:
         extra["hf_dataset"] = {
@@ -158,19 +227,29 @@ def run_pack(args: argparse.Namespace, created_by: str) -> Path:
             else args.hf_split or "train",
         }
     with PackWriter(args.out, info, args.seq_len, extra_metadata=extra) as w:
-        batches = _batches(read_documents(args, hf_rows))
+        reading = read_documents(args, hf_rows, on_source=lambda s: progress.step(f"reading {s}"))
+        batches = _batches(reading)
         if args.workers == 1:
             encoded = ([tok.encode_array(t) for t in b] for b in batches)
             pool = None
         else:
+            progress.step(f"starting {args.workers} tokenizer worker processes")
             # forkserver, not fork: forking a process that runs threads (torch, loggers, a caller's
             # own) can deadlock the workers; seen as a hang of pool.terminate() after an input error.
             pool = mp.get_context("forkserver" if sys.platform == "linux" else "spawn").Pool(
                 args.workers
             )
             encoded = _ordered_parallel(
-                pool, args.tokenizer, args.eos_token, batches, 4 * args.workers
+                pool,
+                args.tokenizer,
+                args.eos_token,
+                batches,
+                4 * args.workers,
+                lambda: progress.step(
+                    f"tokenising the first documents ({args.workers} worker processes start up)"
+                ),
             )
+        progress.restart_clock()  # rates count the tokenising, not the loading before it
         try:
             for arrays in encoded:
                 for ids in arrays:
@@ -180,6 +259,9 @@ def run_pack(args: argparse.Namespace, created_by: str) -> Path:
             if pool is not None:
                 pool.terminate()
         progress.update(w.num_documents, w.total_tokens, final=True)
+        progress.step(
+            f"writing {args.epochs} orderings and {w.total_tokens:,} tokens into {str(args.out)!r}"
+        )
         return w.finish(
             epochs=args.epochs,
             holdout_tokens=args.holdout_tokens,
@@ -200,24 +282,21 @@ def verify(path: Path) -> dict:
         if pack.holdout_epoch is not None
         else np.zeros(0)
     )
-    toks = pack.tokens
+    lo, hi = token_range(Path(path), Path(path) / "tokens.npy")  # memoised by open_pack's scan
     return {
         "path": str(path),
         "tokenizer": pack.tokenizer_name,
         "vocab_size": vocab,
         "eos_token_id": pack.eos_id,
         "max_seq_len": pack.max_seq_len,
-        "tokens": int(len(toks)),
-        "token_dtype": str(toks.dtype),
-        "token_id_range": [
-            int(toks.min()) if len(toks) else 0,
-            int(toks.max()) if len(toks) else 0,
-        ],
+        "tokens": len(pack.tokens),
+        "token_dtype": str(pack.tokens.dtype),
+        "token_id_range": [lo, hi] if len(pack.tokens) else [0, 0],
         "training_epochs": list(pack.training_epochs),
-        "records_per_training_epoch": int(len(train_lens)),
+        "records_per_training_epoch": len(train_lens),
         "training_tokens_per_epoch": int(train_lens.sum()),
         "mean_record_length": round(float(train_lens.mean()), 2) if len(train_lens) else 0.0,
         "holdout_epoch": pack.holdout_epoch,
-        "holdout_records": int(len(hold)),
+        "holdout_records": len(hold),
         "holdout_tokens": int(np.sum(hold)),
     }

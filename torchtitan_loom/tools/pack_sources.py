@@ -11,8 +11,9 @@ import glob
 import json
 import os
 import re
+import stat
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class PackInputError(ValueError):
@@ -23,15 +24,29 @@ def expand(patterns: list[str], flag: str) -> list[Path]:
     """Files matched by each pattern, in the order given, sorted within a glob."""
     files: list[Path] = []
     for pat in patterns:
-        hits = (
-            sorted(glob.glob(pat))
-            if glob.has_magic(pat)
-            else ([pat] if os.path.isfile(pat) else [])
-        )
+        hits = sorted(glob.glob(pat)) if glob.has_magic(pat) else ([pat] if _readable(pat) else [])
         if not hits:
             raise PackInputError(f"{flag} {pat!r} matches no file")
         files += [Path(h) for h in hits]
     return files
+
+
+def _readable(path: str) -> bool:
+    """A regular file, or a named pipe (``--jsonl <(zcat corpus.jsonl.gz)`` passes /dev/fd/N)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISFIFO(mode)
+
+
+def _size(path: Path) -> str:
+    """A file's size for the progress line ('a pipe' when it has none)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "unreadable"
+    return f"{st.st_size / 1e6:,.1f} MB" if stat.S_ISREG(st.st_mode) else "a pipe"
 
 
 def _utf8(raw: bytes, path: Path, lineno: int) -> str:
@@ -175,13 +190,21 @@ def _hf_docs(rows, field: str) -> Iterator[str]:
             yield row[field]
 
 
-def read_documents(args: argparse.Namespace, hf_rows=None) -> Iterator[str]:
-    """All input documents in a fixed order."""
-    for f in expand(args.jsonl, "--jsonl"):
-        yield from _jsonl_docs(f, args.text_field)
-    for f in expand(args.text, "--text"):
-        yield from _text_docs(f, args.text_split)
-    for f in expand(args.parquet, "--parquet"):
-        yield from _parquet_docs(f, args.text_field)
+def read_documents(
+    args: argparse.Namespace,
+    hf_rows=None,
+    on_source: Callable[[str], None] = lambda source: None,
+) -> Iterator[str]:
+    """All input documents in a fixed order; ``on_source`` names each source as reading starts
+    (the packer's progress names it when the read is slow)."""
+    files = [
+        *((f, _jsonl_docs, args.text_field) for f in expand(args.jsonl, "--jsonl")),
+        *((f, _text_docs, args.text_split) for f in expand(args.text, "--text")),
+        *((f, _parquet_docs, args.text_field) for f in expand(args.parquet, "--parquet")),
+    ]
+    for i, (f, docs, option) in enumerate(files, 1):
+        on_source(f"{str(f)!r} (file {i} of {len(files)}, {_size(f)})")
+        yield from docs(f, option)
     if hf_rows is not None:
+        on_source(f"the rows of --hf-dataset {args.hf_dataset!r}")
         yield from _hf_docs(hf_rows, args.text_field)

@@ -249,7 +249,9 @@ def prune(
     """Delete old complete checkpoints beyond the keep counts (0 keeps all) and torn temporaries
     older than the newest complete checkpoint. The newest complete checkpoint, ``keep_paths`` and
     KEEP-marked ones are never deleted; with ``upto_step`` (the newest proven checkpoint), the
-    counts apply to the checkpoints up to it and every newer one stays. Returns the deleted paths."""
+    counts apply to the checkpoints up to it and every newer one stays. Returns the deleted paths.
+    A held ``root`` that no longer leads to its folder deletes nothing (UnsafePathError)."""
+    safe_files.check_held(root)
     found = scan(root)
     newest = found.newest()
     protect = set(keep_paths) | ({newest.path} if newest else set())
@@ -277,6 +279,7 @@ def prune(
 
 def write_index(root: str, policy: dict, final_step: int | None = None) -> None:
     """Rewrite index.json (machine-readable) and LAYOUT.md (for people) from what is on disk."""
+    safe_files.check_held(root)
     found = scan(root)
     rel = lambda e: os.path.relpath(e.path, root)  # noqa: E731 - a one-line formatter
     newest = found.newest()
@@ -344,8 +347,9 @@ def abandon_newer(root: str, step: int) -> list[str]:
             if e.kind == "snapshot"
             else os.path.join(root, ABANDONED)
         )
-        os.makedirs(base, exist_ok=True)
-        safe_files.real_dir(base, root)  # abandoned/ (or its snapshots/) planted as a link: refused
+        safe_files.make_dirs(
+            base, root
+        )  # abandoned/ (or its snapshots/) planted as a link: refused
         dest, k = os.path.join(base, step_name(e.step)), 1
         while os.path.lexists(dest):  # abandoned twice: keep both
             k += 1

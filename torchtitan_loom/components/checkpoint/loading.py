@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.runtime.messages import count
 
 
 class LoadMixin:
@@ -114,7 +115,9 @@ class LoadMixin:
         )  # training.steps of the run that saved it
         ws = self.loaded_world_size = saved.get("world_size")
         moved = (
-            f", saved at {ws} ranks, now {self.world_size}" if ws and ws != self.world_size else ""
+            f", saved at {count(ws, 'rank')}, now {self.world_size}"
+            if ws and ws != self.world_size
+            else ""
         )
         self._log(
             f"resumed from {choice.path} (step {choice.step}{moved}) "

@@ -34,6 +34,7 @@ from torchtitan_loom.components.checkpoint import layout, resolve
 from torchtitan_loom.components.checkpoint.loading import LoadMixin
 from torchtitan_loom.components.checkpoint.pruning import PROVE_STEPS, ProofMixin
 from torchtitan_loom.components.checkpoint.saving import SaveMixin, _Pending, make_stager
+from torchtitan_loom.components.runtime import safe_files
 
 __all__ = ["ASYNC_MODES", "PROVE_STEPS", "CheckpointManager"]
 
@@ -72,7 +73,11 @@ class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):
         log: Callable[[str], None] = print,
     ) -> None:
         self.cfg, self.enabled = cfg, bool(cfg.enable)
-        self.root = resolve.checkpoint_root(dump_folder, cfg.folder)
+        # Held from here: a folder swapped mid-run (a link to elsewhere) is refused, not written.
+        self.root = safe_files.HeldFolder(
+            resolve.checkpoint_root(dump_folder, cfg.folder),
+            within=dump_folder if isinstance(dump_folder, safe_files.HeldFolder) else None,
+        )
         self.model, self.optimizer, self.states = model, optimizer, dict(states)
         self.model_args, self.model_name, self.flavor = model_args, model_name, flavor
         self.config_toml, self.total_steps = config_toml, total_steps

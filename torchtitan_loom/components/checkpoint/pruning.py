@@ -81,7 +81,10 @@ class ProofMixin:
 
     def _prune_upto(self, p: int) -> None:
         c = self.cfg
-        deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep, upto_step=p)
+        try:
+            deleted = layout.prune(self.root, c.keep_latest_k, c.snapshot_keep, upto_step=p)
+        except safe_files.UnsafePathError as exc:
+            raise ckstate.CheckpointError(f"nothing pruned: {exc}") from None
         if not deleted:
             return
         rel = ", ".join(os.path.relpath(d, self.root) for d in deleted)

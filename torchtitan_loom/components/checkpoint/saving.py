@@ -246,6 +246,7 @@ class SaveMixin:
 
     def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
         """Rank 0: marker + rename, the snapshot copy, index (pruning waits for proof: _prune)."""
+        safe_files.check_held(self.root)  # the folder this run started in, not one swapped in since
         marker = {
             "step": step,
             "kind": kind,

@@ -1,7 +1,10 @@
 """Data side: the packed-document format, row packing, the world-size-independent train loader,
 the eval loader and the bundled corpus. See docs/CONTRACTS.md (Data) and LOOM_SPEC §8, §14.
 
-    pack_format.py   the on-disk layout, PackError, open_pack (validation)
+    pack_format.py   the on-disk layout, open_pack (validation)
+    pack_metadata.py metadata.json read safely, every field's type and range checked
+    pack_arrays.py   .npy files opened safely (no pickles), the token-id scan (memoised)
+    pack_error.py    PackError: one line naming the pack, the problem and what is valid
     pack_writer.py   PackWriter: documents → pack (used by tools/pack_build.py and the bundled corpus)
     rows.py          records → rows of S+1 slots → batch tensors
     loaders.py       build_train_loader (StatefulDataLoader), build_eval_loader

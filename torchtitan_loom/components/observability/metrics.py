@@ -10,6 +10,7 @@ steps ``diag/…`` (``components/observability/diagnostics.py``) and at downstre
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -35,6 +36,10 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 _GIB = float(1 << 30)
+# TensorBoard stops (one warning) when its disk has less than this left: its writer thread would
+# otherwise die on the full disk with a thread traceback and no file named. A step's events are
+# a few hundred bytes.
+TB_MIN_FREE_BYTES = 256 << 10
 
 
 def peak_flops_for_name(name: str) -> float | None:
@@ -170,11 +175,9 @@ class MetricsLogger:
         os.makedirs(dump_folder, exist_ok=True)
         # O_NOFOLLOW | O_APPEND: bound to the run's own file, whatever is planted at the name later.
         self._jsonl = safe_files.open_append(self.jsonl_path, dump_folder)
-        if self.tb_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
-
-            safe_files.make_dirs(self.tb_dir, dump_folder)  # refuses a tb/ planted as a link
-            self._writer = SummaryWriter(log_dir=self.tb_dir)
+        # TensorBoard's folder and event file wait for the first scalar: a launch refused at its
+        # resume (every checkpoint damaged, say) leaves no empty event file behind.
+        self._tb_open = self.tb_dir is not None
         if enable_wandb:
             import wandb  # optional: validate.py checked that it is installed
 
@@ -211,10 +214,13 @@ class MetricsLogger:
         except OSError as exc:  # a full disk, say: name the file (a failed flush names none)
             raise OSError(exc.errno, exc.strerror, self.jsonl_path) from None
         if self._tb_safe():
-            for name, value in values.items():
-                if value is not None:
-                    self._writer.add_scalar(tb_tag(name), value, global_step=int(step))
-            self._writer.flush()
+            try:
+                for name, value in values.items():
+                    if value is not None:
+                        self._writer.add_scalar(tb_tag(name), value, global_step=int(step))
+                self._writer.flush()
+            except OSError as exc:  # its writer thread failed (a disk filled since the check)
+                self._tb_stop(exc)
         if self._wandb is not None:
             self._wandb.log(
                 {tb_tag(k): v for k, v in values.items() if v is not None}, step=int(step)
@@ -223,33 +229,55 @@ class MetricsLogger:
     @property
     def writes_images(self) -> bool:
         """Whether log_image writes anything (this rank logs and TensorBoard is on)."""
-        return self._writer is not None
+        return self.active and self._tb_open
 
     def log_image(self, tag: str, image_CHW: Any, step: int) -> None:
         """One uint8 RGB image [3, h, w] to TensorBoard under ``tag`` (no-op without a writer)."""
         if not self._tb_safe():
             return
-        self._writer.add_image(tag, image_CHW, global_step=int(step), dataformats="CHW")
-        self._writer.flush()
+        try:
+            self._writer.add_image(tag, image_CHW, global_step=int(step), dataformats="CHW")
+            self._writer.flush()
+        except OSError as exc:
+            self._tb_stop(exc)
 
     def _tb_safe(self) -> bool:
         """Whether TensorBoard may write now. Its writer reopens the event file by name at every
         flush, so a link planted on the way (tb/, the launch folder, the file) since the last
         write stops TensorBoard for this launch, with one warning (nothing pending is flushed)."""
-        if self._writer is None:
+        if not (self.active and self._tb_open):
             return False
         try:
+            if self._writer is None:  # the first write of this launch
+                from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
+
+                safe_files.make_dirs(
+                    self.tb_dir, self.dump_folder
+                )  # refuses a tb/ planted as a link
+                self._writer = SummaryWriter(log_dir=self.tb_dir)
             safe_files.check_inside(self.tb_dir, self.dump_folder)
+            disk = os.statvfs(self.tb_dir)
+            if disk.f_bavail * disk.f_frsize < TB_MIN_FREE_BYTES:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"its disk is full ({disk.f_bavail * disk.f_frsize >> 10} KiB left)",
+                    self.tb_dir,
+                )
             links = [e.path for e in os.scandir(self.tb_dir) if e.is_symlink()]
             if links:
                 raise safe_files.UnsafePathError(
                     f"{links[0]} is a symbolic link; refusing to write through it"
                 )
         except OSError as exc:
-            self._writer = None  # dropped, not closed: closing would flush through the link
-            print(f"warning: TensorBoard stopped for this launch: {exc}", file=sys.stderr)
+            self._tb_stop(exc)
             return False
         return True
+
+    def _tb_stop(self, exc: OSError) -> None:
+        self._writer, self._tb_open = None, False  # dropped, not closed: a close would flush
+        where = f"{exc.filename}: " if exc.filename else ""
+        why = f"{where}{exc.strerror}" if exc.strerror else str(exc)
+        print(f"warning: TensorBoard stopped for this launch: {why}", file=sys.stderr, flush=True)
 
     def mark_launch(self, resumed_from_step: int | None) -> None:
         """The next JSON line carries ``"launch": {"resumed_from_step": N}`` (null: a fresh start):

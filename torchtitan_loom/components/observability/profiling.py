@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +24,39 @@ import torch
 from torchtitan_loom.components.runtime import safe_files
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept for a snapshot
+# Lines the profiler's native side (kineto) writes straight to stderr at every start and stop of a
+# recording, with no switch to turn them off: dropped; the trace line says what was recorded.
+_NATIVE_NOISE = ("USDT:", "STAGE:")
+
+
+def _without_native_noise(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with file descriptor 2 caught, then every caught line re-written but _NATIVE_NOISE."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            return fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = caught.read().decode("utf-8", errors="replace")
+            kept = [ln for ln in text.splitlines(True) if not ln.startswith(_NATIVE_NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+class _QuietProfiler:
+    """The profiler as the trainer steps it (``step``), without its native start/stop lines."""
+
+    def __init__(self, prof: torch.profiler.profile) -> None:
+        self.prof = prof
+
+    def step(self) -> None:
+        _without_native_noise(self.prof.step)
 
 
 def profile_schedule_problems(freq: int, warmup: int, active: int) -> list[str]:
@@ -72,10 +108,18 @@ def maybe_profile(
     schedule = torch.profiler.schedule(
         wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active
     )
-    with torch.profiler.profile(
+    prof = torch.profiler.profile(
         activities=activities, schedule=schedule, on_trace_ready=write_trace, record_shapes=True
-    ) as prof:
-        yield prof
+    )
+    # Each trace window starts a new cycle by design (one trace per profile_freq steps): torch's
+    # warning that a cycle's events are cleared says what this schedule means to do.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each")
+        _without_native_noise(prof.__enter__)
+        try:
+            yield _QuietProfiler(prof)
+        finally:
+            _without_native_noise(lambda: prof.__exit__(None, None, None))
 
 
 class MemorySnapshotter:

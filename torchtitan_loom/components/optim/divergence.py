@@ -92,6 +92,6 @@ def write_abort(dump_folder: str, msg: str) -> None:
     """SPIKE_ABORT.txt in the run folder (rank 0 only calls this), never through a link; one that
     cannot be written is a warning: the stop itself goes on."""
     try:
-        safe_files.atomic_write(os.path.join(dump_folder, ABORT_FILE), msg + "\n")
+        safe_files.atomic_write(os.path.join(dump_folder, ABORT_FILE), msg + "\n", dump_folder)
     except OSError as exc:
         print(f"warning: {ABORT_FILE} not written: {exc}", file=sys.stderr, flush=True)

@@ -252,7 +252,10 @@ class Float8Converter:
 
     def convert(self, model: nn.Module) -> Float8Report:
         """Convert `model` in place; returns what was converted and what was skipped (and why)."""
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchtitan_loom.components.quantization.quiet_import import quiet_torchao_import
+
+        with quiet_torchao_import():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         plan = self.plan
         report = Float8Report(

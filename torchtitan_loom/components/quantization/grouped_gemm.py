@@ -52,12 +52,15 @@ def padded_layout(
 
 def torchao_grouped_gemm(kernel: str) -> GroupedGemm:
     """torchao's quantise-then-scaled-grouped-GEMM for `kernel` (imported here, lazily)."""
-    from torchao.prototype.moe_training.config import (
-        Float8TrainingOpConfig,
-        MXFP8TrainingOpConfig,
-        MXFP8TrainingRecipe,
-    )
-    from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
+    from torchtitan_loom.components.quantization.quiet_import import quiet_torchao_import
+
+    with quiet_torchao_import():
+        from torchao.prototype.moe_training.config import (
+            Float8TrainingOpConfig,
+            MXFP8TrainingOpConfig,
+            MXFP8TrainingRecipe,
+        )
+        from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
 
     if kernel == "fp8_rowwise":
         base = Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=False)

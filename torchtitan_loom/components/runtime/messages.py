@@ -20,12 +20,27 @@ def shorten(value: Any, limit: int = LIMIT) -> str:
     return f"{head}… ({len(text)} chars) …{tail}"
 
 
+# Terminal control characters (ESC, BEL, CR, NUL, DEL, C1): a path or value echoed raw could move the
+# cursor, recolour or clear the user's terminal; each is shown as its escape instead.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _QUOTED = re.compile(r"'[^'\n]{%d,}'|\"[^\"\n]{%d,}\"" % (LIMIT, LIMIT))
 _LONG_RUN = re.compile(r"\S{%d,}" % (LIMIT + 1))
 
 
+def printable(text: str) -> str:
+    """``text`` with every control character (a newline too) written as its escape (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: repr(m.group(0))[1:-1], text)
+
+
 def shorten_line(line: str) -> str:
     """An error line with every long echoed value shortened (``shorten``): a quoted value as a
-    whole, then any run without spaces (an unquoted path, a library's repr). Words stay as they are."""
+    whole, then any run without spaces (an unquoted path, a library's repr). Words stay as they
+    are; control characters are escaped (``printable``)."""
+    line = printable(line)
     line = _QUOTED.sub(lambda m: m.group(0)[0] + shorten(m.group(0)[1:-1]) + m.group(0)[0], line)
     return _LONG_RUN.sub(lambda m: shorten(m.group(0)), line)
+
+
+def count(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun in the number it needs: ``1 rank``, ``2 ranks``, ``1 micro-batch``."""
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"

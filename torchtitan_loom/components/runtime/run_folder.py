@@ -84,7 +84,14 @@ def read_run(dump_folder: str) -> dict[str, Any] | None:
         raise RunFolderError(str(exc)) from None
     except (OSError, ValueError, RecursionError):
         return None
-    return run if isinstance(run, dict) else None
+    if not isinstance(run, dict):
+        return None
+    if not isinstance(run.get("launches", []), list) or not all(
+        isinstance(x, dict) for x in run.get("launches", [])
+    ):
+        run["launches"] = []  # a damaged history is rewritten from this launch on, not trusted
+    run.setdefault("launches", [])
+    return run
 
 
 def relaunch_errors(cfg: Any) -> list[str]:
@@ -265,6 +272,7 @@ def record_launch(
     """Write run.json: identity, status ("running", or how the launch ended: Trainer._finish), step,
     launches."""
     dump = cfg.job.dump_folder
+    safe_files.check_held(dump)  # a run folder swapped since the launch is neither read nor written
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
     run["identity"] = identity(cfg)
     if not run["launches"] or run["launches"][-1].get("run_id") != run_id:
@@ -280,9 +288,13 @@ def record_launch(
     run.update(run_id=run_id, status=status, step=step)
     path, text = os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True)
     try:
-        safe_files.atomic_write(path, text)
+        safe_files.atomic_write(path, text, owner=dump)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not os.path.isfile(path):
+        if (
+            isinstance(exc, safe_files.UnsafePathError)
+            or exc.errno not in (errno.ENOSPC, errno.EDQUOT)
+            or not os.path.isfile(path)
+        ):
             raise
         _rewrite_in_place(path, text)
 

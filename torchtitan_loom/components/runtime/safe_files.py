@@ -15,6 +15,10 @@ writes (``run.json.partial -> ~/.bashrc``) must not make a relaunch write outsid
     real_dir       a path that is about to be renamed or removed must be a directory, not a link,
                    and lie inside the folder that owns it with no link on the way
     planted_links  the names of a list that are links (the up-front check of a launch)
+    HeldFolder     a folder path that remembers the directory it named (device, inode): the run
+                   folder and the checkpoint folder are held from the launch, and every function
+                   here given one as ``owner`` first checks that the name still leads there (a run
+                   folder swapped for a link mid-run stops the run; nothing goes outside)
     read_text      a small file the run reads back (run.json, RUN.lock, a checkpoint's JSON files):
                    opened O_NOFOLLOW | O_NONBLOCK (a FIFO does not block the open), a regular file
                    only, at most a size its format allows (a link to /dev/zero is refused, not read)
@@ -46,6 +50,50 @@ class UnsafePathError(OSError):
     """A link (or a path outside its folder) where the run writes, renames or removes."""
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)  # follows a link the user made (a folder on another disk): its target
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+class HeldFolder(str):
+    """A folder's path that holds the directory it named when made (or when first found, if it
+    did not exist yet): ``check`` raises UnsafePathError once the name leads elsewhere — the
+    folder was moved or deleted, or replaced by a link to another — so nothing more is written,
+    renamed or removed through it. ``within``: a held folder above it, checked first. Used as a
+    plain ``str`` everywhere else (joins, messages, the config)."""
+
+    within: HeldFolder | None
+    identity: tuple[int, int] | None
+
+    def __new__(cls, path: str, within: HeldFolder | None = None) -> HeldFolder:
+        obj = super().__new__(cls, path)
+        obj.within, obj.identity = within, _identity(path)
+        return obj
+
+    def check(self) -> None:
+        if self.within is not None:
+            self.within.check()
+        now = _identity(self)
+        if self.identity is None:  # made since it was held: held from now on
+            self.identity = now
+            return
+        if now != self.identity:
+            link = f" (now a link to {os.readlink(self)!r})" if os.path.islink(self) else ""
+            raise UnsafePathError(
+                f"{self} is no longer the folder this run started in{link}; it was moved, "
+                f"deleted or replaced: stopping without writing or removing anything through it"
+            )
+
+
+def check_held(path: str) -> None:
+    """``path.check()`` when ``path`` is a HeldFolder; nothing for a plain path."""
+    if isinstance(path, HeldFolder):
+        path.check()
+
+
 def _refuse_link(path: str) -> None:
     if os.path.islink(path):
         raise UnsafePathError(
@@ -57,7 +105,9 @@ def _refuse_link(path: str) -> None:
 def check_inside(path: str, owner: str) -> str:
     """``path`` when it lies inside the folder ``owner`` and no existing component below ``owner``
     (``path`` itself included) is a symbolic link; UnsafePathError otherwise. ``owner`` itself may
-    be a link (a folder a user put on another disk)."""
+    be a link (a folder a user put on another disk); a HeldFolder ``owner`` must still be the
+    directory it held."""
+    check_held(owner)
     rel = os.path.relpath(os.path.normpath(path), os.path.normpath(owner))
     if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
         raise UnsafePathError(f"{path} lies outside {owner}; refusing to write there")

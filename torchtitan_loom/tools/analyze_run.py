@@ -1,0 +1,239 @@
+"""The measuring half of tools.analyze (tools/analyze.py is the command line): load the
+checkpoint, route the held-out tokens through every loop, then hand the numbers to
+tools/analyze_report.py and tools/analyze_diag.py, which write the report and its figures.
+
+Where the report goes: ``--out DIR``, else ``<run folder>/analysis/step-<N>/`` (the run folder is
+the one holding the checkpoint folder and metrics.jsonl), never the current directory. Nothing is
+written through a symbolic link there (tools/out_files.py): a link at a name the report uses
+(``report.md``, a ``*.png``) is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from torchtitan_loom.components.loss import count_valid, token_ce_sum
+from torchtitan_loom.components.observability.routing_stats import RoutingStats
+from torchtitan_loom.components.runtime import safe_files
+from torchtitan_loom.data_contract import real_tokens
+from torchtitan_loom.tools.analyze_diag import report_section
+from torchtitan_loom.tools.analyze_report import write_report
+from torchtitan_loom.tools.progress import Progress, plural
+
+ANALYSIS_DIR = "analysis"
+
+
+class AnalyzeError(ValueError):
+    """Bad input to the tool: reported as one line, exit code 2."""
+
+
+def _run_config(ckpt: str) -> dict[str, Any]:
+    path = os.path.join(ckpt, "config.toml")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as fh:
+        return tomllib.load(fh)
+
+
+@torch.no_grad()
+def evaluate(
+    model: Any,
+    loader: Any,
+    device: torch.device,
+    samples: int,
+    sample_tokens: int,
+    progress: Progress | None = None,
+    tokens: int | None = None,
+) -> dict[str, Any]:
+    """Loss after every loop, RoutingStats, and the routed ids of the first `samples` documents.
+    ``progress``: a line after the first batch, then every ~10 s (``tokens``: the target)."""
+    H = model.num_loops
+    if model.routing is None:
+        raise AnalyzeError("the model has no routed experts: nothing to analyze")
+    n_layers, n_experts = model.routing
+    routing: RoutingStats | None = None
+    ce_H = torch.zeros(H, dtype=torch.float64)
+    n_tok = 0
+    docs: list[dict[str, Any]] = []
+    n_batches = 0
+    for batch in loader:
+        mb = {k: v.to(device) for k, v in batch.items()}
+        carry, topk_per_loop = None, []
+        for loop in range(1, H + 1):
+            out = model(
+                mb["input_ids"],
+                mb["positions"],
+                mb["doc_ids"],
+                loop_start=loop,
+                loop_end=loop,
+                carry=carry,
+                return_topk=True,
+            )
+            carry = out.carry
+            ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double().cpu()
+            if routing is None:  # top-k from the ids' own shape
+                routing = RoutingStats(n_layers, H, n_experts, out.topk_LTBSK.shape[-1], device)
+            if loop == 1:
+                routing.start_batch(real_tokens(mb["doc_ids"]))
+            routing.add_loop(out.topk_LTBSK[:, 0], model.carry_stream(carry))
+            if len(docs) < samples:
+                topk_per_loop.append(out.topk_LTBSK[:, 0].cpu())
+        n_tok += int(count_valid(mb["labels"]))
+        if len(docs) < samples:
+            docs += _sample_docs(
+                batch, torch.stack(topk_per_loop, dim=1), samples - len(docs), sample_tokens
+            )
+        n_batches += 1
+        if progress is not None:
+            of = f" of {tokens:,}" if tokens else ""
+            progress.tick(
+                lambda: f"{n_tok:,}{of} held-out tokens routed ({plural(n_batches, 'batch')})"
+            )
+    if n_tok == 0:
+        raise AnalyzeError(
+            "the held-out data has no valid tokens; pass --data with a pack that has a holdout"
+        )
+    return {"losses": (ce_H / n_tok).tolist(), "routing": routing, "docs": docs, "tokens": n_tok}
+
+
+def _sample_docs(
+    batch: dict[str, torch.Tensor], topk_LHBSK: torch.Tensor, count: int, max_tokens: int
+) -> list[dict[str, Any]]:
+    """The first `count` documents of the batch with ≥ 8 tokens: their token ids and ids [L, H, S, K]."""
+    docs = []
+    for row in range(batch["doc_ids"].shape[0]):
+        doc_row = batch["doc_ids"][row]
+        for doc in doc_row.unique().tolist():
+            if doc < 0 or len(docs) == count:
+                continue
+            cols = (doc_row == doc).nonzero().flatten()[:max_tokens]
+            if cols.numel() >= 8:
+                docs.append(
+                    {
+                        "row": row,
+                        "tokens": batch["input_ids"][row, cols].tolist(),
+                        "topk_LHSK": topk_LHBSK[:, :, row, cols].numpy(),
+                    }
+                )
+    return docs
+
+
+def analyze(
+    ckpt_arg: str,
+    data: str | None,
+    tokens: int,
+    out: str | None,
+    seq_len: int | None,
+    batch_rows: int,
+    samples: int,
+    sample_tokens: int,
+    layer: int | None,
+    progress: Progress | None = None,
+) -> str:
+    """Measure ``ckpt_arg`` on the held-out data and write the report; returns report.md's path.
+    ``out`` None: the run's own folder (see the module doc)."""
+    from torchtitan_loom.components.checkpoint.layout import read_json
+    from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
+    from torchtitan_loom.components.data.pack_format import PackError, open_pack
+    from torchtitan_loom.tools.export import ExportError, load_checkpoint_model
+
+    progress = progress or Progress("analyze")
+    try:
+        model, info, ckpt = load_checkpoint_model(ckpt_arg)
+    except (ExportError, OSError) as exc:
+        raise AnalyzeError(str(exc)) from None
+    run = _run_config(ckpt)
+    info = dict(info, step=(read_json(os.path.join(ckpt, "meta.json")) or {}).get("step"))
+    out, owner = (out, out) if out is not None else default_out(ckpt, run, info["step"])
+    try:  # before the slow part: a planted link fails now, not after minutes
+        safe_files.check_inside(out, owner)
+    except safe_files.UnsafePathError as exc:
+        raise AnalyzeError(str(exc)) from None
+    check_out_links(out)
+    data = data or run.get("data", {}).get("path") or str(bundled_corpus_path(None))
+    a = model.args
+    seq_len = seq_len or run.get("training", {}).get("seq_len") or a.max_seq_len
+    n_layers = model.routing.num_layers if model.routing is not None else 0
+    if layer is None:
+        layer = n_layers // 2
+    if not 0 <= layer < n_layers:
+        raise AnalyzeError(f"--layer {layer}: the model has routed layers 0..{n_layers - 1}")
+    try:
+        pack = open_pack(data, seq_len=seq_len, vocab_size=a.vocab_size)
+        loader = build_eval_loader(
+            data,
+            seq_len=seq_len,
+            vocab_size=a.vocab_size,
+            batch_rows=batch_rows,
+            dp_rank=0,
+            dp_world=1,
+            max_tokens=tokens,
+        )
+    except (PackError, ValueError, OSError) as exc:
+        raise AnalyzeError(f"--data {data}: {exc}") from None
+    progress.phase(
+        f"step {info['step']} loaded; routing held-out tokens of {data} in batches of "
+        f"{batch_rows} rows"
+    )
+    result = evaluate(model, loader, torch.device("cpu"), samples, sample_tokens, progress, tokens)
+    from pathlib import Path
+
+    from torchtitan_loom.tools.loading import LoadError, recorded_tokenizer
+
+    try:  # resolved against the pack, never the current directory
+        tokenizer = recorded_tokenizer(Path(pack.path), pack.tokenizer_name)
+    except LoadError:
+        tokenizer = ""  # token labels fall back to ids
+    progress.phase(f"writing the report and its figures to {out}")
+    try:
+        safe_files.make_dirs(out, owner)
+        check_out_links(out)
+        diag = report_section(_metrics_path(ckpt, run), out)
+        return write_report(result, info, ckpt, data, out, tokenizer, layer, diag)
+    except OSError as exc:  # UnsafePathError (a link planted meanwhile), a full disk
+        raise AnalyzeError(f"{out}: cannot write the report: {exc}") from None
+
+
+def default_out(ckpt: str, run: dict[str, Any], step: Any) -> tuple[str, str]:
+    """(report folder, the folder that owns it) when --out is not given:
+    ``<run folder>/analysis/step-<N>/``; the run folder holds metrics.jsonl above the checkpoint,
+    else it is the run's job.dump_folder, else the folder above the checkpoint folder."""
+    from torchtitan_loom.tools.loading import run_folder
+
+    dump = run.get("job", {}).get("dump_folder")
+    found = run_folder(ckpt)
+    if found is None and dump and os.path.isdir(dump):
+        found = dump
+    found = found or os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    name = f"step-{step}" if isinstance(step, int) else os.path.basename(os.path.abspath(ckpt))
+    return os.path.join(found, ANALYSIS_DIR, name), found
+
+
+def check_out_links(out: str) -> None:
+    """AnalyzeError naming the first symbolic link in ``out`` at a name the report writes
+    (report.md, a PNG, or their temporary ``.partial``)."""
+    if not os.path.isdir(out):
+        return  # created later
+    for name in sorted(os.listdir(out)):
+        base = name.removesuffix(".partial")
+        path = os.path.join(out, name)
+        if (base == "report.md" or base.endswith(".png")) and os.path.islink(path):
+            raise AnalyzeError(
+                f"{path} is a symbolic link (to {os.readlink(path)!r}); refusing to write the "
+                "report through it: remove the link or choose another --out"
+            )
+
+
+def _metrics_path(ckpt: str, run: dict[str, Any]) -> str:
+    """The run's metrics.jsonl: beside the checkpoint folder (<dump>/checkpoint/step-N), else in the
+    dump folder its config names."""
+    near = os.path.normpath(os.path.join(ckpt, os.pardir, os.pardir, "metrics.jsonl"))
+    named = os.path.join(run.get("job", {}).get("dump_folder", ""), "metrics.jsonl")
+    return near if os.path.isfile(near) or not os.path.isfile(named) else named

@@ -1,0 +1,82 @@
+"""The output folders of export and analyze: what may be there, what ``--force`` may remove, and
+writing a file there never through a symbolic link (components/runtime/safe_files.py).
+
+An output folder is the user's: only the names a tool writes are ever replaced or removed in it,
+and a symbolic link at such a name (``OUT/config.json -> ~/.bashrc``) is refused with one line
+naming it, before anything is written or removed; the file it points to keeps its bytes. OUT itself
+may be a link the user made to another disk, except where ``--force`` would clear it.
+No torch import.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+
+from torchtitan_loom.components.runtime import safe_files
+
+PARTIAL = ".partial"  # safe_files.new_temp's temporary name; a crash can leave one behind
+
+
+def _is_ours(name: str, names: frozenset[str]) -> bool:
+    return name in names or (name.endswith(PARTIAL) and name[: -len(PARTIAL)] in names)
+
+
+def check_out(out: str, force: bool, names: frozenset[str], error: type[Exception]) -> list[str]:
+    """The entries of ``out`` that ``force`` would remove (the tool's own names); ``error`` (one
+    line) when ``out`` cannot receive the output: not a folder, occupied without ``force``, or one of
+    those names a link or not a regular file. Removes nothing."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise error(f"{out}: exists and is not a directory; choose an output folder")
+    present = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if present and not force:
+        raise error(
+            f"{out} already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
+            f"pass --force to overwrite the export there, or choose a new folder"
+        )
+    if present and os.path.islink(out):
+        raise error(
+            f"{out} is a symbolic link (to {os.readlink(out)!r}); --force will not clear a folder "
+            "through a link: pass the folder it points to, or a new folder"
+        )
+    ours = [n for n in present if _is_ours(n, names)]
+    for name in ours:
+        path = os.path.join(out, name)
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            raise error(
+                f"{path} is a symbolic link (to {os.readlink(path)!r}); refusing to write or "
+                "remove through it: remove the link, or choose a new folder"
+            )
+        if not stat.S_ISREG(mode):
+            raise error(f"{path} is not a regular file; refusing to replace it: remove it first")
+    return ours
+
+
+def clear_out(out: str, force: bool, names: frozenset[str], error: type[Exception]) -> None:
+    """Check ``out`` again (a link may have appeared meanwhile), then remove the tool's own
+    regular files in it; anything else in the folder is left as it is."""
+    for name in check_out(out, force, names, error):
+        os.unlink(os.path.join(out, name))  # lstat said regular file: unlink never follows
+
+
+def make_out(out: str, error: type[Exception]) -> None:
+    """Create ``out`` (and missing parents); a link at ``out`` is the user's, so allowed here."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise error(f"{out}: cannot create the output folder ({exc.strerror or exc})") from None
+
+
+def write_file(path: str, data: str | bytes, owner: str) -> None:
+    """``data`` to ``path`` inside ``owner``: temporary file created O_EXCL | O_NOFOLLOW, then
+    renamed; a link at the name, or on the way from ``owner``, is UnsafePathError."""
+    safe_files.atomic_write(path, data, owner=owner)
+
+
+def write_figure(fig, path: str, owner: str, dpi: int) -> None:
+    """A matplotlib figure as PNG, written by ``write_file`` (matplotlib opens paths itself)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    write_file(path, buf.getvalue(), owner)
