@@ -104,7 +104,9 @@ def run(argv: list[str], trainer_cls: Any) -> int:
         print(shorten_line(f"launch error: {exc}"), file=sys.stderr)
         return exit_codes.BAD_INPUT
     peers_alive = False
-    if info.rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":  # a node's console says it joined
+    if (
+        info.rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0"
+    ):  # a node's console says it joined
         print(
             f"[torchtitan_loom] joined the run as rank {info.rank} of {info.world_size}; rank 0 "
             f"logs its progress and writes {cfg.job.dump_folder}",

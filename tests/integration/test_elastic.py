@@ -132,7 +132,8 @@ def test_a_lost_node_restarts_the_job_at_world_size_1(tiny_pack, tmp_path, launc
             _stop([node1, node2])
     assert node1.returncode == 0, out[-3000:]
     lost = re.search(
-        r"lost a peer (?:during|after) step (\d+) \(.*\): exiting 3; .* resumes from step (\d+)", out
+        r"lost a peer (?:during|after) step (\d+) \(.*\): exiting 3; .* resumes from step (\d+)",
+        out,
     )
     assert lost, out[-3000:]
     resumed = int(lost.group(2))
