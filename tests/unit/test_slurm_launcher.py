@@ -66,10 +66,8 @@ done; done
         f"srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=2 {ROOT}/run_train.sh "
         f"--training.steps 5 --checkpoint.enable"
     )
-    train = (
-        f"-m torchtitan_loom.train --job.config_file {ROOT}/train_configs/debug_model.toml "
-        f"--training.steps 5 --checkpoint.enable"
-    )
+    # No config file named: the trainer applies its default preset itself (config/early.py).
+    train = "-m torchtitan_loom.train --training.steps 5 --checkpoint.enable"
     assert lines[1:] == [
         f"rank RANK={r} LOCAL_RANK={r % 2} WORLD_SIZE=4 MASTER=gpu-a17:29500 ARGS={train}"
         for r in range(4)
@@ -162,10 +160,7 @@ def test_sbatch_elastic_form_runs_one_torchrun_agent_per_node(tmp_path):
             "printf %s /runs/elastic | cksum", shell=True, capture_output=True, text=True
         ).stdout.split()[0]
     )
-    train = (
-        f"-m torchtitan_loom.train --job.config_file {ROOT}/train_configs/debug_model.toml "
-        f"--checkpoint.enable"
-    )
+    train = "-m torchtitan_loom.train --checkpoint.enable"
     agent = (
         f"python NNODES=1:2 ARGS=-m torch.distributed.run --nnodes 1:2 --rdzv-backend c10d "
         f"--rdzv-endpoint gpu-a17:29500 --rdzv-id {rdzv_id} --rdzv-conf last_call_timeout=10 "

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_loom.components.runtime.stderr_filter import dropping_stderr_lines, progress_bar
+
 # lm-eval result entries that are not a score.
 _NOT_SCORES = ("alias", "sample_len", "samples")
 
@@ -121,7 +123,10 @@ class DownstreamScorer:
         devices = [self.device] if self.device.type == "cuda" else []
         self.model.eval()
         try:
-            with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            with (
+                dropping_stderr_lines(_lm_eval_noise),
+                torch.random.fork_rng(devices=devices, device_type=self.device.type),
+            ):
                 res = simple_evaluate(
                     model=lm,
                     tasks=list(cfg.downstream_tasks),
@@ -148,6 +153,20 @@ class DownstreamScorer:
         )
         self.log(f"downstream done in {time.perf_counter() - started:.1f} s: {shown}")
         return scores
+
+
+# What lm-eval prints while it scores that a training run's console does not need: its per-task
+# hint about --metadata (a CLI this run does not use), tqdm bars over the requests it builds, and
+# git's complaint when the working directory is no repository (lm-eval records a commit hash).
+_LM_EVAL_NOISE = (
+    "Custom kwargs can be passed to `--metadata`",
+    "For example --metadata=",
+    "fatal: not a git repository",
+)
+
+
+def _lm_eval_noise(line: str) -> bool:
+    return progress_bar(line) or any(text in line for text in _LM_EVAL_NOISE)
 
 
 def build_scorer(

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import torch
 
 from torchtitan_loom.components.runtime import safe_files
+from torchtitan_loom.components.runtime.stderr_filter import dropping_stderr_lines
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept for a snapshot
 # Lines the profiler's native side (kineto) writes straight to stderr at every start and stop of a
@@ -30,23 +29,8 @@ _NATIVE_NOISE = ("USDT:", "STAGE:")
 
 
 def _without_native_noise(fn: Callable[[], Any]) -> Any:
-    """``fn()`` with file descriptor 2 caught, then every caught line re-written but _NATIVE_NOISE."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            return fn()
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            text = caught.read().decode("utf-8", errors="replace")
-            kept = [ln for ln in text.splitlines(True) if not ln.startswith(_NATIVE_NOISE)]
-            if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
+    with dropping_stderr_lines(lambda line: line.startswith(_NATIVE_NOISE)):
+        return fn()
 
 
 class _QuietProfiler:
