@@ -19,7 +19,7 @@ from torchtitan_loom.components.checkpoint import CheckpointError, layout
 from torchtitan_loom.components.checkpoint.resolve import checkpoint_root
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
-from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.messages import shorten, shorten_line
 from torchtitan_loom.components.runtime.outcome import Outcome, Status
 from torchtitan_loom.components.runtime.preemption import ElasticRestarts
@@ -31,7 +31,6 @@ from torchtitan_loom.components.runtime.run_folder import (
     record_launch,
     replace_old_run,
 )
-from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.runtime.safe_files import UnsafePathError
 from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
 from torchtitan_loom.config.validate import load_and_resolve, resolve

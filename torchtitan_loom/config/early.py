@@ -14,7 +14,6 @@ from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.config.manager import ConfigError, help_text, load_config
 
-
 # What a command line without --job.config_file runs, ./run_train.sh's and `python -m
 # torchtitan_loom.train`'s alike: the debug model on the bundled corpus (in a checkout of the
 # repository; an installed wheel without train_configs/ runs the schema's defaults).

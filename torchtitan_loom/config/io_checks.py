@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-
 # Free space a launch needs for its run files (run.json, config.toml, the first metrics rows and
 # event files); a disk with less is full for a run. Checkpoints check their own size when saved.
 MIN_FREE_BYTES = 1 << 20
@@ -65,8 +64,8 @@ def folder_errors(cfg: Any) -> list[str]:
 def link_errors(cfg: Any) -> str | None:
     """One line naming the symbolic links planted where the run writes (run files, checkpoint
     names), else None: a run never writes, renames or removes through a link."""
-    from torchtitan_loom.components.runtime import run_folder
     from torchtitan_loom.components.checkpoint import layout
+    from torchtitan_loom.components.runtime import run_folder
 
     folders = [cfg.metrics.tb_folder] if cfg.metrics.enable_tensorboard else []
     folders += [cfg.profiling.save_traces_folder] if cfg.profiling.enable_profiling else []
@@ -86,8 +85,8 @@ def bundled_errors(cfg: Any) -> list[str]:
     its cache directory must be writable."""
     if cfg.data.path:
         return []
-    from torchtitan_loom.components.data.bundled import default_cache_dir
     from torchtitan_loom.components.data import synthetic_corpus as sc
+    from torchtitan_loom.components.data.bundled import default_cache_dir
 
     errors = []
     if cfg.training.seq_len > sc.MAX_SEQ_LEN - 1:

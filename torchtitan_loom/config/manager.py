@@ -19,7 +19,6 @@ from torchtitan_loom.config.errors import ConfigError
 from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig, model_section
 from torchtitan_loom.config.toml_file import flatten, read_toml
 
-
 # Printed problems: the first MAX_PROBLEMS in full (with a suggestion each), then how many more. A
 # generated file of 10⁶ unknown keys is answered in seconds, not after 10⁶ fuzzy matches.
 MAX_PROBLEMS = 20

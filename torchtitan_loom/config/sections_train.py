@@ -72,12 +72,16 @@ class Training:
 @dataclass
 class Optimizer:
     name: str = opt(
-        "AdamW", "Optimizer (LOOM: AdamW, one parameter group).", choices=OPTIMIZER_NAMES
+        "AdamW",
+        "Optimizer (LOOM: AdamW, one parameter group; Lion: sign updates, one momentum, reads "
+        "lr, beta1, beta2, weight_decay: try an lr 3-10x below AdamW's). Part of the run: a "
+        "resume under another optimizer is refused.",
+        choices=OPTIMIZER_NAMES,
     )
     lr: float = opt(3e-3, "Peak learning rate.")
-    beta1: float = opt(0.9, "AdamW β1.")
-    beta2: float = opt(0.95, "AdamW β2.")
-    eps: float = opt(1e-8, "AdamW ε.")
+    beta1: float = opt(0.9, "AdamW β1 (Lion: the momentum's weight in the update's sign).")
+    beta2: float = opt(0.95, "AdamW β2 (Lion: the momentum's decay).")
+    eps: float = opt(1e-8, "AdamW ε (Lion has none).")
     weight_decay: float = opt(0.1, "Decoupled weight decay, on every parameter.")
     implementation: str = opt("foreach", "AdamW kernel.", choices=OPTIMIZER_IMPLEMENTATIONS)
 

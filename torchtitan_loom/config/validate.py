@@ -99,7 +99,7 @@ _FREE_DEGREES = {"dp_replicate": 1, "dp_shard": -1, "ep": 1}
 def _auto_layout(
     cfg: JobConfig, spec: Any, args: Any, world_size: int, errors: list[str]
 ) -> ParallelDims | None:
-    from torchtitan_loom.distributed.estimate import rank_layouts, choice_line
+    from torchtitan_loom.distributed.estimate import choice_line, rank_layouts
 
     if spec.cost_fn is None:
         errors.append(

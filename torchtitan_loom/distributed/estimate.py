@@ -23,6 +23,7 @@ import math
 import re
 from typing import Any, Callable, NamedTuple
 
+from torchtitan_loom.components.optim.choices import OPTIMIZERS
 from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
@@ -64,6 +65,7 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     """The estimate of `cfg` on `dims` (cost: the spec's ModelCost, built when not given)."""
     cost = cost or get_train_spec(cfg.model.name).cost_fn(model_args, dims, cfg)
     t, hw = cfg.training, cfg.estimate
+    optimizer = OPTIMIZERS[cfg.optimizer.name]
     pb, rb = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
     segs = [cost.segment(a, b) for a, b in segments(model_args.num_loops, t.bp_segment_len)]
@@ -90,7 +92,7 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     memory = {
         "parameters (fp32)": 4.0 * local,
         "gradients (fp32)": 4.0 * local,
-        "AdamW moments": 8.0 * local,
+        optimizer.state_label: float(optimizer.state_bytes_per_param * local),
         "gathered parameters": float(gathered_bytes),
         "unsharded gradient accumulation": float(unsharded_grads),
         f"activations of one micro-batch ({cfg.activation_checkpoint.mode})": float(
@@ -209,7 +211,7 @@ def _collective_table(collectives: list[Collective], hw: Any, n_seg: int) -> lis
             f"    {c.kind:<15} {what:<36} {f'{c.group} {c.size} ({link})':<26} {per_seg:>11} "
             f"{c.nbytes / _MIB:12.3f} {gib:12.3f} {ms:11.2f}"
         )
-    rows = f" (each per-unit row × its count)" if repeated > 1 else ""
+    rows = " (each per-unit row × its count)" if repeated > 1 else ""
     lines.append(
         f"    {'total':<15} {'every unit and purpose' + rows:<64} {'':>11} {'':>12} "
         f"{total_gib:12.3f} {total_ms:11.2f}"

@@ -28,9 +28,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from torchtitan_loom.components.runtime import exit_codes
+
 # Nothing here imports torch: the first line is printed before that wait.
 from torchtitan_loom.components.runtime.messages import shorten_line
-from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.tools.progress import Progress
 
 DEFAULT_OUT = "<run folder>/analysis/step-<N>"

@@ -30,19 +30,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pickle
 import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchtitan_loom.components.runtime.messages import shorten_line
-from torchtitan_loom.components.runtime import exit_codes
-from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
 from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
+from torchtitan_loom.components.runtime import exit_codes, safe_files
+from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_for_inference
 from torchtitan_loom.tools.export_format import (
@@ -54,8 +52,8 @@ from torchtitan_loom.tools.export_format import (
 )
 from torchtitan_loom.tools.hf_export import HF_NAMES, export_hf
 from torchtitan_loom.tools.loading import LoadError, TokenizerFileError, load, load_tokenizer
-from torchtitan_loom.tools.out_files import clear_out, make_out
 from torchtitan_loom.tools.out_files import check_out as _check_out
+from torchtitan_loom.tools.out_files import clear_out, make_out
 
 # Every name an export writes, in either format: what --force may replace (out_files.py).
 EXPORT_NAMES = frozenset(

@@ -18,9 +18,10 @@ import argparse
 import sys
 import time
 
+from torchtitan_loom.components.runtime import exit_codes
+
 # Nothing here imports torch: the first line is printed before that wait (see run()).
 from torchtitan_loom.components.runtime.messages import shorten_line
-from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.tools.input_files import LoadError
 
 SLOW_S = 5.0  # a load slower than this is followed by a line saying what comes next

@@ -23,7 +23,7 @@ from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import get_train_spec, portable_args
 from torchtitan_loom.tools.input_files import metrics_rows
-from torchtitan_loom.tools.loading import LoadError, Loaded, run_folder
+from torchtitan_loom.tools.loading import Loaded, LoadError, run_folder
 from torchtitan_loom.tools.progress import Progress
 
 MODES = ("on", "off", "record")

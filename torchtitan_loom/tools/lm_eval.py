@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime import exit_codes
+from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
 from torchtitan_loom.tools.holdout import MODES, check
@@ -215,8 +215,8 @@ def run(ns: argparse.Namespace) -> str | None:
         raise LoadError("lm-eval is not installed: pip install 'torchtitan_loom[eval]'") from None
     from lm_eval import simple_evaluate
 
-    from torchtitan_loom.distributed import utils as dist_utils
     from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM
+    from torchtitan_loom.distributed import utils as dist_utils
 
     if ns.batch_size < 1:
         raise LoadError(f"--batch-size {ns.batch_size}: must be >= 1")

@@ -25,7 +25,7 @@ from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_
 from torchtitan_loom.components.data import pack_tokenizer as pack_tok
 from torchtitan_loom.components.data.pack_tokenizer import TokenizerError
 from torchtitan_loom.components.data.tokenizer import Tokenizer
-from torchtitan_loom.protocols import get_train_spec, portable_args
+from torchtitan_loom.protocols import portable_args
 from torchtitan_loom.tools.export_format import (
     ExportError,
     find_checkpoint,

@@ -24,9 +24,9 @@ from torchtitan_loom.components.data.pack_writer import PackWriter
 from torchtitan_loom.components.data.tokenizer import build_tokenizer
 from torchtitan_loom.tools.pack_sources import (
     PackInputError,
-    saved_dataset,
     open_hf_dataset,
     read_documents,
+    saved_dataset,
 )
 
 DOCS_PER_TASK = 256  # documents sent to a worker at a time

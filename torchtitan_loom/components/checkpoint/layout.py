@@ -28,8 +28,8 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import integrity
+from torchtitan_loom.components.runtime import safe_files
 
 MARKER = "COMPLETE"
 DCP_METADATA = ".metadata"

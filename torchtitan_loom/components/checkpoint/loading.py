@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime.messages import count
 
 
@@ -101,6 +102,15 @@ class LoadMixin:
             raise ckstate.CheckpointError(
                 resolve.explain(choice.path, choice.step, lines, resume=not choice.model_only)
             )
+        saved = layout.read_json(os.path.join(choice.path, "meta.json")) or {}
+        had, have = saved.get("optimizer", RECORDED_BEFORE_NAMES), type(self.optimizer).__name__
+        if not choice.model_only and had != have:
+            raise ckstate.CheckpointError(
+                f"checkpoint {choice.path} was trained with optimizer.name = {had!r}; {have!r} "
+                f"cannot continue its state (one optimizer's moments are not another's): resume "
+                f"with optimizer.name = {had!r}, or start {have!r} from these weights with "
+                f"checkpoint.initial_load_path in a new job.dump_folder"
+            )
         if choice.model_only:
             self._load_model_only(choice.path)
             self._log(
@@ -109,7 +119,6 @@ class LoadMixin:
             )
             return None
         self._load_full(choice.path, meta)
-        saved = layout.read_json(os.path.join(choice.path, "meta.json")) or {}
         self.loaded_total_steps = saved.get(
             "total_steps"
         )  # training.steps of the run that saved it

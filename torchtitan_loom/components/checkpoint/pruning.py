@@ -19,10 +19,9 @@ from torch.distributed.checkpoint.api import (
     CheckpointException,
 )  # a BaseException, not an Exception
 
-from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.checkpoint import state as ckstate
-
+from torchtitan_loom.components.runtime import safe_files
 
 PROVE_STEPS = 2
 """Healthy steps that must follow a checkpoint before it may prune older ones: the first one's

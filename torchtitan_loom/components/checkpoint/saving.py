@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.api import (
     CheckpointException,
 )  # a BaseException, not an Exception
 
-from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
+from torchtitan_loom.components.runtime import safe_files
 
 
 class _CommittedButIncomplete(Exception):
@@ -112,6 +112,7 @@ class SaveMixin:
                 "world_size": self.world_size,
                 "torch": torch.__version__,
                 "total_steps": self.total_steps,
+                "optimizer": type(self.optimizer).__name__,  # a resume under another is refused
                 "train_state": ts.state_dict() if ts is not None else None,
             },
         )

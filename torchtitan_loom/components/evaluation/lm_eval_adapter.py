@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.components.data.tokenizer import Tokenizer
+from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 
 
 class ScoringStopped(Exception):

@@ -2,8 +2,9 @@
 time estimate of one step on this device, and a warning when that is far beyond the machine.
 
 The estimate is deliberately simple (the dry run's estimate adds gathered parameters and the
-communication; benchmarks/memory_time.py measures): per rank, parameters + gradients + AdamW state
-in fp32 (16 bytes per parameter, divided by the FSDP degree), plus the activation bytes of the
+communication; benchmarks/memory_time.py measures): per rank, parameters + gradients + the
+optimizer's state in fp32 (8 bytes per parameter + the optimizer table's state bytes: AdamW 8,
+Lion 4; divided by the FSDP degree), plus the activation bytes of the
 model's own cost model (TrainSpec.cost_fn, the one the dry run reads: the largest segment's
 activations of one micro-batch, its logits and gradient, the carries). Time: the step's training FLOPs on this rank over the rate that a
 matmul reaches on this device right now (measured in a fraction of a second), i.e. a lower bound.
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.optim.choices import OPTIMIZERS
 from torchtitan_loom.protocols import ModelCost, segments
 
 _GIB = float(1 << 30)
@@ -32,7 +34,7 @@ class StepEstimate:
     params: int
     active: int
     state_gib: float
-    """Parameters, gradients and AdamW moments on one rank."""
+    """Parameters, gradients and the optimizer's state on one rank."""
     activation_gib: float
     """Activations one micro-batch keeps for the largest segment, its logits and their gradient, and
     the carries of the rank's micro-batches (TrainSpec.cost_fn's figures)."""
@@ -68,7 +70,8 @@ def estimate_step(
             + segs[0].logits_bytes
             + micro * segs[0].carry_bytes
         )
-    state = 16 * counts["total"] / max(dims.dp_shard, 1)
+    per_param = 8 + OPTIMIZERS[cfg.optimizer.name].state_bytes_per_param  # fp32 weight + gradient
+    state = per_param * counts["total"] / max(dims.dp_shard, 1)
     return StepEstimate(
         params=counts["total"],
         active=counts["active"],
@@ -117,7 +120,7 @@ def start_lines(cfg: Any, est: StepEstimate, device: torch.device, rate_tflops: 
     lines = [
         f"building {cfg.model.name}/{cfg.model.flavor}: {est.params / 1e6:,.2f}M parameters "
         f"({est.active / 1e6:,.2f}M active per token); estimated per rank: {est.total_gib:.2f} GiB "
-        f"({est.state_gib:.2f} parameters + gradients + AdamW, {acts}), ≥ {seconds:,.1f} s per step at the {rate_tflops * 1e3:,.0f} GFLOP/s a "
+        f"({est.state_gib:.2f} parameters + gradients + {cfg.optimizer.name}, {acts}), ≥ {seconds:,.1f} s per step at the {rate_tflops * 1e3:,.0f} GFLOP/s a "
         f"{cfg.training.mixed_precision_param} matmul reaches on {device.type} ({where})"
     ]
     if device.type == "cpu" and (

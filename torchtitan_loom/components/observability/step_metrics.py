@@ -24,11 +24,9 @@ import torch
 from torchtitan_loom.components.observability.metrics import (
     MetricsLogger,
     format_console_line,
-    format_duration,
     memory_stats,
     throughput,
 )
-
 
 # Steps whose wall time the ETA averages: long enough to hold two evals of the presets (every 60
 # or 500 steps), short against their 10,000 to 57,000 steps, so it follows a change of pace.

@@ -1,4 +1,5 @@
-"""AdamW (LOOM_SPEC §7.2) and the config-wins rule for its hyper-parameters on resume (§7.7)."""
+"""The optimizers of the table (choices.OPTIMIZERS: AdamW, LOOM_SPEC §7.2; Lion) built from the
+[optimizer] section, and the config-wins rule for their hyper-parameters on resume (§7.7)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_loom.components.optim.choices import OPTIMIZER_NAMES, VALID_IMPLEMENTATIONS  # noqa: E402,F401
+from torchtitan_loom.components.optim.choices import OPTIMIZERS, VALID_IMPLEMENTATIONS
+from torchtitan_loom.components.optim.lion import Lion
 
 # Device types with fused AdamW kernels in torch 2.11+ (torch checks this lazily at step()).
 FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu", "hpu")
 
 
-def build_optimizer(model: nn.Module, section: Any) -> torch.optim.AdamW:
-    """AdamW over ONE parameter group holding every trainable parameter (§7.2), with the values of the
-    ``[optimizer]`` config section (lr, beta1, beta2, eps, weight_decay, implementation).
+def build_optimizer(model: nn.Module, section: Any) -> torch.optim.Optimizer:
+    """``optimizer.name`` over ONE parameter group holding every trainable parameter (§7.2), with
+    the values of the ``[optimizer]`` section the optimizer reads (choices.OPTIMIZERS)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    if section.name not in BUILDERS:
+        raise ValueError(f"optimizer.name must be one of {tuple(BUILDERS)}, got {section.name!r}")
+    return BUILDERS[section.name](params, section)
+
+
+def _lion(params: list[nn.Parameter], section: Any) -> Lion:
+    """Lion with lr, (beta1, beta2) and weight_decay (lion.py); eps and implementation unused."""
+    return Lion(
+        [{"params": params}],
+        lr=section.lr,
+        betas=(section.beta1, section.beta2),
+        weight_decay=section.weight_decay,
+    )
+
+
+def _adamw(params: list[nn.Parameter], section: Any) -> torch.optim.AdamW:
+    """AdamW with lr, beta1, beta2, eps, weight_decay and implementation.
 
     Embeddings, head, routers and norm weights all get weight decay, as in the recipe. A
     parameter whose ``.grad`` is None at ``step()`` is skipped by AdamW entirely (no moment
@@ -37,9 +59,6 @@ def build_optimizer(model: nn.Module, section: Any) -> torch.optim.AdamW:
         raise ValueError(
             f"optimizer.implementation must be one of {VALID_IMPLEMENTATIONS}, got {implementation!r}"
         )
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("build_optimizer: the model has no trainable parameters")
     if implementation == "fused":
         _check_fused_supported(params)
     return torch.optim.AdamW(
@@ -51,6 +70,10 @@ def build_optimizer(model: nn.Module, section: Any) -> torch.optim.AdamW:
         foreach=implementation == "foreach",
         fused=implementation == "fused",
     )
+
+
+# How each optimizer of the table is built (its other facts: choices.OPTIMIZERS, same names).
+BUILDERS = {"AdamW": _adamw, "Lion": _lion}
 
 
 def _check_fused_supported(params: list[nn.Parameter]) -> None:
@@ -74,37 +97,30 @@ def apply_config_hyperparameters(
 ) -> list[str]:
     """After a resume, make the current config win over the checkpoint (LOOM_SPEC §7.7).
 
-    A loaded optimizer brings its saved betas, eps and weight decay, and the schedule its saved peak
-    lr (``base_lrs``); each is replaced by the config's value and the lr of the restored schedule
-    position is recomputed. The schedule's shape (steps, ratios) is a closure over the config and
-    is never restored. Returns one line per value that changed.
+    A loaded optimizer brings its saved hyper-parameters (those of its table entry: betas, eps,
+    weight decay), and the schedule its saved peak lr (``base_lrs``); each is replaced by the
+    config's value and the lr of the restored schedule position is recomputed. The schedule's
+    shape (steps, ratios) is a closure over the config and is never restored. Returns one line per
+    value that changed.
     """
-    lr, beta1, beta2, eps, weight_decay = (
-        section.lr,
-        section.beta1,
-        section.beta2,
-        section.eps,
-        section.weight_decay,
-    )
-    changes = []
-    wanted = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
-    saved = {
-        "lr": scheduler.base_lrs[0],
-        "betas": tuple(optimizer.param_groups[0]["betas"]),
-        "eps": optimizer.param_groups[0]["eps"],
-        "weight_decay": optimizer.param_groups[0]["weight_decay"],
-    }
-    for key, value in wanted.items():
-        if saved[key] != value:
-            changes.append(f"optimizer.{key}: checkpoint {saved[key]} -> config {value}")
+    keys = OPTIMIZERS[section.name].hyper_keys
+    lr = section.lr
+    wanted: dict[str, Any] = {"lr": lr}
+    if "beta1" in keys:
+        wanted["betas"] = (section.beta1, section.beta2)
+    wanted.update({k: getattr(section, k) for k in ("eps", "weight_decay") if k in keys})
+    group0 = optimizer.param_groups[0]
+    saved = {"lr": scheduler.base_lrs[0], **{k: group0[k] for k in wanted if k != "lr"}}
+    if "betas" in saved:
+        saved["betas"] = tuple(saved["betas"])
+    changes = [
+        f"optimizer.{key}: checkpoint {saved[key]} -> config {value}"
+        for key, value in wanted.items()
+        if saved[key] != value
+    ]
     scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    others = {k: v for k, v in wanted.items() if k != "lr"}
     for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group.update(
-            initial_lr=lr,
-            betas=(beta1, beta2),
-            eps=eps,
-            weight_decay=weight_decay,
-            lr=lr * lr_lambda(scheduler.last_epoch),
-        )
+        group.update(initial_lr=lr, lr=lr * lr_lambda(scheduler.last_epoch), **others)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return changes

@@ -28,6 +28,7 @@ import socket
 import time
 from typing import Any
 
+from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.protocols import get_train_spec
 
@@ -61,6 +62,7 @@ def identity(cfg: Any) -> dict[str, Any]:
         "training.seq_len": t.seq_len,
         "training.global_batch_size": t.global_batch_size,
         "training.bp_segment_len": t.bp_segment_len,
+        "optimizer.name": cfg.optimizer.name,  # another optimizer cannot continue this one's state
     }
 
 
@@ -107,6 +109,7 @@ def relaunch_errors(cfg: Any) -> list[str]:
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
     old, new = _flat(run.get("identity", {})), _flat(identity(cfg))
+    old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
     diff = [
         f"{k}: {old.get(k)!r} → {new.get(k)!r}"
         for k in sorted(old.keys() | new.keys())

@@ -35,10 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_loom.data_contract import PAD_DOC_ID
-
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.target import KernelTarget
-
 
 # ---------------------------------------------------------------- RoPE
 

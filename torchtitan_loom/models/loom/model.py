@@ -32,11 +32,11 @@ from torchtitan_loom.models.loom.attention import (
     rope_cos_sin,
 )
 from torchtitan_loom.models.loom.block import BRANCHES, LoomBlock, rms_norm
+from torchtitan_loom.models.loom.counts import count_flops_per_token, count_params
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
 from torchtitan_loom.models.loom.target import KernelTarget, target_of
-from torchtitan_loom.models.loom.counts import count_flops_per_token, count_params
 from torchtitan_loom.models.loom.weight_init import init_parameters
 from torchtitan_loom.protocols import ModelOutput, Routing
 

@@ -6,11 +6,11 @@ import torch
 
 from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs, loom_flavors
 from torchtitan_loom.models.loom.attention import resolve_attn_backend
-from torchtitan_loom.models.loom.infra.cost import loom_cost
+from torchtitan_loom.models.loom.float8_experts import convert_float8_experts
 from torchtitan_loom.models.loom.infra.checks import config_errors, layout_errors
+from torchtitan_loom.models.loom.infra.cost import loom_cost
 from torchtitan_loom.models.loom.infra.parallelize import parallelize_loom
 from torchtitan_loom.models.loom.model import LoomTransformer
-from torchtitan_loom.models.loom.float8_experts import convert_float8_experts
 from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
 from torchtitan_loom.models.loom.target import flash_attn_available
 from torchtitan_loom.protocols import Sharding, TrainSpec, register_train_spec
