@@ -32,7 +32,9 @@ def test_every_optimizer_is_one_entry_of_the_table():
         opt.step()
         tensors = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
         state_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        assert state_bytes == info.state_bytes_per_param * sum(p.numel() for p in model.parameters())
+        assert state_bytes == info.state_bytes_per_param * sum(
+            p.numel() for p in model.parameters()
+        )
 
 
 def test_lion_steps_as_its_formula_says():

@@ -65,11 +65,17 @@ def resolve_checkpoint(path: str) -> str:
             "checkpoint directory or an export folder"
         )
     if is_export_dir(path):
+        linked = integrity.link_problem(path)
+        if linked:  # loading never reads through a link out of the folder (a copy or not)
+            raise LoadError(f"checkpoint {linked}")
         return path
     try:
         ckpt = find_checkpoint(path)
     except ExportError as exc:
         raise LoadError(f"checkpoint {exc}") from None
+    linked = integrity.link_problem(ckpt)
+    if linked:
+        raise LoadError(f"checkpoint {linked}")
     note = integrity.unverified_note(ckpt)
     if note:
         print(f"warning: {note}", file=sys.stderr)

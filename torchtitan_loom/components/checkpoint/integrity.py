@@ -58,6 +58,18 @@ SHARED_FOLDER_HINT = (
 )
 
 
+def link_problem(root: str) -> str | None:
+    """One line naming the symbolic links in the checkpoint directory ``root``, None without any:
+    a checkpoint holds only its own files, so loading (verified or not) never reads through one."""
+    try:
+        links = sorted(n for n in os.listdir(root) if os.path.islink(os.path.join(root, n)))
+    except OSError:
+        return None  # an unreadable folder is the verification's (or the load's) to report
+    if links:
+        return f"{root}: {', '.join(links)}: symbolic links; a checkpoint holds only its own files"
+    return None
+
+
 def missing_data_files(root: str) -> str | None:
     """None when ``root`` holds no link and every data file its DCP metadata names is there, a
     regular file at least as long as the bytes it points into; else one line naming what is wrong.
@@ -65,9 +77,9 @@ def missing_data_files(root: str) -> str | None:
     folder): a checkpoint committed without it could never be loaded."""
     from torchtitan_loom.components.checkpoint.safe_read import UnsafeCheckpoint, read_metadata_file
 
-    links = sorted(n for n in os.listdir(root) if os.path.islink(os.path.join(root, n)))
-    if links:
-        return f"{root}: {', '.join(links)}: symbolic links; a checkpoint holds only its own files"
+    linked = link_problem(root)
+    if linked:
+        return linked
     try:
         storage = read_metadata_file(root).storage_data
     except UnsafeCheckpoint as exc:  # its reader refuses a metadata file naming a missing file

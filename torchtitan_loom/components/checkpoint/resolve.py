@@ -58,7 +58,9 @@ def choose(
         if entry.path in exclude:
             why = exclude[entry.path]
             return why if why.startswith(entry.path) else f"{entry.path}: {why}"
-        return None if verify == "none" else checkpoint_problem(entry.path, quick=verify == "quick")
+        if verify == "none":  # unverified, but never read through a link out of the folder
+            return integrity.link_problem(entry.path)
+        return checkpoint_problem(entry.path, quick=verify == "quick")
 
     if load_step >= 0:
         entry = found.find(load_step)
@@ -104,7 +106,11 @@ def choose(
         )
     if initial_load_path:
         path = warm_start_dir(initial_load_path)
-        bad = None if verify == "none" else checkpoint_problem(path, quick=verify == "quick")
+        bad = (
+            integrity.link_problem(path)
+            if verify == "none"
+            else checkpoint_problem(path, quick=verify == "quick")
+        )
         if bad:
             raise ValueError(
                 f"checkpoint.initial_load_path = '{initial_load_path}': checkpoint is corrupt: {bad}"
