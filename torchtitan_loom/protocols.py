@@ -48,6 +48,17 @@ class ModelOutput(NamedTuple):
     ModelProtocol.observation_layout) of every layer and loop of the range, stacked; None without it."""
 
 
+class HfExport(NamedTuple):
+    """What ``tools.export --format hf`` writes of a model besides its weights and tokenizer."""
+
+    modeling_file: str
+    """The file name transformers loads the model's code from (``modeling_<type>.py``)."""
+    modeling_source: str
+    """Its source: standalone, importing nothing from torchtitan_loom."""
+    config: dict[str, Any]
+    """The model's own config.json fields (architectures, model_type, auto_map, its args)."""
+
+
 class Routing(NamedTuple):
     """How a model with routed experts reports them (``ModelProtocol.routing``)."""
 
@@ -287,6 +298,10 @@ class TrainSpec:
     """portable_args(args, decoding) -> the args the inference tools run a trained model with: kernels
     that run on any device, the training math unchanged; ``decoding`` also makes each token's result
     independent of the rest of the batch (incremental decoding). None: the args as trained."""
+
+    hf_export_fn: Callable[[Any], HfExport] | None = None
+    """hf_export(model_args) -> the Hugging Face modeling file and config fields (tools.export
+    --format hf); None: the model has no HF export, and the tool says so in one line."""
 
     cost_fn: Callable[..., ModelCost] | None = None
     """cost(model_args, parallel_dims, job_config) -> ModelCost: FSDP units, FLOPs and activation

@@ -7,6 +7,7 @@ import ast
 import inspect
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate  # noqa: E402
 from torchtitan_loom.models.loom import attention, looping_residual, model  # noqa: E402
+from torchtitan_loom.models.loom.infra.hf_source import MODELING_FILE, modeling_source  # noqa: E402
 from torchtitan_loom.tools import export as export_tool  # noqa: E402
-from torchtitan_loom.tools.hf_export import MODELING_FILE, _tokenizer_files, modeling_source  # noqa: E402
+from torchtitan_loom.tools.hf_export import _tokenizer_files  # noqa: E402
 from torchtitan_loom.tools.loading import Loaded, load  # noqa: E402
 
 
@@ -174,3 +176,45 @@ def test_exported_files_get_the_umask_mode(trained_run, tmp_path, fmt):
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert modes and set(modes.values()) == {0o640}, modes
+
+
+def test_the_stitched_sources_follow_the_model_imports():
+    """Issue 36: the modeling file's sources are derived from model.py's imports (a module the
+    model starts to import is stitched in by construction; swiglu.py went missing from the hand
+    list once). Each module comes after every stitched module it imports from."""
+    import ast
+
+    from torchtitan_loom.models.loom.infra import hf_source
+
+    order = hf_source.model_sources()
+    assert "models/loom/swiglu.py" in order and "data_contract.py" in order
+    assert not any(s.startswith("models/loom/infra/") for s in order)
+    for i, rel in enumerate(order):
+        tree = ast.parse((hf_source._PKG / rel).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "torchtitan_loom"
+            ):
+                for dep in hf_source._imported_files(node):
+                    if dep in order:
+                        assert order.index(dep) < i, (rel, dep)
+
+
+def test_a_model_without_an_hf_exporter_is_one_line(tmp_path, capsys):
+    """A spec without hf_export_fn: export --format hf refuses it in one line (exit 2) instead of
+    writing LOOM's modeling file for another model."""
+    import dataclasses
+
+    from torchtitan_loom.protocols import get_train_spec, register_train_spec
+    from torchtitan_loom.tools import hf_export
+
+    loom = get_train_spec("loom")
+    register_train_spec(
+        "loom_no_hf", dataclasses.replace(loom, name="loom_no_hf", hf_export_fn=None)
+    )
+    loaded = SimpleNamespace(name="loom_no_hf", args=None)
+    with pytest.raises(
+        hf_export.ExportError, match="model 'loom_no_hf' has no Hugging Face export"
+    ):
+        hf_export.export_hf(loaded, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

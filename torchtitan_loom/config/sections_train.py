@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_loom.components.optim.choices import LR_KINDS, OPTIMIZER_NAMES
+from torchtitan_loom.components.optim.choices import LR_KINDS, OPTIMIZER_NAMES, OPTIMIZERS
 from torchtitan_loom.components.optim.choices import (
     VALID_IMPLEMENTATIONS as OPTIMIZER_IMPLEMENTATIONS,
 )
@@ -84,6 +84,16 @@ class Optimizer:
     eps: float = opt(1e-8, "AdamW ε (Lion has none).")
     weight_decay: float = opt(0.1, "Decoupled weight decay, on every parameter.")
     implementation: str = opt("foreach", "AdamW kernel.", choices=OPTIMIZER_IMPLEMENTATIONS)
+
+    # The optimizer table's figures for the chosen one (components/optim/choices.py), for readers
+    # below the components layer (the dry run's estimate); not config keys.
+    @property
+    def state_bytes_per_param(self) -> int:
+        return OPTIMIZERS[self.name].state_bytes_per_param
+
+    @property
+    def state_label(self) -> str:
+        return OPTIMIZERS[self.name].state_label
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan_loom.components.runtime.messages import count
+from torchtitan_loom.distributed.estimate import count
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import Sharding, get_train_spec
 

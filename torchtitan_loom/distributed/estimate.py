@@ -23,8 +23,6 @@ import math
 import re
 from typing import Any, Callable, NamedTuple
 
-from torchtitan_loom.components.optim.choices import OPTIMIZERS
-from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
@@ -54,6 +52,12 @@ class Estimate(NamedTuple):
     """Percent."""
 
 
+def count(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun in the number it needs (``1 rank``, ``2 ranks``); components' messages.py
+    has the same helper for the layers above this one."""
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"
+
+
 def seconds(c: Collective, hw: Any) -> float:
     """Roofline time of all calls of one collective in a step."""
     factor = (c.size - 1) / c.size * (2 if c.kind == "all_reduce" else 1)
@@ -65,7 +69,6 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     """The estimate of `cfg` on `dims` (cost: the spec's ModelCost, built when not given)."""
     cost = cost or get_train_spec(cfg.model.name).cost_fn(model_args, dims, cfg)
     t, hw = cfg.training, cfg.estimate
-    optimizer = OPTIMIZERS[cfg.optimizer.name]
     pb, rb = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
     segs = [cost.segment(a, b) for a, b in segments(model_args.num_loops, t.bp_segment_len)]
@@ -92,7 +95,8 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     memory = {
         "parameters (fp32)": 4.0 * local,
         "gradients (fp32)": 4.0 * local,
-        optimizer.state_label: float(optimizer.state_bytes_per_param * local),
+        # The optimizer table's figures, read through the config (this layer is below components).
+        cfg.optimizer.state_label: float(cfg.optimizer.state_bytes_per_param * local),
         "gathered parameters": float(gathered_bytes),
         "unsharded gradient accumulation": float(unsharded_grads),
         f"activations of one micro-batch ({cfg.activation_checkpoint.mode})": float(

@@ -1,12 +1,11 @@
 """``tools.export CKPT OUT --format hf``: a folder that transformers loads with
 ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``.
 
-    config.json           LoomConfig: the LOOM args, auto_map, vocab/eos, the checkpoint step
-    modeling_loom.py      GENERATED at export time: the source of models/loom/{args, looping_residual,
-                          attention, moe, block, model}.py and the two output types of protocols.py,
-                          with the package-internal imports removed, then the thin wrapper of
-                          models/loom/infra/hf_wrapper_template.py. One copy of the same math, no second
-                          implementation to keep in sync; it imports nothing from torchtitan_loom.
+    config.json           the model's fields (LOOM: LoomConfig, the args, auto_map), vocab/eos, the
+                          checkpoint step
+    modeling_loom.py      GENERATED at export time by the model's TrainSpec.hf_export_fn (LOOM:
+                          models/loom/infra/hf_source.py, from the package's own model source); a
+                          model whose spec has none is refused with one line
     model.safetensors     the parameters (fp32 or bf16) and the fp32 expert bias, keys "model.<name>"
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
                           the pack's own tokenizer.json when it has one; for the byte tokenizer a
@@ -28,119 +27,21 @@ architecture; the export keeps "loom".
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 import json
 import os
 from pathlib import Path
 
 import torch
 
-import torchtitan_loom
 from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.tools.export_format import give_umask_mode
+from torchtitan_loom.protocols import get_train_spec
+from torchtitan_loom.tools.export_format import ExportError, give_umask_mode
 from torchtitan_loom.tools.loading import Loaded
 from torchtitan_loom.tools.out_files import write_file
 
-MODELING_FILE = "modeling_loom.py"
+MODELING_FILE = "modeling_loom.py"  # LOOM's (models/loom/infra/hf_source.py): cleared by --force
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 HF_NAMES = ("config.json", MODELING_FILE, "model.safetensors", *TOKENIZER_FILES)
-_PKG = Path(torchtitan_loom.__file__).parent
-# Stitch order: every module after the ones it imports from.
-MODEL_SOURCES = (
-    "data_contract.py",
-    "models/loom/args.py",
-    "models/loom/target.py",
-    "models/loom/flex_compiled.py",
-    "models/loom/looping_residual.py",
-    "models/loom/attention.py",
-    "models/loom/swiglu.py",
-    "models/loom/moe.py",
-    "models/loom/block.py",
-    "models/loom/expert_bias.py",
-    "models/loom/counts.py",
-    "models/loom/weight_init.py",
-)
-PROTOCOL_NAMES = ("ModelOutput", "Routing")
-WRAPPER_SOURCE = "models/loom/infra/hf_wrapper_template.py"
-
-
-def _is_internal(node: ast.stmt) -> bool:
-    """An import of the package itself, or ``from __future__`` (hoisted to the top once)."""
-    if isinstance(node, ast.ImportFrom):
-        return node.module == "__future__" or (node.module or "").startswith("torchtitan_loom")
-    if isinstance(node, ast.Import):
-        return any(a.name.startswith("torchtitan_loom") for a in node.names)
-    return False
-
-
-def _strip(source: str, keep: tuple[str, ...] | None = None) -> tuple[str, set[str]]:
-    """The module source without internal imports (only the top-level definitions named in
-    ``keep`` when given, plus its plain imports), and the names it defines at top level."""
-    tree = ast.parse(source)
-    lines = source.splitlines()
-    pieces, defined = [], set()
-    for node in tree.body:
-        if _is_internal(node):
-            continue
-        name = getattr(node, "name", None)
-        if (
-            keep is not None
-            and not isinstance(node, (ast.Import, ast.ImportFrom))
-            and name not in keep
-        ):
-            continue
-        if name is not None:
-            defined.add(name)
-        for target in getattr(node, "targets", []):
-            if isinstance(target, ast.Name):
-                defined.add(target.id)
-        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        # Lazy internal imports inside functions go too: their names are stitched in at top level.
-        nested = {
-            n
-            for sub in ast.walk(node)
-            if sub is not node
-            and isinstance(sub, (ast.Import, ast.ImportFrom))
-            and _is_internal(sub)
-            for n in range(sub.lineno, sub.end_lineno + 1)
-        }
-        text = "\n".join(
-            line
-            for n, line in enumerate(lines[start - 1 : node.end_lineno], start)
-            if n not in nested
-        )
-        is_import = isinstance(node, (ast.Import, ast.ImportFrom))
-        if pieces and not (is_import and pieces[-1][0]):
-            text = "\n\n" + text  # PEP 8 spacing between top-level statements
-        pieces.append((is_import, text))
-    return "\n".join(text for _, text in pieces), defined
-
-
-def modeling_source() -> str:
-    """The standalone modeling file (see the module doc)."""
-    parts = [
-        '"""LOOM for transformers: GENERATED by `python -m torchtitan_loom.tools.export --format hf` from\n'
-        'the torchtitan_loom model source; do not edit (regenerate it instead)."""\n',
-        "from __future__ import annotations\n",
-    ]
-    seen: dict[str, str] = {}
-    sources = [(s, None) for s in MODEL_SOURCES] + [
-        ("protocols.py", PROTOCOL_NAMES),
-        ("models/loom/model.py", None),
-        (WRAPPER_SOURCE, None),
-    ]
-    for rel, keep in sources:
-        body, defined = _strip((_PKG / rel).read_text(), keep)
-        clash = sorted(n for n in defined if n in seen and not n.isupper())
-        if clash:
-            raise RuntimeError(
-                f"{rel} redefines {clash} already defined by {seen[clash[0]]}; rename one of them"
-            )
-        seen.update({n: rel for n in defined})
-        parts.append(f"\n# {'-' * 70} from torchtitan_loom/{rel}\n\n{body}\n")
-    return "\n".join(parts)
-
 
 # The byte tokenizer's special tokens, spelled as HFTokenizer (components/data/tokenizer.py)
 # finds them again: the first EOS candidate and "<pad>".
@@ -204,10 +105,17 @@ def export_hf(loaded: Loaded, out: str, dtype: torch.dtype = torch.float32) -> l
     """Write the HF folder for ``loaded`` into ``out``; returns the file names written."""
     from safetensors.torch import save_file
 
+    spec = get_train_spec(loaded.name)
+    if spec.hf_export_fn is None:
+        raise ExportError(
+            f"model '{loaded.name}' has no Hugging Face export (its TrainSpec sets no "
+            f"hf_export_fn); export it with --format safetensors"
+        )
+    hf = spec.hf_export_fn(loaded.args)
     os.makedirs(
         out, exist_ok=True
     )  # export.prepare_out made and checked it; a library call may not
-    write_file(os.path.join(out, MODELING_FILE), modeling_source(), out)
+    write_file(os.path.join(out, hf.modeling_file), hf.modeling_source, out)
     buffers = {name for name, _ in loaded.model.named_buffers()}
     tensors = {}
     for name, t in loaded.model.state_dict().items():
@@ -225,19 +133,9 @@ def export_hf(loaded: Loaded, out: str, dtype: torch.dtype = torch.float32) -> l
             os.remove(tmp)
     tok = loaded.tokenizer
     config = {
-        "architectures": ["LoomForCausalLM"],
-        "model_type": "loom",
-        "auto_map": {
-            "AutoConfig": "modeling_loom.LoomConfig",
-            "AutoModelForCausalLM": "modeling_loom.LoomForCausalLM",
-        },
-        "loom_args": dataclasses.asdict(loaded.args),
-        "loops": None,
-        "vocab_size": loaded.args.vocab_size,
-        "max_position_embeddings": loaded.args.max_seq_len,
+        **hf.config,
         "eos_token_id": None if tok is None else tok.eos_id,
         "pad_token_id": None if tok is None else tok.pad_id,
-        "use_cache": False,
         "dtype": str(dtype).replace("torch.", ""),
         "torchtitan_loom": {
             "step": loaded.step,
@@ -246,6 +144,6 @@ def export_hf(loaded: Loaded, out: str, dtype: torch.dtype = torch.float32) -> l
         },
     }
     write_file(os.path.join(out, "config.json"), json.dumps(config, indent=2) + "\n", out)
-    files = ["config.json", MODELING_FILE, "model.safetensors"] + _tokenizer_files(loaded, out)
+    files = ["config.json", hf.modeling_file, "model.safetensors"] + _tokenizer_files(loaded, out)
     give_umask_mode(out, files)
     return files

@@ -9,6 +9,7 @@ from torchtitan_loom.models.loom.attention import resolve_attn_backend
 from torchtitan_loom.models.loom.float8_experts import convert_float8_experts
 from torchtitan_loom.models.loom.infra.checks import config_errors, layout_errors
 from torchtitan_loom.models.loom.infra.cost import loom_cost
+from torchtitan_loom.models.loom.infra.hf_source import loom_hf_export
 from torchtitan_loom.models.loom.infra.parallelize import parallelize_loom
 from torchtitan_loom.models.loom.model import LoomTransformer
 from torchtitan_loom.models.loom.moe import moe_gemm_fallbacks
@@ -63,5 +64,6 @@ register_train_spec(
         # The expert bias decides routing: the inference tools keep it fp32 in a bf16 model.
         inference_fp32_fn=lambda name: name.endswith(".expert_bias"),
         portable_args_fn=portable_args,
+        hf_export_fn=loom_hf_export,
     ),
 )
