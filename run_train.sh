@@ -103,8 +103,11 @@ if [[ "${NNODES}" == *:* ]]; then
   # Without sharing, each round's rank 0 publishes a fresh address for the workers' own store.
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
   echo "run_train.sh: elastic ${NNODES} nodes × ${NGPU}, rendezvous ${MASTER_ADDR}:${MASTER_PORT}, run id ${RDZV_ID}, ${MAX_RESTARTS} restarts"
+  # torchrun logs every worker exit but 0 as an error; exit 3 is the workers' own "lost a peer,
+  # restart me" (each said why in one line), so that one line of torchrun's is dropped.
   exec "${PYTHON}" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node "${NGPU}" \
-    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 "${launch[@]}"
+    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 "${launch[@]}" \
+    2> >(grep -v --line-buffered -E '\] failed \(exitcode: 3\) local_rank:' >&2)
 fi
 
 if (( NNODES == 1 && NGPU == 1 )); then

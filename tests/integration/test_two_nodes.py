@@ -103,7 +103,10 @@ def test_two_jobs_on_one_rendezvous_stop_at_the_start(tiny_pack, tmp_path, launc
     a, b = tmp_path / "job_a", tmp_path / "job_b"
     port = _free_port()
     procs = [_node(0, _args(tiny_pack, a), port), _node(1, _args(tiny_pack, b), port)]
-    for code, out in _finish(procs, LAUNCHES * launch_cost_s):
+    outs = _finish(procs, LAUNCHES * launch_cost_s)
+    # The second node's console (its local rank 0 is not rank 0) says it joined (issue 35).
+    assert "[torchtitan_loom] joined the run as rank 1 of 2" in outs[1][1], outs[1][1][-3000:]
+    for code, out in outs:
         assert code in STOPPED, out[-3000:]
         line = next(ln for ln in out.splitlines() if "run folder error" in ln)
         assert "rank 1" in line and "another config than rank 0" in line, line

@@ -97,3 +97,33 @@ def test_load_step_never_creates_anything_through_a_planted_abandoned_link(
     assert "abandoned" in err and "symbolic link" in err, err
     assert list(outside.iterdir()) == []
     assert (dump / "checkpoint" / "step-6").is_dir()  # nothing moved
+
+
+def test_a_run_whose_checkpoints_are_all_damaged_gets_no_new_tensorboard_file(
+    tiny_pack, tmp_path, capsys
+):
+    """Issue 34: the refused relaunch of an all-damaged folder left a new TensorBoard event file:
+    TensorBoard's folder is made at its first write, after the resume."""
+    dump = tmp_path / "run"
+    tb = ("--metrics.enable_tensorboard", "true")
+    assert launch.run(argv(tiny_pack, dump, *tb, steps=4), Trainer) == 0
+    launches = sorted(p.name for p in (dump / "tb").iterdir())
+    assert len(launches) == 1
+    for step in layout.scan(str(dump / "checkpoint")).complete:
+        with open(os.path.join(step.path, "__0_0.distcp"), "r+b") as fh:
+            fh.write(b"damaged")
+    capsys.readouterr()
+    assert launch.run(argv(tiny_pack, dump, *tb, steps=6), Trainer) == exit_codes.BAD_INPUT
+    assert "every complete checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in (dump / "tb").iterdir()) == launches
+
+
+def test_a_peer_lost_while_a_step_is_saved_is_said_to_be_after_that_step(tmp_path):
+    """Issue 34: "lost a peer during step 7" when the peer died while step 6 was saved."""
+    from torchtitan_loom.config import load_config
+
+    cfg = load_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable"])
+    during = launch._lost_peer(cfg, 6, "RuntimeError: gone", in_step=True)
+    after = launch._lost_peer(cfg, 6, "RuntimeError: gone", in_step=False)
+    assert during.message.startswith("lost a peer during step 7 (RuntimeError: gone)")
+    assert after.message.startswith("lost a peer after step 6 (its eval or save) (RuntimeError")

@@ -181,10 +181,10 @@ def test_disk_full_while_logging_reported_from_the_writer(tiny_pack, tmp_path, c
             raise OSError(errno.ENOSPC, "No space left on device", self.jsonl_path)
         real_log(self, step, *args, **kwargs)
 
-    def atomic_write(path, data):  # no room for run.json's temporary copy any more
+    def atomic_write(path, data, owner=None):  # no room for run.json's temporary copy any more
         if path.endswith("run.json") and '"failed"' in str(data):
             raise OSError(errno.ENOSPC, "No space left on device", path + ".partial")
-        return real_write(path, data)
+        return real_write(path, data, owner)
 
     monkeypatch.setattr(metrics.MetricsLogger, "log", log)
     monkeypatch.setattr(safe_files, "atomic_write", atomic_write)
