@@ -85,7 +85,7 @@ class ModelProtocol(Protocol):
     from the args before any model exists); its other fields are the model's own ``[model]`` keys."""
     region_wrappers: dict[str, Callable[..., Any]]
     """The AC seam: scope -> wrapper(fn, *args) that must return fn(*args); empty = plain calls.
-    Scopes are the model's own; parameter names never change."""
+    The scopes a model passes are declared in ``TrainSpec.checkpoint_scopes``; names never change."""
 
     @property
     def num_loops(self) -> int:
@@ -265,7 +265,15 @@ class TrainSpec:
     model_args: Mapping[str, Any]
     """flavor name -> model args (a frozen dataclass; its fields are the ``[model]`` config keys)."""
     parallelize_fn: Callable[..., Parallelized] | None = None
-    """parallelize(model, parallel_dims, job_config) -> Parallelized; None = a plain replicated model."""
+    """parallelize(model, parallel_dims, job_config) -> Parallelized: expert parallelism and FSDP2,
+    after the trainer applied AC and compile (distributed/model_wrappers.py); None = a plain
+    replicated model."""
+    checkpoint_scopes: tuple[str, ...] = ()
+    """The ``activation_checkpoint.mode`` values the model honours: scopes its forward passes
+    through ``region_wrappers``. Another mode is a config error."""
+    compile_units_fn: Callable[[nn.Module], list[nn.Module]] | None = None
+    """model -> the submodules torch.compile compiles in place (names unchanged; one graph should
+    serve every loop). None: ``compile.enable`` is a config error."""
     kernel_report_fn: Callable[..., list[str]] | None = None
     """kernel_report(model, device_type, compute_dtype, compiling) -> log lines naming the kernels the
     model will use on this device (attention backend, GEMM fallbacks); the trainer logs them once."""

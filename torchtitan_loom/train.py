@@ -152,7 +152,7 @@ class Trainer(TrainerBuild, SegmentedStep):
             first_step=self.state.step,
             log=self.log,
             total_steps=t.steps,
-            compiling=cfg.compile.enable,
+            compiling=self.compiled_units,
         )
         tools = contextlib.ExitStack()  # profiler, memory snapshots and GC control
         profiler = tools.enter_context(

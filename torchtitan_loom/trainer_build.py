@@ -26,6 +26,7 @@ from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.components.runtime.train_state import TrainState
 from torchtitan_loom.config import to_toml
 from torchtitan_loom.distributed import utils as dist_utils
+from torchtitan_loom.distributed.model_wrappers import apply_checkpoint_and_compile
 from torchtitan_loom.protocols import ModelProtocol, segments
 
 
@@ -33,7 +34,7 @@ class TrainerBuild:
     """The Trainer's builders (a base of ``train.Trainer``; not used alone)."""
 
     def _build_model(self) -> ModelProtocol:
-        """meta → (converters) → parallelize → materialise → layout-independent init."""
+        """meta → (converters) → AC, compile → parallelize → materialise → layout-independent init."""
         cfg, t = self.cfg, self.cfg.training
         with torch.device("meta"):
             model = self.spec.model_cls(self.model_args)
@@ -55,6 +56,10 @@ class TrainerBuild:
         )
         if self.float8 is not None:
             self.log(self.float8.convert(model).summary(self.float8.plan))
+        # AC and compile where the model declares them (the config check refused anything else).
+        self.compiled_units = apply_checkpoint_and_compile(
+            model, self.spec, cfg, expert_parallel=self.parallel_dims.ep_enabled
+        )
         if self.spec.parallelize_fn is not None:
             model, self.finish_gradients, self.before_micro_batch = self.spec.parallelize_fn(
                 model, self.parallel_dims, cfg

@@ -213,7 +213,7 @@ def check_bf16_experts(ep_mesh, dp_mesh) -> None:
 
 
 def check_compile_breaks_at_dispatch(ep_mesh) -> None:
-    """torch.compile of an EP MoE call (fullgraph off, as parallelize applies it with EP): with
+    """torch.compile of an EP MoE call (fullgraph off, as the trainer applies it with EP): with
     capacity off it breaks the graph only at the documented dispatch point, the host copy of the
     split sizes in _split_sizes (every break reason's innermost frame is _split_sizes; dynamo
     reports it once per frame it falls back through: 3 on torch 2.13 — LoomMoE.forward,

@@ -25,7 +25,7 @@ import torch
 
 from torchtitan_loom.components.loss import token_ce_sum
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
-from torchtitan_loom.models.loom.infra.parallelize import apply_compile
+from torchtitan_loom.distributed.model_wrappers import apply_compile
 from batches import two_document_batch  # tests/unit/batches.py
 from test_float8 import converted  # tests/unit/test_float8.py
 
@@ -72,7 +72,7 @@ def test_every_parameter_gets_its_eager_gradient_under_compile(backend, float8):
     want = _grads(eager_model)
     torch._dynamo.reset()
     try:
-        apply_compile(compiled_model, backend=backend, fullgraph=True)
+        apply_compile(list(compiled_model.layers), backend=backend, fullgraph=True)
         got = _grads(compiled_model)
     finally:
         torch._dynamo.reset()

@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from torchtitan_loom.components.loss import token_ce_sum
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
-from torchtitan_loom.models.loom.infra.parallelize import apply_compile
+from torchtitan_loom.distributed.model_wrappers import apply_compile
 from batches import two_document_batch  # tests/unit/batches.py
 
 HOST_SYNC_TARGETS = ("item", "tolist", "_local_scalar_dense")
@@ -47,7 +47,7 @@ def test_compiled_block_one_graph_no_break(dtype, ac):
         apply_activation_checkpointing(
             model, ac, save_routing=False
         )  # as parallelize does under compile
-    apply_compile(model, backend=recording_backend, fullgraph=True)
+    apply_compile(list(model.layers), backend=recording_backend, fullgraph=True)
     after_loop = {}
     inner = model.region_wrappers.get("loop")
 

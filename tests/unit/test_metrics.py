@@ -175,10 +175,10 @@ def test_step_metrics_eta_and_compile_lines():
         first_step=0,
         log=logged.append,
         total_steps=10,
-        compiling=True,
+        compiling=2,
         clock=lambda: next(clock),
     )
-    assert logged == ["compiling blocks (first step) ..."]
+    assert logged == ["compiling 2 modules (first step) ..."]
     report.step_done(1)
     assert logged[-1] == "first step done in 100.0 s (compiling included)"
     assert report.eta_seconds(1) is None  # one timed step: no pace yet

@@ -92,13 +92,13 @@ def test_spec_3_init_table():
 def test_activation_checkpointing_and_compile_keep_parameter_names():
     # init seeds and checkpoints key on parameter names: the wrappers must not add prefixes.
     from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
-    from torchtitan_loom.models.loom.infra.parallelize import apply_compile
+    from torchtitan_loom.distributed.model_wrappers import apply_compile
 
     args = loom_flavors["debug"]
     with torch.device("meta"):
         plain, wrapped = LoomTransformer(args), LoomTransformer(args)
     apply_activation_checkpointing(wrapped, "block", save_routing=True)
-    apply_compile(wrapped, backend="eager")
+    apply_compile(list(wrapped.layers), backend="eager", fullgraph=True)
     assert list(dict(wrapped.named_parameters())) == list(dict(plain.named_parameters()))
     assert list(wrapped.state_dict()) == list(plain.state_dict())
 

@@ -1,5 +1,5 @@
-"""torch.compile per block (models/loom/infra/parallelize.py: apply_compile): one segmented train step at
-H = 9, K = 3 (with per-loop activation checkpointing) compiles at most 3 graph variants for all the
+"""torch.compile per block (distributed/model_wrappers.py, the units LOOM's spec declares): one
+segmented train step at H = 9, K = 3 (with per-loop activation checkpointing) compiles at most 3 graph variants for all the
 block calls (no per-loop recompile, even past dynamo's recompile limit of 8), breaks no graph, and
 matches eager without checkpointing.
 

@@ -7,6 +7,7 @@ has (no LOOM hook stubbed).
 Legend: B rows, S sequence length, D width, V vocab, T loops of a call.
 """
 
+import dataclasses
 import datetime
 import json
 import math
@@ -56,6 +57,17 @@ class ToyArgs:
             raise ValueError("ToyArgs.num_loops must be >= 1")
 
 
+class ToyMLP(nn.Module):
+    """Its own forward (dynamo skips torch's container modules when one is compiled alone)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x_BSD)))
+
+
 class LoopedDenseToy(nn.Module):
     """z <- z + MLP(z), H times, then a head; no experts, no routing bias."""
 
@@ -63,9 +75,7 @@ class LoopedDenseToy(nn.Module):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.mlp = nn.Sequential(
-            nn.Linear(args.dim, 4 * args.dim), nn.GELU(), nn.Linear(4 * args.dim, args.dim)
-        )
+        self.mlp = ToyMLP(args.dim)
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.region_wrappers = {}
 
@@ -93,9 +103,16 @@ class LoopedDenseToy(nn.Module):
     ):
         loop_end = self.num_loops if loop_end is None else loop_end
         z_BSD = self.embed(tokens_BS) if carry is None else carry  # the carry is the stream itself
-        for _ in range(loop_start, loop_end + 1):
-            z_BSD = z_BSD + self.mlp(z_BSD)
+        for _ in range(loop_start, loop_end + 1):  # each loop one "loop" scope of the AC seam
+            z_BSD = self._region("loop", self._loop, z_BSD)
         return ModelOutput(self.head(z_BSD).float(), z_BSD, torch.zeros(()))
+
+    def _loop(self, z_BSD: torch.Tensor) -> torch.Tensor:
+        return z_BSD + self.mlp(z_BSD)
+
+    def _region(self, scope, fn, *args):
+        wrapper = self.region_wrappers.get(scope)
+        return fn(*args) if wrapper is None else wrapper(fn, *args)
 
     routing = None  # no routed experts: no counts, no routing statistics
 
@@ -141,6 +158,8 @@ TOY_SPEC = TrainSpec(
     model_cls=LoopedDenseToy,
     model_args={"tiny": ToyArgs()},
     parallelize_fn=parallelize_toy,
+    checkpoint_scopes=("loop",),
+    compile_units_fn=lambda model: [model.mlp],
 )
 
 
@@ -208,6 +227,66 @@ def test_a_second_model_trains_through_the_same_trainer(tiny_pack, tmp_path):
     # Only what it has: no after-step update, no decode cache, and nothing stubbed for either.
     assert not isinstance(trainer.model, (UpdatesAfterStep, DecodesIncrementally))
     assert (dump / "checkpoint" / "step-8").is_dir()
+
+
+def test_the_toy_trains_with_the_ac_and_compile_it_declares(tiny_pack, tmp_path, capsys):
+    """AC and compile reach a second family through its spec's declarations (the trainer applies
+    them, not LOOM's parallelize): the loop scope holds the checkpoint wrapper, the MLP is compiled
+    (dynamo made a graph of it), and the losses are the plain run's. aot_eager traces the same aten
+    ops and recompute replays them, so the only difference allowed is float32 reassociation inside
+    AOT autograd's decompositions: 1e-6 relative, far below the 1e-2 a lost gradient would move
+    the loss by step 4."""
+    register_train_spec("toy_looped", TOY_SPEC)
+    plain = load_config(toy_argv(tiny_pack, tmp_path / "plain", steps=4))
+    assert Trainer(plain, resolve(plain, 1), CPU).train() == 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    extra = ("--activation_checkpoint.mode", "loop", "--compile.enable", "true")
+    argv = toy_argv(
+        tiny_pack, tmp_path / "wrapped", *extra, "--compile.backend", "aot_eager", steps=4
+    )
+    cfg = load_config(argv)
+    trainer = Trainer(cfg, resolve(cfg, 1), CPU)
+    assert set(trainer.model.region_wrappers) == {"loop"}
+    assert trainer.train() == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the MLP was compiled
+    assert "compiling 1 module (first step) ..." in capsys.readouterr().out
+    _, want = losses_of(tmp_path / "plain")
+    _, got = losses_of(tmp_path / "wrapped")
+    assert got.keys() == want.keys() == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0), step
+    torch._dynamo.reset()
+
+
+def test_ac_or_compile_a_model_does_not_declare_is_refused(tiny_pack, tmp_path, capsys):
+    bare = dataclasses.replace(
+        TOY_SPEC, name="toy_bare", checkpoint_scopes=(), compile_units_fn=None
+    )
+    register_train_spec("toy_bare", bare)
+
+    def argv(*extra):
+        return [*toy_argv(tiny_pack, tmp_path / "run", *extra), "--model.name", "toy_bare"]
+
+    assert main(argv("--activation_checkpoint.mode", "block")) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "config error: activation_checkpoint.mode = 'block': model 'toy_bare' declares no such "
+        "checkpoint scope (TrainSpec.checkpoint_scopes); valid for it: none"
+    )
+    assert main(argv("--compile.enable", "true")) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "config error: compile.enable = true: model 'toy_bare' declares nothing to compile "
+        "(TrainSpec.compile_units_fn); set compile.enable = false"
+    )
+    # The toy declares only its loop scope: another scope of the trainer's vocabulary is refused.
+    register_train_spec("toy_looped", TOY_SPEC)
+    assert (
+        main(toy_argv(tiny_pack, tmp_path / "run2", "--activation_checkpoint.mode", "segment")) == 2
+    )
+    assert "valid for it: none, loop" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run2").exists()
 
 
 def test_model_keys_are_the_chosen_models(tiny_pack, tmp_path, capsys):

@@ -191,8 +191,8 @@ class ActivationCheckpoint:
     mode: str = opt(
         "none",
         "Recompute activations in backward: per block call (block), per loop (loop) or "
-        "per backprop segment of K loops (segment); routing decisions are saved, never "
-        "recomputed differently.",
+        "per backprop segment of K loops (segment), where the model declares the scope (LOOM: "
+        "all three); routing decisions are saved, never recomputed differently.",
         choices=AC_MODES,
     )
 
@@ -200,7 +200,9 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = opt(
-        False, "torch.compile each block; one graph serves every loop (no per-loop recompile)."
+        False,
+        "torch.compile the modules the model declares (LOOM: each block; one graph serves "
+        "every loop, no per-loop recompile).",
     )
     backend: str = opt(
         "inductor",

@@ -241,6 +241,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         args is not None and spec.config_errors_fn is not None
     ):  # the model's own rules (its keys, its layout)
         errors += spec.config_errors_fn(cfg, args, dims)
+    errors += wrapper_errors(cfg, spec)
     if cfg.metrics.enable_wandb:
         if importlib.util.find_spec("wandb") is None:
             errors.append(
@@ -300,3 +301,23 @@ def load_and_resolve(
             raise ConfigError(f"{exc}\n{more}") from None
         raise
     return cfg, resolve(cfg, world_size_of(cfg))
+
+
+def wrapper_errors(cfg: Any, spec: Any) -> list[str]:
+    """AC and compile only where the model declares them (TrainSpec.checkpoint_scopes,
+    compile_units_fn): the trainer applies them through those, so anything else would be a silent
+    no-op."""
+    errors = []
+    mode, name = cfg.activation_checkpoint.mode, cfg.model.name
+    if mode != "none" and mode not in spec.checkpoint_scopes:
+        valid = ", ".join(("none", *spec.checkpoint_scopes))
+        errors.append(
+            f"activation_checkpoint.mode = {mode!r}: model '{name}' declares no such checkpoint "
+            f"scope (TrainSpec.checkpoint_scopes); valid for it: {valid}"
+        )
+    if cfg.compile.enable and spec.compile_units_fn is None:
+        errors.append(
+            f"compile.enable = true: model '{name}' declares nothing to compile "
+            f"(TrainSpec.compile_units_fn); set compile.enable = false"
+        )
+    return errors

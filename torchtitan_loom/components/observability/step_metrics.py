@@ -27,6 +27,7 @@ from torchtitan_loom.components.observability.metrics import (
     memory_stats,
     throughput,
 )
+from torchtitan_loom.components.runtime.messages import count
 
 # Steps whose wall time the ETA averages: long enough to hold two evals of the presets (every 60
 # or 500 steps), short against their 10,000 to 57,000 steps, so it follows a change of pace.
@@ -41,7 +42,8 @@ class StepMetrics:
     flops_per_token, peak_flops: for TFLOP/s and MFU (``metrics.throughput``).
     first_step: the step counter when the loop starts (the rate's origin).
     total_steps: training.steps (the ``step N/TOTAL`` and the ETA).
-    compiling: torch.compile is on: the first step compiles the blocks, said before and after.
+    compiling: how many modules torch.compile compiles (0: off); the first step compiles them,
+        said before and after.
     clock: seconds, for the rates and the ETA (a test passes its own).
 
     Constructed just before the first step of a launch.
@@ -59,7 +61,7 @@ class StepMetrics:
         first_step: int,
         log: Callable[[str], None],
         total_steps: int | None = None,
-        compiling: bool = False,
+        compiling: int = 0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cfg, self.logger, self.device, self.log, self.clock = cfg, logger, device, log, clock
@@ -72,7 +74,7 @@ class StepMetrics:
         self.total_steps, self._compiling, self._started = total_steps, compiling, self._since
         self._done: collections.deque[tuple[int, float]] = collections.deque(maxlen=ETA_WINDOW + 1)
         if compiling:
-            self.log("compiling blocks (first step) ...")
+            self.log(f"compiling {count(compiling, 'module')} (first step) ...")
 
     def step_done(self, step: int) -> None:
         """The training part of ``step`` finished (called before its eval and save)."""

@@ -1,6 +1,7 @@
-"""parallelize_loom: native PyTorch parallelism applied to the LOOM model from outside, in the
-TorchTitan order EP -> activation checkpointing -> torch.compile -> FSDP2. None of it changes the
-math (the parity tests in tests/distributed/ prove it); the model file holds no parallel code.
+"""parallelize_loom: native PyTorch parallelism applied to the LOOM model from outside: expert
+parallelism, then FSDP2 (activation checkpointing and torch.compile come before, from the trainer,
+through the scopes and units the spec declares: distributed/model_wrappers.py). None of it changes
+the math (the parity tests in tests/distributed/ prove it); the model file holds no parallel code.
 
 Choices made for the looped model (each block runs H times per forward, K per segment):
 
@@ -40,7 +41,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES, RESHARD_AFTER_FORWARD, reduce_gradients
 from torchtitan_loom.protocols import FsdpUnit, Parallelized
@@ -49,7 +49,7 @@ from torchtitan_loom.protocols import FsdpUnit, Parallelized
 def parallelize_loom(
     model: nn.Module, parallel_dims: ParallelDims, job_config: Any
 ) -> Parallelized:
-    """Apply EP, AC, compile and FSDP2 as configured (in place, on the meta-device model).
+    """Apply EP and FSDP2 as configured (in place, on the meta-device model).
 
     Returns the model, its ``finish_gradients`` (without FSDP it sums every gradient over the
     data-parallel ranks; under FSDP only the replicated routers', FSDP reduce-scattered the rest)
@@ -62,13 +62,6 @@ def parallelize_loom(
         from torchtitan_loom.models.loom.infra.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
-    if cfg.activation_checkpoint.mode != "none":
-        apply_activation_checkpointing(
-            model, cfg.activation_checkpoint.mode, save_routing=not cfg.compile.enable
-        )
-    if cfg.compile.enable:
-        # Expert-parallel dispatch needs host-side split sizes: a graph break by design.
-        apply_compile(model, backend=cfg.compile.backend, fullgraph=not parallel_dims.ep_enabled)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,
@@ -153,14 +146,6 @@ class LoopedBlockSync:
 def _set_block_sync(block: nn.Module, on: bool) -> None:
     block.set_requires_gradient_sync(on, recurse=True)
     block.set_reshard_after_backward(on, recurse=True)
-
-
-def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True) -> None:
-    """torch.compile each block in place (FQNs unchanged). The loop-dependent inputs (router
-    weight, gamma, memories) are tensors, so one graph serves every loop: at most 3 variants, from
-    requires_grad of the fresh memories, never one per loop."""
-    for layer in model.layers:
-        layer.compile(backend=backend, fullgraph=fullgraph)
 
 
 def apply_fsdp(

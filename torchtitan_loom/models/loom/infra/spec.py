@@ -43,6 +43,10 @@ register_train_spec(
         model_cls=LoomTransformer,
         model_args=loom_flavors,
         parallelize_fn=parallelize_loom,
+        checkpoint_scopes=("block", "loop", "segment"),  # model.py's _region scopes
+        # One compiled graph per block serves every loop: the loop-dependent inputs (router weight,
+        # gamma, memories) are tensors; at most 3 variants (requires_grad of the fresh memories).
+        compile_units_fn=lambda model: list(model.layers),
         kernel_report_fn=kernel_report,
         arg_choices=FIELD_CHOICES,
         # Same math, or tunables a user may adjust mid-run.
