@@ -28,7 +28,7 @@ def compile_times_s() -> list[float]:
         from torch._dynamo.utils import compilation_time_metrics
 
         return [round(t, 3) for t in compilation_time_metrics.get("_compile.compile_inner", [])]
-    except Exception:  # noqa: BLE001 - a private metric: the record is worth more than it
+    except Exception:  # a private metric: the record is worth more than it
         return []
 
 
@@ -96,7 +96,7 @@ def kernels(trainer: Any, device_type: str, compiling: bool) -> dict[str, str]:
             lines = trainer.spec.kernel_report_fn(
                 trainer.model, device_type, trainer.compute_dtype, compiling
             )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return {"attention": f"unknown ({failure_reason(exc)})", "expert_kernel": "unknown"}
     attention = next((ln for ln in lines if ln.startswith("attention backend:")), "unknown")
     fallbacks = [ln for ln in lines if "per-expert loop" in ln]

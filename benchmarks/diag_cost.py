@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from throughput import PRESET_FILES, bench_pack, device_meta, has_override  # noqa: E402
+
 from torchtitan_loom.components.observability.diagnostics import build_diagnostics  # noqa: E402
 from torchtitan_loom.config import load_config  # noqa: E402
 from torchtitan_loom.config.validate import resolve  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cell_record import GOAL_COMPILE, GOAL_FLOAT8, GOAL_MFU_PCT, progress_note  # noqa: E402
+from cell_record import GOAL_COMPILE, GOAL_FLOAT8, GOAL_MFU_PCT, progress_note
 
 TAIL_LINES = 30
 CELLS = ("bf16_compiled", "bf16_eager", "float8_compiled", "float8_eager")

@@ -83,6 +83,8 @@ def _peak_rss_bytes(reset: bool) -> int:
 
 def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict:
     """Build the Trainer for `argv` in this process, time `steps` steps after one warm-up step."""
+    import tempfile
+
     import torch
 
     from torchtitan_loom.config import load_config
@@ -90,8 +92,6 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
     from torchtitan_loom.distributed.comm_count import CollectiveCounter
     from torchtitan_loom.distributed.utils import DistInfo, pick_device
     from torchtitan_loom.train import Trainer
-
-    import tempfile
 
     if not any(a.startswith("--job.dump_folder") for a in argv):  # leave nothing behind
         argv = argv + ["--job.dump_folder", tempfile.mkdtemp(prefix="memory_time_")]

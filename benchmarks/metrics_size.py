@@ -20,9 +20,9 @@ import numpy as np
 from torchtitan_loom.components.observability.metrics import MetricsLogger
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.config import load_config
+from torchtitan_loom.config.schema import Metrics
 from torchtitan_loom.config.validate import resolve_model_args
 from torchtitan_loom.protocols import segments
-from torchtitan_loom.config.schema import Metrics
 
 
 def row_sizes(config_file: str) -> dict[str, float]:

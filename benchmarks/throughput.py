@@ -48,7 +48,6 @@ from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E40
 from torchtitan_loom.train import Trainer  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from throughput_report import PROFILE_STEPS, device_meta, format_shares, markdown  # noqa: E402
 from cell_record import (  # noqa: E402
     compile_times_s,
     compiled_graphs,
@@ -59,6 +58,7 @@ from cell_record import (  # noqa: E402
     spread,
 )
 from step_profile import profile_steps  # noqa: E402
+from throughput_report import PROFILE_STEPS, device_meta, format_shares, markdown  # noqa: E402
 
 PRESET_FILES = {
     "debug": "debug_model.toml",
@@ -149,8 +149,8 @@ def has_override(overrides: list[str], key: str) -> bool:
 def bench_pack(out: Path, seq_len: int, tokens_needed: int) -> Path:
     """A byte-level pack of the bundled generator's documents, records of seq_len+1 tokens."""
     from torchtitan_loom.components.data.pack_writer import PackWriter
-    from torchtitan_loom.components.data.tokenizer import ByteTokenizer
     from torchtitan_loom.components.data.synthetic_corpus import generate_documents
+    from torchtitan_loom.components.data.tokenizer import ByteTokenizer
 
     target = max(200_000, int(tokens_needed * 1.3))
     path = out / f"bench-pack-s{seq_len + 1}-{target}"
@@ -306,7 +306,7 @@ def run_cell(
             "losses": losses,
             **({"profile": shares, "trace": str(trace)} if shares else {}),
         }
-    except Exception as exc:  # noqa: BLE001 - a failing cell is a result, the matrix goes on
+    except Exception as exc:  # a failing cell is a result, the matrix goes on
         traceback.print_exc()  # the whole of it, into the cell's log
         return {
             "status": "error",

@@ -16,9 +16,9 @@ import json
 import re
 import shutil
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from docs_runner import Result, Runner
 
@@ -76,7 +76,7 @@ RUNS = (
 @dataclass(frozen=True)
 class Producer:
     commands: tuple[str, ...]  # the commands its region shows after '$ ', in order
-    fn: Callable[["Context"], str]
+    fn: Callable[[Context], str]
     needs: str | None = None  # "install" or "suite_log": runs only when that input is given
     sources: tuple[str, ...] = RUNS  # the paths the region describes (its stamp's digest)
     check: str | None = None  # "exact", "figures" or None (see the module docstring)

@@ -172,7 +172,7 @@ def analysis_text(ctx: Context) -> tuple[str, Path]:
             f"Expert load of layer 0 (the picture TensorBoard shows as `routing/load_layer_0`):"
         )
         + "\n\n"
-        f"![expert load, layer 0, default debug run](routing_heatmap_debug.png)"
+        "![expert load, layer 0, default debug run](routing_heatmap_debug.png)"
     ), out / "load_layer_0.png"
 
 

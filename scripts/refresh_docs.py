@@ -33,10 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from docs_producers import PRODUCERS, Context  # noqa: E402
-from docs_regions import ROOT, RegionError, all_regions, doc_files, rewrite  # noqa: E402
-from docs_runner import CommandFailed, Runner, duration  # noqa: E402
-from docs_stamps import commit, digest, stale  # noqa: E402
+from docs_producers import PRODUCERS, Context
+from docs_regions import ROOT, RegionError, all_regions, doc_files, rewrite
+from docs_runner import CommandFailed, Runner, duration
+from docs_stamps import commit, digest, stale
 
 README_LIMIT = 12 * 1024
 

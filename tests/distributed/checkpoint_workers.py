@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_loom.components.checkpoint import CheckpointManager, layout, load_full
-from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.components.optim.optimizer import build_optimizer
+from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.config.schema import Checkpoint, Optimizer
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 

@@ -10,15 +10,14 @@ import json
 import os
 import sys
 
-import torch
 import torch.distributed as dist
+from gloo_rank import build_trainer, gloo_rank  # next to this file
 
 from torchtitan_loom.components.observability.diagnostics import sample_rows
 from torchtitan_loom.train import Trainer
-from gloo_rank import build_trainer, gloo_rank  # noqa: E402 (next to this file)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
-from rank_collapse_ref import direct_rank_collapse  # noqa: E402
+from rank_collapse_ref import direct_rank_collapse
 
 RECORDED_STEP = 2
 

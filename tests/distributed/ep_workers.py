@@ -21,11 +21,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
+from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.infra.expert_parallel import (
     ExpertParallelExperts,
     apply_expert_parallel,
 )
-from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.moe import LoomMoE
 
 # fp32 on CPU. Outputs and input grads: EP runs the same per-row math as one process (measured
@@ -145,7 +145,7 @@ def check_host_syncs(ep_mesh) -> None:
         x, _ = _layer_inputs(dist.get_rank(), args.dim)
         calls = []
 
-        def counted(name):
+        def counted(name, calls):
             original = getattr(torch.Tensor, name)
 
             def wrapper(self, *a, **k):
@@ -155,8 +155,8 @@ def check_host_syncs(ep_mesh) -> None:
             return wrapper
 
         with (
-            mock.patch.object(torch.Tensor, "tolist", counted("tolist")),
-            mock.patch.object(torch.Tensor, "item", counted("item")),
+            mock.patch.object(torch.Tensor, "tolist", counted("tolist", calls)),
+            mock.patch.object(torch.Tensor, "item", counted("item", calls)),
         ):
             moe(x, moe.routers[0])[0].sum().backward()
         assert calls == want, (

@@ -12,9 +12,8 @@ import json
 import os
 
 import torch
+from gloo_rank import case_trainers, gloo_rank, load_spec  # next to this file
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from gloo_rank import case_trainers, gloo_rank, load_spec  # noqa: E402 (next to this file)
 
 # (namespace, op) -> (kind, index of the argument whose bytes count)
 _COLLECTIVES = {

@@ -15,10 +15,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from gloo_rank import case_trainers, gloo_rank, load_spec  # next to this file
 from torch.distributed.tensor import DTensor
 
 from torchtitan_loom.train import Trainer
-from gloo_rank import case_trainers, gloo_rank, load_spec  # noqa: E402 (next to this file)
 
 
 def record_run(trainer: Trainer, steps: int) -> dict:

@@ -15,14 +15,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-
+from gloo_rank import case_trainers, gloo_rank, load_spec  # next to this file
 from torch.distributed.tensor import DTensor
 
 from torchtitan_loom.distributed.comm_count import CollectiveCounter
-from gloo_rank import case_trainers, gloo_rank, load_spec  # noqa: E402 (next to this file)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
-from host_syncs import HostSyncCounter  # noqa: E402
+from host_syncs import HostSyncCounter
 
 
 def run(rank: int, world: int, store_path: str, spec_path: str) -> None:

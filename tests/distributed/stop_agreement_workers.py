@@ -12,14 +12,15 @@ import signal
 import sys
 from collections import Counter
 
+from gloo_rank import build_trainer, gloo_rank, load_spec  # next to this file
+
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.comm_count import CollectiveCounter
 from torchtitan_loom.train import Trainer
-from gloo_rank import build_trainer, gloo_rank, load_spec  # noqa: E402 (next to this file)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
-from host_syncs import HostSyncCounter  # noqa: E402
+from host_syncs import HostSyncCounter
 
 
 class MarkingTrainer(Trainer):

@@ -3,9 +3,8 @@
 import json
 import socket
 
-import pytest
-
 import comm_workers  # next to this file (conftest puts it on sys.path for the spawned ranks)
+import pytest
 
 LAUNCHES = 18  # the limit, in bare-launch costs (tests/launch_cost.py)
 

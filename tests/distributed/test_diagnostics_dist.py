@@ -7,9 +7,8 @@ the schedule (steps 2, 4, then 6)."""
 import glob
 import json
 
-import pytest
-
 import diag_workers  # next to this file (conftest puts it on sys.path for the spawned ranks)
+import pytest
 
 LAUNCH_TIMEOUT_S = 180.0
 

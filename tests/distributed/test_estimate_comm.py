@@ -11,10 +11,8 @@ compared summed over the ranks.
 """
 
 import json
-import os
 
 import estimate_workers  # next to this file (conftest puts it on sys.path for the spawned ranks)
-import pytest
 
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.schema import Parallelism

@@ -9,7 +9,6 @@ Legend: M tokens, K input width, N output width.
 """
 
 import importlib.util
-
 from pathlib import Path
 
 import pytest

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
-from test_checkpoint import make_trainer, run  # noqa: E402
+from test_checkpoint import make_trainer, run
 
 TASKS_DIR = os.path.join(os.path.dirname(__file__), "tiny_tasks")
 

@@ -10,14 +10,14 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from tests.unit.test_checkpoint import make_trainer  # noqa: E402
-from tests.unit.test_signals import signal_on_forward  # noqa: E402
-from torchtitan_loom.components.checkpoint import layout  # noqa: E402
-from torchtitan_loom.config import ConfigError, load_config  # noqa: E402
-from torchtitan_loom.config.validate import resolve  # noqa: E402
-from torchtitan_loom.tools import lm_eval as eval_tool  # noqa: E402
+from conftest import TASKS_DIR
 
-from conftest import TASKS_DIR  # noqa: E402
+from tests.unit.test_checkpoint import make_trainer
+from tests.unit.test_signals import signal_on_forward
+from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.config import ConfigError, load_config
+from torchtitan_loom.config.validate import resolve
+from torchtitan_loom.tools import lm_eval as eval_tool
 
 TASK = "loom_tiny_mc"
 # Capacity off in training too, as tools.lm_eval scores: a question's score then depends on its

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval")
 
-from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate  # noqa: E402
-from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM  # noqa: E402
-from torchtitan_loom.tools.loading import load  # noqa: E402
+from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM
+from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
+from torchtitan_loom.tools.loading import load
 
 
 def request(*args):

@@ -111,7 +111,7 @@ def _finish(proc, log, deadline):
         proc.kill()
         raise AssertionError(
             "the elastic job did not finish:\n" + Path(log.name).read_text()[-3000:]
-        )
+        ) from None
     return Path(log.name).read_text()
 
 

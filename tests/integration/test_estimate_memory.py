@@ -9,7 +9,6 @@ block / loop AC ~70%, so a missing or doubled activation term moves the predicti
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -12,8 +12,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from torchtitan_loom.components.observability import routing_plots
 from torchtitan_loom.components.evaluation.held_out import HeldOutEval
+from torchtitan_loom.components.observability import routing_plots
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo

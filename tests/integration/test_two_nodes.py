@@ -22,7 +22,6 @@ import pytest
 
 from tests.integration.test_resume import ENV, LAUNCHES, ROOT, common
 
-
 # The ranks exit 2; torchrun, which a multi-node launch runs under, reports any failed worker as 1.
 STOPPED = (1, 2)
 

@@ -87,7 +87,8 @@ class AtenRecorder(TorchDispatchMode):
 
 def cuda_kernel(fn, *args, **kwargs):
     """Stand-in for a kernel the CPU fakes cannot run: what `fn` computes on CUDA (KernelTarget.run_kernel)."""
-    from torch._higher_order_ops.flex_attention import flex_attention as flex_op, sdpa_dense
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_op
+    from torch._higher_order_ops.flex_attention import sdpa_dense
     from torch.nn.attention.flex_attention import _identity, flex_attention
 
     from torchtitan_loom.models.loom.flex_compiled import compiled_flex_attention

@@ -4,6 +4,7 @@ mask per forward serves every layer and loop; the run log names the choice."""
 
 import pytest
 import torch
+from batches import two_document_batch  # tests/unit/batches.py
 
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
@@ -15,7 +16,6 @@ from torchtitan_loom.models.loom.attention import (
     resolve_attn_backend,
 )
 from torchtitan_loom.train import Trainer
-from batches import two_document_batch  # tests/unit/batches.py
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from cell_record import failure_reason, spread  # noqa: E402
+from cell_record import failure_reason, spread
 
 
 class BackendCompilerFailed(Exception):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointError, layout
-from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.components.checkpoint.state import read_metadata
+from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo

@@ -6,14 +6,13 @@ import shutil
 
 import pytest
 import torch
+from test_checkpoint import CPU, make_trainer, run  # tests/unit is on sys.path
 
 from torchtitan_loom.components.checkpoint import CheckpointError, layout
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import export as export_tool
 from torchtitan_loom.train import Trainer, main
-
-from test_checkpoint import CPU, make_trainer, run  # noqa: E402  (tests/unit is on sys.path)
 
 
 @pytest.fixture(scope="module")

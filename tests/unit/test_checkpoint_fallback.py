@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from torchtitan_loom import train
 from tests.unit import planted_checkpoint as planted
 from tests.unit.test_run_folder import argv
+from torchtitan_loom import train
 
 
 @pytest.fixture(scope="module")

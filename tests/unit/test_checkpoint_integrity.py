@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
+from tests.unit.test_checkpoint import assert_same_state, make_trainer, run
 from torchtitan_loom import train
 from torchtitan_loom.components.checkpoint import CheckpointError, integrity, layout
 from torchtitan_loom.config import ConfigError
 from torchtitan_loom.tools import export as export_tool
-from tests.unit.test_checkpoint import assert_same_state, make_trainer, run
 
 STEPS = ("--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
 FILES = (

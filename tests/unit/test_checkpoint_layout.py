@@ -6,15 +6,14 @@ import os
 import pickle
 import shutil
 
-from torchtitan_loom.components.checkpoint import layout
-
-
-from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
-from torch.distributed.checkpoint.metadata import (  # noqa: E402
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
 )
+
+from torchtitan_loom.components.checkpoint import layout
 
 
 def fake_ckpt(root, step, kind="periodic", complete=True, tmp=False):

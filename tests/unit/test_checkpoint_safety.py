@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.unit.test_checkpoint import make_trainer, run
 from torchtitan_loom.components.checkpoint import CheckpointError, integrity, layout, load_full
 from torchtitan_loom.tools import export as export_tool
 from torchtitan_loom.tools import generate as generate_tool
 from torchtitan_loom.tools.loading import LoadError, load_tokenizer
-from tests.unit.test_checkpoint import make_trainer, run
 
 STEPS = ("--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
 

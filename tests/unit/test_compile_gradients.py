@@ -22,12 +22,12 @@ import importlib.util
 
 import pytest
 import torch
-
-from torchtitan_loom.components.loss import token_ce_sum
-from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
-from torchtitan_loom.distributed.model_wrappers import apply_compile
 from batches import two_document_batch  # tests/unit/batches.py
 from test_float8 import converted  # tests/unit/test_float8.py
+
+from torchtitan_loom.components.loss import token_ce_sum
+from torchtitan_loom.distributed.model_wrappers import apply_compile
+from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 
 SEGMENTS = ((1, 2), (3, 4))  # H = 4 in two segments: a fresh start and a carried one
 

@@ -10,13 +10,13 @@ and recompiles without code generation, so the check is quick on CPU.
 
 import pytest
 import torch
+from batches import two_document_batch  # tests/unit/batches.py
 from torch._dynamo.utils import counters
 
 from torchtitan_loom.components.loss import token_ce_sum
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
-from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.distributed.model_wrappers import apply_compile
-from batches import two_document_batch  # tests/unit/batches.py
+from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 
 HOST_SYNC_TARGETS = ("item", "tolist", "_local_scalar_dense")
 

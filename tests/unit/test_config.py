@@ -352,11 +352,10 @@ def test_python_m_train_without_a_config_runs_the_preset_run_train_sh_runs(tmp_p
     ]
     named = ["--job.config_file=other.toml"]
     assert with_default_preset(named) == named
-    help_of = lambda cmd: (
-        subprocess.run(  # noqa: E731
-            cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120
-        ).stdout
-    )
+
+    def help_of(cmd):
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout
+
     module = help_of([sys.executable, "-m", "torchtitan_loom.train", "--help"])
     script = help_of([str(ROOT / "run_train.sh"), "--help"])
     assert f"Values shown: {DEFAULT_PRESET} over the schema's defaults." in module

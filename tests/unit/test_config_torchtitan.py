@@ -3,14 +3,14 @@ its resolved config.toml uses our names; TorchTitan's documented command lines c
 meaning here get one line saying what to use; warmup_steps ↔ warmup_ratio; gc_freq."""
 
 import gc
-from torchtitan_loom.config.toml_file import tomllib  # tomli on 3.10
 
 import pytest
 
-from torchtitan_loom.components.runtime.gc_control import GarbageCollection
 from torchtitan_loom.components.optim.lr_scheduler import lr_scale
+from torchtitan_loom.components.runtime.gc_control import GarbageCollection
 from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
 from torchtitan_loom.config.aliases import ALIASES, NO_MEANING
+from torchtitan_loom.config.toml_file import tomllib  # tomli on 3.10
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.train import main
 

@@ -20,12 +20,10 @@ rules are checked (a CPU fake skips them). A CUDA rule found later becomes a cas
 
 import dataclasses
 import importlib.util
-
 from pathlib import Path
 
 import pytest
 import torch
-
 from cuda_trace import (  # tests/unit/cuda_trace.py
     GEMMS,
     AtenRecorder,
@@ -33,6 +31,7 @@ from cuda_trace import (  # tests/unit/cuda_trace.py
     replay_on_meta,
     trace_segment,
 )
+
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve_model_args
 from torchtitan_loom.models.loom import loom_flavors

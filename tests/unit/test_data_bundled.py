@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from torchtitan_loom.components.data import bundled_corpus_path, build_train_loader, open_pack
-from torchtitan_loom.components.data.bundled import ensure_built
+from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path, open_pack
 from torchtitan_loom.components.data import synthetic_corpus as sc
+from torchtitan_loom.components.data.bundled import ensure_built
 
 
 def test_generator_is_deterministic_and_tasks_are_correct():
@@ -95,7 +95,7 @@ def test_concurrent_first_use_all_get_the_winner(tmp_path):
             results.append(
                 ensure_built(final, _tiny_builder(calls), lambda p: (p / "ok").is_file())
             )
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
+        except Exception as e:  # collected and asserted below
             errors.append(e)
 
     threads = [threading.Thread(target=worker) for _ in range(6)]
@@ -138,7 +138,7 @@ def test_concurrent_real_pack_builds_publish_one_complete_pack(tmp_path):
         barrier.wait()
         try:
             results.append(ensure_built(final, build, verify))
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
+        except Exception as e:  # collected and asserted below
             errors.append(e)
 
     threads = [threading.Thread(target=worker) for _ in range(4)]

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
+from rank_collapse_ref import direct_rank_collapse  # next to this file
 
-from rank_collapse_ref import direct_rank_collapse  # noqa: E402 (next to this file)
 from torchtitan_loom.components.observability.diagnostics import (
     RANK_SAMPLE_ROWS,
     rank_collapse,
@@ -79,7 +79,7 @@ def capture_branches(model):
 
 def test_every_statistic_equals_a_direct_computation(tiny_pack, tmp_path):
     tr = make_trainer(tiny_pack, tmp_path)
-    L, H = tr.model.args.n_layers, tr.num_loops
+    L, _H = tr.model.args.n_layers, tr.num_loops
     seen, handles = capture_branches(tr.model)
     batch = next(iter(tr.dataloader))
     valid = [v.reshape(-1) >= 0 for v in batch["doc_ids"].split(4)]  # padding has doc id -1
@@ -183,7 +183,7 @@ def test_activation_checkpointing_gives_the_same_diagnostics(tiny_pack, tmp_path
     # neither add to the statistics nor change them.
     batch = None
     diags = []
-    for i, mode in enumerate(("none", "loop")):
+    for _i, mode in enumerate(("none", "loop")):
         tr = make_trainer(tiny_pack, tmp_path / mode, "--activation_checkpoint.mode", mode)
         batch = batch if batch is not None else next(iter(tr.dataloader))
         diags.append(tr.train_step(batch).diag)

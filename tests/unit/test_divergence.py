@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
+from tests.unit.test_checkpoint import make_trainer
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.checkpoint.integrity import model_finite
-from tests.unit.test_checkpoint import make_trainer
 
 COMMON = (
     "--training.steps",

@@ -135,7 +135,10 @@ def test_the_readme_tour_excerpt_is_what_its_command_prints(tour):
         f"refresh: OMP_NUM_THREADS=1 python scripts/refresh_docs.py --only {REGION},analysis-tables"
     )
     if mine is None:
-        warnings.warn(f"no tour figures recorded for {kind}; compared across kinds; add: {RECORD}")
+        warnings.warn(
+            f"no tour figures recorded for {kind}; compared across kinds; add: {RECORD}",
+            stacklevel=2,
+        )
 
 
 def test_the_readme_excerpt_is_a_recorded_kind_and_the_kinds_agree_early():

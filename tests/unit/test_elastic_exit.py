@@ -4,7 +4,6 @@ while a rank that was signalled itself (a preemption) exits 0 as documented; a l
 stops the run after the step also with checkpoints off; run_train.sh's elastic config check."""
 
 import signal
-
 from pathlib import Path
 
 import pytest

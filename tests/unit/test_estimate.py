@@ -16,8 +16,7 @@ from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.estimate import estimate, recommend, report, seconds
-from torchtitan_loom.protocols import get_train_spec
-from torchtitan_loom.protocols import segments
+from torchtitan_loom.protocols import get_train_spec, segments
 
 BASE = [
     "--parallelism.dry_run",

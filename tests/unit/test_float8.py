@@ -15,14 +15,14 @@ from torchtitan_loom.components.quantization.float8 import (
     select_dense,
 )
 from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel, padded_layout
+from torchtitan_loom.config import ConfigError, load_config
+from torchtitan_loom.config.validate import resolve
+from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.float8_experts import (
     Float8GroupedExperts,
     convert_float8_experts,
     swiglu_grouped,
 )
-from torchtitan_loom.config import ConfigError, load_config
-from torchtitan_loom.config.validate import resolve
-from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.moe import RoutedExperts, run_experts
 from torchtitan_loom.protocols import get_train_spec
 from torchtitan_loom.train import main

@@ -5,13 +5,13 @@ step-12, step-16, index.json and run.json written there, exit 0)."""
 
 import os
 
+import pytest
+
+from tests.unit.test_run_folder import argv
 from torchtitan_loom import launch
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.train import Trainer
-from tests.unit.test_run_folder import argv
-
-import pytest
 
 
 def _tree(folder):

@@ -5,8 +5,8 @@ exactly one more, at its end."""
 
 import pytest
 import torch
-
 from host_syncs import HostSyncCounter
+
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo

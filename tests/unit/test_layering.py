@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import torchtitan_loom
-from torchtitan_loom.models.loom.looping_residual import LoopCarry
 from torchtitan_loom import protocols
+from torchtitan_loom.models.loom.looping_residual import LoopCarry
 from torchtitan_loom.protocols import get_train_spec
 
 PKG = Path(torchtitan_loom.__file__).parent

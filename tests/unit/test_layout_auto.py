@@ -4,7 +4,6 @@ or all ranks, hides FSDP behind the compute only when it is, totals the per-laye
 the padding of experts split over more ranks than there are experts."""
 
 import re
-
 from pathlib import Path
 
 import pytest

@@ -12,11 +12,11 @@ import subprocess
 
 import pytest
 
+from tests.unit.test_run_folder import argv
 from torchtitan_loom import train
 from torchtitan_loom.components.runtime.messages import shorten, shorten_line
 from torchtitan_loom.components.runtime.run_folder import RunFolderError, RunLock
 from torchtitan_loom.tools import pack as pack_cli
-from tests.unit.test_run_folder import argv
 
 
 @contextlib.contextmanager

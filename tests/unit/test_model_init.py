@@ -12,7 +12,6 @@ import torch
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.weight_init import init_generator_seed
 
-
 DEBUG = loom_flavors["debug"]
 
 

@@ -12,7 +12,6 @@ from torchtitan_loom.models.loom.looping_residual import (
 )
 from torchtitan_loom.models.loom.model import inject_gain, residual_gain
 
-
 GAMMA_TABLE = {  # H: (L=10, L=15), spec §4.3
     1: (0.158114, 0.129099),
     3: (0.052705, 0.043033),

@@ -17,7 +17,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from loom_reference import (
     capacity,
     ema_read,
@@ -129,9 +128,10 @@ def test_capacity_matches_spec_numbers():
 
 def test_rope_is_relative():
     q, k = torch.randn(2, 1, 1, 64, dtype=torch.float64)
-    score = lambda pq, pk: (
-        rope(q, torch.tensor([pq]), 1e4) * rope(k, torch.tensor([pk]), 1e4)
-    ).sum()
+
+    def score(pq, pk):
+        return (rope(q, torch.tensor([pq]), 1e4) * rope(k, torch.tensor([pk]), 1e4)).sum()
+
     assert score(7, 3) == pytest.approx(float(score(104, 100)), abs=1e-10)
     torch.testing.assert_close(rope(q, torch.tensor([0]), 1e4), q)
 
@@ -141,7 +141,10 @@ def random_state_dict(cfg, seed=0):
     g = torch.Generator().manual_seed(seed)
     D, I, E = cfg["dim"], cfg["expert_intermediate_size"], cfg["num_routed_experts"]
     hd = D // cfg["n_heads"]
-    r = lambda *shape, std: torch.randn(*shape, generator=g, dtype=torch.float64) * std
+
+    def r(*shape, std):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * std
+
     sd = {
         "tok_embeddings.weight": r(cfg["vocab_size"], D, std=D**-0.5),
         "output.weight": r(cfg["vocab_size"], D, std=D**-0.5),

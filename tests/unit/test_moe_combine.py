@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from test_model_moe import small_moe  # noqa: E402 (next to this file)
+from test_model_moe import small_moe  # next to this file
 
 ROOT = Path(__file__).resolve().parents[2]
 

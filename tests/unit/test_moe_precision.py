@@ -5,11 +5,11 @@ RoPE stay fp32 (LOOM_SPEC precision notes); the per-layer fallback lines of the 
 
 import pytest
 import torch
+from batches import two_document_batch  # tests/unit/batches.py
 from torch.overrides import TorchFunctionMode
 
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.moe import gemm_path, moe_gemm_fallbacks
-from batches import two_document_batch  # tests/unit/batches.py
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 

@@ -8,8 +8,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from torchtitan_loom.components.optim.optimizer import build_optimizer
-from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.config.schema import Optimizer
+from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 
 
 class _Toy(nn.Module):

@@ -16,8 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchtitan_loom.components.data import PackError, PackWriter, build_train_loader, open_pack
-from torchtitan_loom.components.data import pack_arrays
+from torchtitan_loom.components.data import (
+    PackError,
+    PackWriter,
+    build_train_loader,
+    open_pack,
+    pack_arrays,
+)
 from torchtitan_loom.components.data.pack_metadata import METADATA_MAX_BYTES, read_metadata
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from torchtitan_loom.config import ConfigError, load_config
-from torchtitan_loom.config.validate import parallelism_errors, resolve_model_args, resolve
+from torchtitan_loom.config.validate import parallelism_errors, resolve, resolve_model_args
 from torchtitan_loom.distributed.parallel_dims import ParallelDims, parallelism_problems
 
 

@@ -12,8 +12,8 @@ import signal
 
 import pytest
 
-from torchtitan_loom import train
 from tests.unit.test_run_folder import argv
+from torchtitan_loom import train
 
 LIMIT_S = 60  # a relaunch here takes ~5 s; a hang never ends
 

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from tests.unit.test_run_folder import argv
 from torchtitan_loom import train
 from torchtitan_loom.components.checkpoint import layout
-from tests.unit.test_run_folder import argv
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def test_atomic_write_refuses_a_link_planted_at_its_temporary(tmp_path):
 
 
 def test_a_save_into_a_planted_temporary_link_is_refused_mid_run(tiny_pack, tmp_path):
-    from torchtitan_loom.components.checkpoint import CheckpointError
     from tests.unit.test_checkpoint import make_trainer, run
+    from torchtitan_loom.components.checkpoint import CheckpointError
 
     t = run(
         make_trainer(

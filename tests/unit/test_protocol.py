@@ -15,21 +15,18 @@ import os
 from dataclasses import dataclass
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import torch
 from torch import nn
-
-from torchtitan_loom.config import load_config
-from torchtitan_loom.config.validate import resolve
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
+from torchtitan_loom.config import ConfigError, load_config
+from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.distributed.utils import DTYPES, DistInfo, reduce_gradients
-from torchtitan_loom.config import ConfigError
 from torchtitan_loom.protocols import (
     DecodesIncrementally,
     ModelOutput,

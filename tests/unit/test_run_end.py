@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_checkpoint import make_trainer
 from torchtitan_loom import launch, train
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.observability import metrics
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.train import Trainer
-from tests.unit.test_checkpoint import make_trainer
 
 KEEP_ONE = ("--training.steps", "12", "--checkpoint.keep_latest_k", "1")
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from torchtitan_loom import train
-from torchtitan_loom.components.runtime import run_folder
 from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.runtime import run_folder
 
 
 def argv(pack, dump, *extra, steps=4):

@@ -8,14 +8,13 @@ import os
 import shutil
 
 import pytest
+from test_checkpoint import make_trainer, run  # tests/unit is on sys.path
 
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.tools import analyze as analyze_tool
 from torchtitan_loom.tools import export as export_tool
 from torchtitan_loom.tools import generate as generate_tool
 from torchtitan_loom.tools.holdout import logged_eval_loss
-
-from test_checkpoint import make_trainer, run  # noqa: E402  (tests/unit is on sys.path)
 
 OUTSIDE = b"the user's own file\n"
 

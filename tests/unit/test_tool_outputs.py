@@ -9,12 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from test_tool_bad_input import analyze_args, dump, pristine  # noqa: F401  (fixtures)
 
 from torchtitan_loom.tools import analyze as analyze_tool
 from torchtitan_loom.tools import export as export_tool
 from torchtitan_loom.tools.progress import Progress
-
-from test_tool_bad_input import analyze_args, dump, pristine  # noqa: F401  (fixtures)
 
 TASKS_DIR = os.path.join(os.path.dirname(__file__), "..", "inference", "tiny_tasks")
 

@@ -10,12 +10,12 @@ import os
 
 import pytest
 
+from tests.unit.test_checkpoint_layout import fake_ckpt
+from tests.unit.test_run_folder import argv
 from torchtitan_loom import launch
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.train import Trainer
-from tests.unit.test_checkpoint_layout import fake_ckpt
-from tests.unit.test_run_folder import argv
 
 
 def planting(at_step, plant):

@@ -31,7 +31,9 @@ def read_toml(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"job.config_file: no such file '{path}'") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ConfigError(f"{where} cannot be opened: {getattr(exc, 'strerror', None) or exc}")
+        raise ConfigError(
+            f"{where} cannot be opened: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

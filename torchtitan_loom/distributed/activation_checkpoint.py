@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan_loom.distributed.choices import AC_MODES  # noqa: E402,F401  (re-exported)
+from torchtitan_loom.distributed.choices import AC_MODES  # re-exported
 
 # Routing decisions: top-k expert choice and the stable sorts of the capacity plan (argsort
 # dispatches to sort.stable). Saving them costs [N, K] values and indices per MoE call.

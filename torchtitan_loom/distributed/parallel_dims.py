@@ -119,7 +119,7 @@ class ParallelDims:
         pp: int = 1,
         world_size: int,
         num_experts: int | None = None,
-    ) -> "ParallelDims":
+    ) -> ParallelDims:
         """Check the degrees (ValueError listing every problem) and resolve dp_shard = -1."""
         problems = parallelism_problems(
             dp_replicate=dp_replicate,
@@ -139,7 +139,7 @@ class ParallelDims:
     @classmethod
     def from_config(
         cls, parallelism: Any, world_size: int, num_experts: int | None = None
-    ) -> "ParallelDims":
+    ) -> ParallelDims:
         """From the ``[parallelism]`` config section."""
         p = parallelism
         return cls.create(

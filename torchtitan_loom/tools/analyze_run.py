@@ -94,7 +94,9 @@ def evaluate(
         if progress is not None:
             of = f" of {tokens:,}" if tokens else ""
             progress.tick(
-                lambda: f"{n_tok:,}{of} held-out tokens routed ({plural(n_batches, 'batch')})"
+                lambda n=n_tok, of=of, b=n_batches: (
+                    f"{n:,}{of} held-out tokens routed ({plural(b, 'batch')})"
+                )
             )
     if n_tok == 0:
         raise AnalyzeError(

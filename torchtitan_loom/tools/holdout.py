@@ -129,7 +129,7 @@ def recompute_eval_loss(
             ce += token_ce_sum(out.logits_BSV, m["labels"]).double()
             n_tok += count_valid(m["labels"])
         if progress is not None:
-            progress.tick(lambda: f"holdout check: {int(n_tok.item()):,} held-out tokens read")
+            progress.tick(lambda n=n_tok: f"holdout check: {int(n.item()):,} held-out tokens read")
     dist_utils.all_reduce(ce)
     dist_utils.all_reduce(n_tok)
     return (ce / n_tok.clamp(min=1)).item(), int(n_tok.item())

@@ -210,7 +210,7 @@ def run(ns: argparse.Namespace) -> str | None:
     if rank0:  # importing lm-eval and loading the model are slow and silent
         print(f"lm_eval: loading lm-eval, then the checkpoint {ns.ckpt} ...", flush=True)
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval
     except ImportError:
         raise LoadError("lm-eval is not installed: pip install 'torchtitan_loom[eval]'") from None
     from lm_eval import simple_evaluate

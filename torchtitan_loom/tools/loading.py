@@ -151,7 +151,7 @@ def load_tokenizer(
         return pack_tok.pack_tokenizer(pack, override, model_vocab, export_dir)
     except TokenizerError as exc:
         raise LoadError(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - tokenizers' parse errors are plain Exception
+    except Exception as exc:  # tokenizers' parse errors are plain Exception
         if path is None:
             raise
         raise TokenizerFileError(
@@ -201,7 +201,7 @@ def load(
     model = _build(spec, args, tensors, device)
     try:
         pack = _pack_path(config)
-    except Exception as exc:  # noqa: BLE001 - a missing or broken pack only matters for the tokenizer
+    except Exception as exc:  # a missing or broken pack only matters for the tokenizer
         raise LoadError(f"the checkpoint's training pack cannot be opened: {exc}") from None
     tok = load_tokenizer(pack, tokenizer, args.vocab_size, export_dir) if need_tokenizer else None
     return Loaded(

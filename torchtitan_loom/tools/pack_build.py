@@ -13,8 +13,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -196,7 +196,7 @@ def _load_tokenizer(args: argparse.Namespace):
         return build_tokenizer(args.tokenizer, args.eos_token)
     except (ValueError, ImportError, OSError):
         raise
-    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own bare Exception
+    except Exception as e:  # the tokenizers library raises its own bare Exception
         raise ValueError(
             f"--tokenizer {str(args.tokenizer)!r}: cannot load it ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else 'no message'}); pass 'byte' or a valid "

@@ -12,8 +12,8 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 
 class PackInputError(ValueError):
@@ -155,7 +155,7 @@ def open_hf_dataset(args: argparse.Namespace):
             data_files=args.hf_data_files,
             streaming=args.streaming,
         )
-    except Exception as exc:  # noqa: BLE001 - datasets raises many types (not found, offline, bad config)
+    except Exception as exc:  # datasets raises many types (not found, offline, bad config)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
         raise PackInputError(
             f"--hf-dataset {name!r}: cannot load it ({type(exc).__name__}: {first})"

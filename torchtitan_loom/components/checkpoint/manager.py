@@ -38,7 +38,7 @@ from torchtitan_loom.components.runtime import safe_files
 
 __all__ = ["ASYNC_MODES", "PROVE_STEPS", "CheckpointManager"]
 
-from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES  # noqa: E402
+from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES
 
 
 class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):

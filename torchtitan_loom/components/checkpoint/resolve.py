@@ -84,6 +84,7 @@ def choose(
             _notes(entry.path, [], verify),
         )
     skipped: list[str] = []
+    newest_bad = ""
     for entry in reversed(found.complete):
         bad = problem(entry)
         if bad is None:
@@ -92,7 +93,7 @@ def choose(
                 found,
                 _notes(entry.path, skipped, verify),
             )
-        newest_bad = newest_bad if skipped else bad
+        newest_bad = newest_bad or bad
         skipped.append(f"skipping corrupt checkpoint {entry.path}: {bad}")
     if (
         skipped

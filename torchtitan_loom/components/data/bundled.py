@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from torchtitan_loom.components.data.pack_format import PackError, open_pack
 

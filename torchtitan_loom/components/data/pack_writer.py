@@ -65,7 +65,7 @@ class PackWriter:
         self.total_tokens = 0
         self.max_token_id = -1
 
-    def __enter__(self) -> "PackWriter":
+    def __enter__(self) -> PackWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

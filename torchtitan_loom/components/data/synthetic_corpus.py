@@ -18,8 +18,8 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from torchtitan_loom.components.runtime import exit_codes
 

@@ -9,8 +9,9 @@ Both expose the same small surface used by the packer and the trainer:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import numpy as np
 

@@ -25,8 +25,9 @@ branches, K numbers per branch, R sample rows, G parameter groups, J segments.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,7 +101,7 @@ class DiagOptions:
 class StepDiagnostics:
     """One diagnostic step's accumulators (made by BranchDiagnostics.begin)."""
 
-    def __init__(self, owner: "BranchDiagnostics", step: int) -> None:
+    def __init__(self, owner: BranchDiagnostics, step: int) -> None:
         self.owner, self.step = owner, step
         o = owner
         self.moments_LHNM = torch.zeros(

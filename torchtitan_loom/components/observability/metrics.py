@@ -63,7 +63,9 @@ def peak_flops(device: torch.device) -> float | None:
     name = torch.cuda.get_device_name(device)
     flops = peak_flops_for_name(name)
     if flops is None:
-        warnings.warn(f"unknown GPU {name!r}: no peak FLOP/s in the table, MFU will be null")
+        warnings.warn(
+            f"unknown GPU {name!r}: no peak FLOP/s in the table, MFU will be null", stacklevel=2
+        )
     return flops
 
 
@@ -295,7 +297,7 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan_loom.components.optim.choices import LR_KINDS as VALID_KINDS  # noqa: E402
+from torchtitan_loom.components.optim.choices import LR_KINDS as VALID_KINDS
 
 
 def lr_scale(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_loom.components.quantization.recipes import DENSE_RECIPES, EXPERT_RECIPES  # noqa: E402,F401
+from torchtitan_loom.components.quantization.recipes import DENSE_RECIPES, EXPERT_RECIPES
 
 DIM_MULTIPLE = 16  # float8 GEMMs need both weight dims divisible by 16
 # torch._scaled_mm also needs its inner dim divisible by 16; in the weight-gradient GEMM

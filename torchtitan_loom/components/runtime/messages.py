@@ -23,8 +23,8 @@ def shorten(value: Any, limit: int = LIMIT) -> str:
 # Terminal control characters (ESC, BEL, CR, NUL, DEL, C1): a path or value echoed raw could move the
 # cursor, recolour or clear the user's terminal; each is shown as its escape instead.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_QUOTED = re.compile(r"'[^'\n]{%d,}'|\"[^\"\n]{%d,}\"" % (LIMIT, LIMIT))
-_LONG_RUN = re.compile(r"\S{%d,}" % (LIMIT + 1))
+_QUOTED = re.compile(rf"'[^'\n]{{{LIMIT},}}'|\"[^\"\n]{{{LIMIT},}}\"")
+_LONG_RUN = re.compile(rf"\S{{{LIMIT + 1},}}")
 
 
 def printable(text: str) -> str:

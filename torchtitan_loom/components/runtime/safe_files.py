@@ -132,7 +132,9 @@ def make_dirs(path: str, owner: str) -> str:
         except FileExistsError:
             _refuse_link(here)
             if not os.path.isdir(here):
-                raise UnsafePathError(f"{here} is not a directory; refusing to write into it")
+                raise UnsafePathError(
+                    f"{here} is not a directory; refusing to write into it"
+                ) from None
     return path
 
 
@@ -145,7 +147,9 @@ def open_append(path: str, owner: str):
     except OSError as exc:
         _refuse_link(path)  # ELOOP from O_NOFOLLOW: say which link
         if exc.errno == errno.ENXIO:
-            raise UnsafePathError(f"{path} is a FIFO, not a regular file; refusing to write to it")
+            raise UnsafePathError(
+                f"{path} is a FIFO, not a regular file; refusing to write to it"
+            ) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -112,7 +112,7 @@ class LoomModelArgs:
         """Router matrices per layer: H with `router_per_loop`, else 1."""
         return self.num_loops if self.router_per_loop else 1
 
-    def replace(self, **changes) -> "LoomModelArgs":
+    def replace(self, **changes) -> LoomModelArgs:
         """Return a validated copy with `changes` applied."""
         new = dataclasses.replace(self, **changes)
         new.validate()

@@ -179,7 +179,7 @@ class KVCache:
         """Positions already cached (every filled slot holds the same number)."""
         return next(iter(self.kv.values()))[0].shape[1] if self.kv else 0
 
-    def slot(self, layer: int, loop: int) -> "KVSlot":
+    def slot(self, layer: int, loop: int) -> KVSlot:
         """The handle one attention call appends to."""
         return KVSlot(self, (layer, loop))
 

@@ -29,7 +29,7 @@ class LoopCarry(NamedTuple):
     h_num_BSD: torch.Tensor
     h_den_BS1: torch.Tensor
 
-    def detach(self) -> "LoopCarry":
+    def detach(self) -> LoopCarry:
         """Values only, no autograd history (segment boundary of truncated backprop)."""
         return LoopCarry(*(t.detach() for t in self))
 
