@@ -88,7 +88,9 @@ def _summary_names(stats: RoutingStats) -> list[str]:
 
     stats.start_batch(torch.ones(1, 1, dtype=torch.bool))
     for _ in range(stats.H):
-        stats.add_loop(torch.arange(stats.K).view(1, 1, 1, stats.K), torch.ones(1, 1, 2))
+        stats.add_loop(
+            torch.arange(stats.K).view(1, 1, 1, stats.K), torch.ones(1, 1, 2), torch.ones(1, 1)
+        )
     return list(stats.summary())
 
 

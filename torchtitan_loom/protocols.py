@@ -129,7 +129,12 @@ class ModelProtocol(Protocol):
         ...
 
     def carry_stream(self, carry: Any) -> torch.Tensor:
-        """The [B, S, D] stream held in ``carry`` (the eval's stream statistics read it)."""
+        """The [B, S, D] stream held in ``carry`` (the eval's stream cosine between loops reads it)."""
+        ...
+
+    def stream_rms(self, carry: Any) -> torch.Tensor:
+        """Per-token RMS [B, S] of the stream in ``carry``'s last loop, measured where it can move
+        (before any normalisation that closes the loop; the eval's ``stream_rms_loop_t``)."""
         ...
 
     def param_counts(self) -> dict[str, int]:

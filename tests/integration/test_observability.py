@@ -98,9 +98,9 @@ def test_diversity_scalars_and_expert_load_only_at_eval(run):
     for t in (1, 2, 3):
         assert 0.0 < last[f"routing_load_entropy_loop_{t}"] <= 1.0
         assert last[f"routing_load_max_mean_loop_{t}"] >= 1.0
-        assert last[f"stream_rms_loop_{t}"] == pytest.approx(
-            1.0, abs=1e-3
-        )  # RMS-normed after every loop
+        # Before the norms (after them it would be 1 by construction): a value that can move.
+        assert 0.0 < last[f"stream_rms_loop_{t}"] < 1e3
+        assert last[f"stream_rms_loop_{t}"] != pytest.approx(1.0, abs=1e-3)
     assert 0 <= last["routing_dead_experts"] <= E
     # The eval's diversity equals a direct recomputation on the same checkpointed model.
     direct, _ = trainer.held_out.validate(trainer.state.step)

@@ -32,9 +32,10 @@ def rms(x, w=None):
     return y if w is None else y * w
 
 
-def composed_forward(model, tokens, positions, doc):
+def composed_forward(model, tokens, positions, doc, pre_norm_rms=None):
     """Spec §4.9 written out with straight loops, reusing only the model's attention and MoE modules
-    (tested on their own elsewhere). Every switch is read from model.args."""
+    (tested on their own elsewhere). Every switch is read from model.args. ``pre_norm_rms``, a list,
+    receives each loop's per-token stream RMS [B, S] after its last block's update, before any norm."""
     a = model.args
     L, H = a.n_layers, a.num_loops
     e = model.tok_embeddings.weight[tokens] * math.sqrt(a.dim)
@@ -61,8 +62,11 @@ def composed_forward(model, tokens, positions, doc):
             if a.ffn_branch_rms == "affine":
                 m = rms(m, layer.ffn_branch_norm.weight)
             z = z + gamma * m
+            last_rms = z.pow(2).mean(-1).sqrt()  # before the layer's out norm and the loop's
             if a.per_layer_out_norm:
                 z = rms(z)
+        if pre_norm_rms is not None:
+            pre_norm_rms.append(last_rms)
         z = rms(z)
     return z @ model.output.weight.t()
 
@@ -126,6 +130,30 @@ def test_input_validation_messages():
 
 
 # ---------------------------------------------------------------- segments
+
+
+def test_stream_rms_is_measured_before_each_loops_closing_norm():
+    """The eval's stream statistic reads the stream where it can move: each loop's per-token RMS
+    after its last block's update, before the layer's out norm and the loop's closing RMSNorm,
+    equals the composed forward's (same 1e-5 as the logits: the same sums), and it is not the
+    post-norm 1 (which it would be to ~1e-7, the norm's eps). With and without the per-layer norm."""
+    for per_layer_out_norm in (True, False):
+        _check_stream_rms(debug_model(per_layer_out_norm=per_layer_out_norm))
+
+
+def _check_stream_rms(model):
+    tokens, positions, doc = batch()
+    want: list[torch.Tensor] = []
+    with torch.no_grad():
+        composed_forward(model, tokens, positions, doc, pre_norm_rms=want)
+        carry = None
+        for t in range(1, model.num_loops + 1):
+            carry = model(tokens, positions, doc, t, t, carry).carry
+            got = model.stream_rms(carry)
+            torch.testing.assert_close(got, want[t - 1], rtol=0, atol=1e-5)
+            assert (got - 1).abs().max() > 1e-2, got  # a value that can move
+            post = model.carry_stream(carry).float().pow(2).mean(-1).sqrt()
+            torch.testing.assert_close(post, torch.ones_like(post), rtol=0, atol=1e-5)
 
 
 def test_segments_with_carry_equal_one_full_forward():

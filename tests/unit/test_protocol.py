@@ -116,6 +116,9 @@ class LoopedDenseToy(nn.Module):
     def carry_stream(self, carry: torch.Tensor) -> torch.Tensor:
         return carry
 
+    def stream_rms(self, carry: torch.Tensor) -> torch.Tensor:
+        return carry.float().pow(2).mean(-1).sqrt()  # no closing norm: the stream itself
+
     def observation_layout(self) -> tuple[int, tuple[str, ...]]:
         return 0, ()
 

@@ -28,7 +28,8 @@ def _feed(stats, layers=1, token_slices=(slice(0, 3),)):
         for t in range(3):
             topk_BSK = torch.tensor([[SETS[n][t] for n in range(3)]])[:, sl]
             z_BSD = torch.tensor([[Z[n][t] for n in range(3)]])[:, sl]
-            stats.add_loop(topk_BSK.unsqueeze(0).expand(layers, -1, -1, -1), z_BSD)
+            rms_BS = z_BSD.pow(2).mean(-1).sqrt()  # the stream's own RMS (no closing norm here)
+            stats.add_loop(topk_BSK.unsqueeze(0).expand(layers, -1, -1, -1), z_BSD, rms_BS)
 
 
 def test_hand_computed_example():
@@ -80,7 +81,7 @@ def test_dead_expert_and_share():
     stats = RoutingStats(1, 2, 4, 1)
     stats.start_batch(torch.ones(1, 2, dtype=torch.bool))
     for ids in ([0, 1], [1, 1]):
-        stats.add_loop(torch.tensor(ids).view(1, 1, 2, 1), torch.ones(1, 2, 3))
+        stats.add_loop(torch.tensor(ids).view(1, 1, 2, 1), torch.ones(1, 2, 3), torch.ones(1, 2))
     s = stats.summary()
     assert s["routing_dead_experts"] == 2  # experts 2 and 3 never chosen
     assert stats.load_share_LHE()[0].tolist() == [[2.0, 2.0, 0.0, 0.0], [0.0, 4.0, 0.0, 0.0]]
@@ -91,9 +92,11 @@ def test_empty_and_misuse():
     stats = RoutingStats(1, 2, 4, 1)
     assert stats.summary() == {} and stats.per_layer() == []
     with pytest.raises(RuntimeError, match="start_batch"):
-        stats.add_loop(torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.ones(1, 1, 2))
+        stats.add_loop(
+            torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.ones(1, 1, 2), torch.ones(1, 1)
+        )
     stats.start_batch(torch.ones(1, 1, dtype=torch.bool))
-    stats.add_loop(torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.ones(1, 1, 2))
+    stats.add_loop(torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.ones(1, 1, 2), torch.ones(1, 1))
     with pytest.raises(RuntimeError, match="1 of 2 loops"):
         stats.start_batch(torch.ones(1, 1, dtype=torch.bool))
 

@@ -82,7 +82,9 @@ def evaluate(
                 routing = RoutingStats(n_layers, H, n_experts, out.topk_LTBSK.shape[-1], device)
             if loop == 1:
                 routing.start_batch(real_tokens(mb["doc_ids"]))
-            routing.add_loop(out.topk_LTBSK[:, 0], model.carry_stream(carry))
+            routing.add_loop(
+                out.topk_LTBSK[:, 0], model.carry_stream(carry), model.stream_rms(carry)
+            )
             if len(docs) < samples:
                 topk_per_loop.append(out.topk_LTBSK[:, 0].cpu())
         n_tok += int(count_valid(mb["labels"]))

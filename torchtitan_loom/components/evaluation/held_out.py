@@ -157,7 +157,9 @@ class HeldOutEval:
                         )
                     if loop == 1:
                         routing.start_batch(real_tokens(mb["doc_ids"]))
-                    routing.add_loop(out.topk_LTBSK[:, 0], model.carry_stream(carry))
+                    routing.add_loop(
+                        out.topk_LTBSK[:, 0], model.carry_stream(carry), model.stream_rms(carry)
+                    )
                 ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double()
             n_tok += count_valid(mb["labels"])
         return ce_H, n_tok, routing

@@ -1,6 +1,6 @@
 """Routing diversity across loops and stream statistics, accumulated over eval batches.
 
-Feed one micro-batch at a time: ``start_batch(valid_BS)``, then ``add_loop(topk_LBSK, z_BSD)`` for
+Feed one micro-batch at a time: ``start_batch(valid_BS)``, then ``add_loop(topk_LBSK, z_BSD, rms_BS)`` for
 loops 1..H in order (the eval already runs the loops one at a time with the carry). Only valid
 tokens count (doc id >= 0; padding is excluded). ``all_reduce`` sums the totals over ranks;
 ``summary`` turns them into the scalars below, each routing one computed per layer and then
@@ -14,7 +14,8 @@ averaged over the L layers (README "Routing diversity" has the same definitions)
     routing_load_entropy, routing_load_max_mean   their means over loops
     routing_dead_experts           experts chosen by no token in any loop
     routing_dead_experts_per_loop  experts chosen by no token in a loop, mean over loops
-    stream_rms_loop_t              sqrt(mean over tokens and channels of z²), z = stream after loop t
+    stream_rms_loop_t              sqrt(mean over tokens of rms²), rms = the model's per-token stream RMS
+                                   in loop t where it can move (LOOM: before the loop's closing norm)
     stream_cos_loop_t              mean over tokens of cos(z after loop t, z after loop t+1)
 
 Load = number of times an expert is in a token's top-k (the router's choice, before capacity).
@@ -63,8 +64,9 @@ class RoutingStats:
         self._batch = _BatchState(valid_N)
         self.tokens += valid_N.sum()
 
-    def add_loop(self, topk_LBSK: torch.Tensor, z_BSD: torch.Tensor) -> None:
-        """The next loop's chosen expert ids [L, B, S, K] and the stream after it [B, S, D]."""
+    def add_loop(self, topk_LBSK: torch.Tensor, z_BSD: torch.Tensor, rms_BS: torch.Tensor) -> None:
+        """The next loop's chosen expert ids [L, B, S, K], the stream after it [B, S, D] (its
+        direction: the cosine) and its per-token RMS [B, S] (``ModelProtocol.stream_rms``)."""
         b = self._batch
         if b is None or b.loop >= self.H:
             raise RuntimeError(
@@ -79,7 +81,8 @@ class RoutingStats:
         z_ND = z_BSD.reshape(-1, z_BSD.shape[-1])[b.valid_N].to(self.load_LHE.device).double()
         t = b.loop  # 0-based index of this loop
         self.load_LHE[:, t] += onehot_LNE.sum(1)
-        self.sq_sum_H[t] += z_ND.pow(2).mean(-1).sum()
+        rms_N = rms_BS.reshape(-1)[b.valid_N].to(self.load_LHE.device).double()
+        self.sq_sum_H[t] += rms_N.pow(2).sum()
         if t == 0:
             b.union_LNE = onehot_LNE.clone()
         else:

@@ -47,14 +47,16 @@ class RMSNormAffine(nn.Module):
 
 class BlockOutput(NamedTuple):
     """What a block hands to the next: stream, both memories, kept counts [E], z-loss term, the
-    chosen expert ids [B, S, K] when asked (return_topk), and when asked (return_branches) the
-    branch outputs (attention, MoE) as their modules return them, else None."""
+    stream's per-token RMS [B, S, 1] before any output norm (fp32, values only: the eval's stream
+    statistic), the chosen expert ids [B, S, K] when asked (return_topk), and when asked
+    (return_branches) the branch outputs (attention, MoE) as their modules return them, else None."""
 
     x_BSD: torch.Tensor
     l_mem: Memory
     h_mem: Memory
     kept_E: torch.Tensor
     z_sq: torch.Tensor
+    rms_BS1: torch.Tensor
     expert_BSK: torch.Tensor | None = None
     branches: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -109,6 +111,9 @@ class LoomBlock(nn.Module):
         if self.ffn_branch_norm is not None:
             m_BSD = self.ffn_branch_norm(m_BSD)
         x_BSD = x_BSD + gamma * m_BSD
+        # Before the norm, where the stream's size can move (after it, it is 1 by construction);
+        # detached, so no graph keeps the stream for it (compiled, the norm's own sum is shared).
+        rms_BS1 = x_BSD.detach().float().pow(2).mean(dim=-1, keepdim=True).sqrt()
         if self.per_layer_out_norm:
             x_BSD = rms_norm(x_BSD, self.eps)
-        return BlockOutput(x_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK, branches)
+        return BlockOutput(x_BSD, l_mem, h_mem, kept_E, z_sq, rms_BS1, expert_BSK, branches)

@@ -23,11 +23,14 @@ DEN_FLOOR = 1e-6  # readout = num / max(den, 1e-6), spec §4.4 steps 8-9
 
 
 class LoopCarry(NamedTuple):
-    """LOOM's state handed from one loop range to the next: the stream and the H-axis memory (fp32)."""
+    """LOOM's state handed from one loop range to the next: the stream and the H-axis memory (fp32),
+    and the stream's per-token RMS in the last loop before any norm (fp32; read by the eval's
+    stream statistic, not by the next loop)."""
 
     z_BSD: torch.Tensor
     h_num_BSD: torch.Tensor
     h_den_BS1: torch.Tensor
+    rms_BS1: torch.Tensor
 
     def detach(self) -> LoopCarry:
         """Values only, no autograd history (segment boundary of truncated backprop)."""

@@ -34,6 +34,7 @@ from torchtitan_loom.models.loom.attention import (
 from torchtitan_loom.models.loom.block import BRANCHES, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.counts import count_flops_per_token, count_params
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
+from torchtitan_loom.models.loom.loop_result import LoopRange, OneLoop
 from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
 from torchtitan_loom.models.loom.target import KernelTarget, target_of
@@ -97,6 +98,12 @@ class LoomTransformer(nn.Module):
         """The stream z [B, S, D] after the carry's last loop."""
         return carry.z_BSD
 
+    def stream_rms(self, carry: LoopCarry) -> torch.Tensor:
+        """Per-token RMS [B, S] of the stream in the carry's last loop after its last block's
+        update, before any norm (the last block's output norm, the loop's closing RMSNorm): after
+        them it is 1 by construction."""
+        return carry.rms_BS1[..., 0]
+
     def new_decode_cache(self) -> KVCache:
         """An empty cache for incremental decoding (components/evaluation/sampling.py)."""
         if self.args.capacity_factor != 0:
@@ -159,7 +166,7 @@ class LoomTransformer(nn.Module):
             )
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
 
-        z_BSD, h_mem, counts_LTE, z_sq_X, topk_LTBSK, observed_LTNK = self._region(
+        loops = self._region(
             "segment",
             self._run_loops,
             loop_start,
@@ -175,17 +182,17 @@ class LoomTransformer(nn.Module):
             observe,
         )
         if args.router_z_loss_coef > 0:
-            aux_loss = args.router_z_loss_coef * z_sq_X.sum()
+            aux_loss = args.router_z_loss_coef * loops.z_sq_X.sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
-        logits_BSV = self.output(z_BSD).float()
+        logits_BSV = self.output(loops.z_BSD).float()
         return ModelOutput(
             logits_BSV,
-            LoopCarry(z_BSD, h_mem.num_BSD, h_mem.den_BS1),
+            LoopCarry(loops.z_BSD, loops.h_mem.num_BSD, loops.h_mem.den_BS1, loops.rms_BS1),
             aux_loss,
-            counts_LTE=counts_LTE,
-            topk_LTBSK=topk_LTBSK,
-            observed_LTNK=observed_LTNK,
+            counts_LTE=loops.counts_LTE,
+            topk_LTBSK=loops.topk_LTBSK,
+            observed_LTNK=loops.observed_LTNK,
         )
 
     def observation_layout(self) -> tuple[int, tuple[str, ...]]:
@@ -241,11 +248,10 @@ class LoomTransformer(nn.Module):
         cache=None,
         observe=None,
     ):
-        """Loops [loop_start, loop_end]: (z, H memory, counts [L, T, E], z-loss terms [L*T],
-        expert ids [L, T, B, S, K] or None, observed [L, T, N, K] or None)."""
-        counts_per_loop, z_terms, topk_per_loop, observed_per_loop = [], [], [], []
+        """Loops [loop_start, loop_end] (loop_result.LoopRange)."""
+        per_loop: list[OneLoop] = []
         for t in range(loop_start, loop_end + 1):
-            z_BSD, h_mem, counts_LE, z_sq_L, topk_LBSK, observed_LNK = self._region(
+            loop = self._region(
                 "loop",
                 self._run_loop,
                 t,
@@ -259,19 +265,16 @@ class LoomTransformer(nn.Module):
                 cache,
                 observe,
             )
-            counts_per_loop.append(counts_LE)
-            z_terms.append(z_sq_L)
-            topk_per_loop.append(topk_LBSK)
-            observed_per_loop.append(observed_LNK)
-        topk_LTBSK = torch.stack(topk_per_loop, dim=1) if return_topk else None
-        observed_LTNK = None if observe is None else torch.stack(observed_per_loop, dim=1)
-        return (
+            z_BSD, h_mem = loop.z_BSD, loop.h_mem
+            per_loop.append(loop)
+        return LoopRange(
             z_BSD,
             h_mem,
-            torch.stack(counts_per_loop, dim=1),
-            torch.cat(z_terms),
-            topk_LTBSK,
-            observed_LTNK,
+            torch.stack([loop.counts_LE for loop in per_loop], dim=1),
+            torch.cat([loop.z_sq_L for loop in per_loop]),
+            torch.stack([loop.topk_LBSK for loop in per_loop], dim=1) if return_topk else None,
+            None if observe is None else torch.stack([p.observed_LNK for p in per_loop], dim=1),
+            per_loop[-1].rms_BS1,
         )
 
     def _run_loop(
@@ -287,8 +290,7 @@ class LoomTransformer(nn.Module):
         cache=None,
         observe=None,
     ):
-        """Loop t (1-based): injection, the L blocks, the final RMSNorm -> (z, H memory, counts [L, E],
-        z-loss [L], expert ids [L, B, S, K] or None, observe() of every branch [L, N, K] or None)."""
+        """Loop t (1-based): injection, the L blocks, the final RMSNorm (loop_result.OneLoop)."""
         args = self.args
         if t >= 2 and args.embed_inject_mode == "loop_start_mix_soft":
             g = inject_gain(t, args)
@@ -299,7 +301,7 @@ class LoomTransformer(nn.Module):
             # Picked here, outside the block, so the block sees the router as a plain tensor.
             router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
             kv_slot = None if cache is None else cache.slot(i, t)
-            z_BSD, l_mem, h_mem, kept_E, z_sq, expert_BSK, branches = self._region(
+            z_BSD, l_mem, h_mem, kept_E, z_sq, rms_BS1, expert_BSK, branches = self._region(
                 "block",
                 layer,
                 z_BSD,
@@ -322,13 +324,14 @@ class LoomTransformer(nn.Module):
                 observed_per_layer.append(torch.stack([observe(x_BSD) for x_BSD in branches]))
         topk_LBSK = torch.stack(topk_per_layer) if return_topk else None
         observed_LNK = torch.stack(observed_per_layer) if observe is not None else None
-        return (
+        return OneLoop(  # rms_BS1: the last block's, before its output norm and the loop's
             rms_norm(z_BSD, args.norm_eps),
             h_mem,
             torch.stack(counts_per_layer),
             torch.stack(z_terms),
             topk_LBSK,
             observed_LNK,
+            rms_BS1,
         )
 
     def _check_inputs(

@@ -120,8 +120,9 @@ class _Activations:
         self.outside = 2 * c * N * D + 2 * _F32 * N * hd  # embedding, head input, RoPE tables
 
     def carry(self) -> int:
-        """z, the H memory's numerator (fp32) and denominator of one micro-batch."""
-        return self.c * self.N * self.D + _F32 * (self.N * self.D + self.N)
+        """z, the H memory's numerator (fp32) and denominator, and the pre-norm RMS (fp32) of one
+        micro-batch."""
+        return self.c * self.N * self.D + _F32 * (self.N * self.D + 2 * self.N)
 
     def logits(self) -> int:
         """fp32 logits kept by the loss, their gradient, and the compute-dtype head output."""
