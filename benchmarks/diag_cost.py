@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             names[r % len(names) :] + names[: r % len(names)]
         )  # rotate: no variant always runs first
         for name in order:
-            trainer.diagnostics = diagnostics[name]
+            trainer.step.parts.diagnostics = diagnostics[name]  # the part the step reads
             _sync(device)
             start = now()
             result = trainer.train_step(next(batches))

@@ -46,12 +46,12 @@ from torchtitan_loom.config.validate import Resolved
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import ModelProtocol, get_train_spec
 from torchtitan_loom.trainer_build import TrainerBuild
-from torchtitan_loom.trainer_step import SegmentedStep
 
 
-class Trainer(TrainerBuild, SegmentedStep):
-    """One launch's training: the builders ``__init__`` calls are TrainerBuild's (trainer_build.py),
-    ``train_step`` is SegmentedStep's (trainer_step.py); resume, the loop and the end are here."""
+class Trainer(TrainerBuild):
+    """One launch's training: the builders ``__init__`` calls are TrainerBuild's (trainer_build.py);
+    the step is an object of its own built from the parts (``self.step``, trainer_step.py); resume,
+    the loop and the end are here."""
 
     def __init__(
         self,
@@ -79,11 +79,16 @@ class Trainer(TrainerBuild, SegmentedStep):
         self._build_training()
         # Built last, once everything they watch or save exists; train() loads (TorchTitan's order).
         self._build_services()
+        self.step = self._build_step()
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str) -> None:
         if self.info.rank == self.cfg.metrics.log_rank:
             print(f"[torchtitan_loom] {msg}", flush=True)
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
+        """One global step (LOOM_SPEC §6): the step object's call."""
+        return self.step(batch)
 
     # -------------------------------------------------------------------- loop
     def resume(self) -> None:

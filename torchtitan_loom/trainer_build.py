@@ -8,6 +8,8 @@ through ``protocols.ModelProtocol``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointManager
@@ -28,6 +30,7 @@ from torchtitan_loom.config import to_toml
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.distributed.model_wrappers import apply_checkpoint_and_compile
 from torchtitan_loom.protocols import ModelProtocol, segments
+from torchtitan_loom.trainer_step import SegmentedStep, StepParts
 
 
 class TrainerBuild:
@@ -196,3 +199,47 @@ class TrainerBuild:
             world_size=info.world_size,
             log=self.log,
         )
+
+    def _build_step(self) -> SegmentedStep:
+        """The segmented step over the parts built above (it holds them; the Trainer runs it)."""
+        float8, model = self.float8, self.model
+        return SegmentedStep(
+            StepParts(
+                model=model,
+                params=self.params,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                finish_gradients=self.finish_gradients,
+                before_micro_batch=self.before_micro_batch,
+                spike_guard=self.spike_guard,
+                state=self.state,
+                segments=self.segments,
+                stop_signals=self.stop_signals,
+                diagnostics=self.diagnostics,
+                micro_batches=self.micro_batches,
+                autocast=self.autocast,
+                max_norm=self.cfg.training.max_norm,
+                dp_degree=self.parallel_dims.dp,
+                device=self.device,
+                after_optimizer_step=(
+                    (lambda: float8.post_optimizer_hook(model)) if self.float8_precompute else None
+                ),
+            )
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast without FSDP (a single process included); under FSDP its MixedPrecisionPolicy
+        computes with bf16 parameters instead; fp32 runs are plain."""
+        if not self.use_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """This rank's rows of a global batch, in micro-batches of training.micro_batch_size, on
+        the device."""
+        mb = self.cfg.training.micro_batch_size
+        rows = batch["input_ids"].shape[0]
+        return [
+            {k: v[i : i + mb].to(self.device, non_blocking=True) for k, v in batch.items()}
+            for i in range(0, rows, mb)
+        ]

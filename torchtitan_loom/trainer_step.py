@@ -1,10 +1,11 @@
-"""LOOM's segmented step (LOOM_SPEC §6 with the §14 decisions), a base of ``train.Trainer``:
-``train_step`` runs ⌈H/K⌉ backprop segments, each in three pieces: ``_backward_segment``
-(forward/backward of every micro-batch), ``_finish_segment`` (the gradients reduced, the segment's
-one all-reduce of statistics with every rank's stop flag) and ``_update`` (the decision order
-non-finite → spike → clip → step, in one place). It reads the attributes trainer_build.py sets
-(model, optimizer, segments, spike guard, state ...) on every call, so a test or benchmark that
-swaps one on a built Trainer is honoured. The model is reached only through
+"""LOOM's segmented step (LOOM_SPEC §6 with the §14 decisions) as an object built from its parts.
+
+``SegmentedStep(parts)(batch)`` runs ⌈H/K⌉ backprop segments, each in three pieces:
+``_backward_segment`` (forward/backward of every micro-batch), ``_finish_segment`` (the gradients
+reduced, the segment's one all-reduce of statistics with every rank's stop flag) and ``_update``
+(the decision order non-finite → spike → clip → step, in one place). ``StepParts`` names all it
+reads, so a test builds a step without a Trainer (tests/unit/test_step_alone.py); the Trainer
+(train.py) builds one from its parts and calls it once per step. The model is reached only through
 ``protocols.ModelProtocol``.
 
 Legend (the package's, see protocols.py): B rows, S sequence length, L layers, H loops, T loops of a
@@ -15,40 +16,68 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.optim.divergence import non_finite_statistic
-from torchtitan_loom.components.runtime.train_state import StepAbandoned, StepResult
+from torchtitan_loom.components.runtime.train_state import StepAbandoned, StepResult, TrainState
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
-from torchtitan_loom.protocols import UpdatesAfterStep
+from torchtitan_loom.protocols import ModelProtocol, UpdatesAfterStep
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepParts:
+    """Everything one step reads or changes, each a part the Trainer built (trainer_build.py)."""
+
+    model: ModelProtocol
+    params: list[torch.Tensor]
+    """The trainable parameters (the clip, the statistics and the diagnostics read them)."""
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    """Stepped once per global step (torch.optim.lr_scheduler.LRScheduler)."""
+    finish_gradients: Callable[[], None]
+    """Parallelized.finish_gradients: sums what the parallel wrappers did not reduce."""
+    before_micro_batch: Callable[[bool], None]
+    """Parallelized.before_micro_batch: last=True before a segment's final micro-batch."""
+    spike_guard: Any
+    """components/optim/spike_guard.SpikeGuard: check, breach, accept per segment."""
+    state: TrainState
+    segments: list[tuple[int, int]]
+    """The backprop segments' loop ranges (protocols.segments)."""
+    stop_signals: Any
+    """components/runtime/preemption.PreemptionWatcher: flag_tensor() and observe(flag)."""
+    diagnostics: Any
+    """components/observability/diagnostics: begin(step) -> a recorder or None."""
+    micro_batches: Callable[[Batch], list[Batch]]
+    """The global batch rows of this rank -> micro-batches on the device."""
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    max_norm: float
+    """training.max_norm: the clip of the global gradient norm."""
+    dp_degree: int
+    """Data-parallel ranks: the aux loss is averaged over micro-batches × ranks."""
+    device: torch.device
+    after_optimizer_step: Callable[[], None] | None = None
+    """Called after each optimizer step (float8: the tensorwise scales' precompute)."""
 
 
 class SegmentedStep:
-    """The step and its helpers (a base of ``train.Trainer``; not used alone)."""
+    """One global step of segmented backprop over ``parts`` (called once per training step)."""
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast without FSDP (a single process included); under FSDP its MixedPrecisionPolicy
-        computes with bf16 parameters instead; fp32 runs are plain."""
-        if not self.use_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
 
-    def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        mb = self.cfg.training.micro_batch_size
-        rows = batch["input_ids"].shape[0]
-        return [
-            {k: v[i : i + mb].to(self.device, non_blocking=True) for k, v in batch.items()}
-            for i in range(0, rows, mb)
-        ]
-
-    def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
+    def __call__(self, batch: Batch) -> StepResult:
         """One global step: ⌈H/K⌉ segments, each _backward_segment → _finish_segment → _update,
         then the expert-bias update and the schedule."""
-        micro = self.micro_batches(batch)
+        p = self.parts
+        micro = p.micro_batches(batch)
         # The divisor of every micro-batch loss: valid targets of the whole GLOBAL batch, so the
         # summed gradient is the token mean whatever the world size and micro-batching (§14).
         # Kept on the device (read with segment 1's statistics, no sync of its own); an integer
@@ -56,16 +85,16 @@ class SegmentedStep:
         n_valid_t = dist_utils.all_reduce(
             sum(count_valid(m["labels"]) for m in micro).to(torch.float64).reshape(1)
         )
-        n_layers, n_experts = self.model.routing or (0, 0)
+        n_layers, n_experts = p.model.routing or (0, 0)
         out = StepResult(
             counts_LHE=torch.zeros(
-                n_layers, self.num_loops, n_experts, dtype=torch.int64, device=self.device
+                n_layers, p.model.num_loops, n_experts, dtype=torch.int64, device=p.device
             ),
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=p.optimizer.param_groups[0]["lr"],
         )
         carries: list[Any] = [None] * len(micro)
-        diag = self.diagnostics.begin(self.state.step + 1)  # None on most steps: nothing extra
-        for j in range(len(self.segments)):
+        diag = p.diagnostics.begin(p.state.step + 1)  # None on most steps: nothing extra
+        for j in range(len(p.segments)):
             ce_total = self._backward_segment(j, micro, carries, n_valid_t, out.counts_LHE, diag)
             stats = self._finish_segment(j, ce_total, n_valid_t, diag)
             out.n_valid = stats.n_valid
@@ -74,13 +103,13 @@ class SegmentedStep:
         # The model's after-step update (LOOM: expert bias, §5.2) once per global step, from the
         # counts summed over loops, micro-batches and ranks; none when a segment was skipped. A
         # model without routed experts has no counts to sum (no collective).
-        if self.model.routing is not None:
+        if p.model.routing is not None:
             out.counts_LHE = dist_utils.all_reduce(out.counts_LHE)
-        if out.skip_reason is None and isinstance(self.model, UpdatesAfterStep):
-            self.model.after_step(out.counts_LHE.sum(1))
-        self.lr_scheduler.step()
-        self.state.step += 1
-        self.state.tokens_seen += int(out.n_valid)
+        if out.skip_reason is None and isinstance(p.model, UpdatesAfterStep):
+            p.model.after_step(out.counts_LHE.sum(1))
+        p.lr_scheduler.step()
+        p.state.step += 1
+        p.state.tokens_seen += int(out.n_valid)
         out.diag = None if diag is None else diag.finish()
         return out
 
@@ -95,16 +124,17 @@ class SegmentedStep:
     ) -> torch.Tensor:
         """Piece 1: zero_grad, then forward/backward of every micro-batch over segment j's loops,
         each starting from its carry; returns the segment's summed token CE (fp64, on the device)."""
-        a, b = self.segments[j]
-        self.optimizer.zero_grad(set_to_none=True)
+        p = self.parts
+        a, b = p.segments[j]
+        p.optimizer.zero_grad(set_to_none=True)
         denom_t = n_valid_t.clamp_min(1.0)
-        aux_divisor = len(micro) * self.parallel_dims.dp
-        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_divisor = len(micro) * p.dp_degree
+        ce_total = torch.zeros((), dtype=torch.float64, device=p.device)
         for m, mb in enumerate(micro):
-            self.before_micro_batch(m == len(micro) - 1)  # FSDP reduces after the last one
-            with self.autocast():
+            p.before_micro_batch(m == len(micro) - 1)  # FSDP reduces after the last one
+            with p.autocast():
                 observe = None if diag is None else diag.observer(m, real_tokens(mb["doc_ids"]))
-                out = self.model(
+                out = p.model(
                     mb["input_ids"],
                     mb["positions"],
                     mb["doc_ids"],
@@ -131,20 +161,22 @@ class SegmentedStep:
         which), then the segment's one all-reduce and host sync (loss, gradient norm², non-finite
         count, every rank's stop flag), which the decision and the clip both read. A stop agreed
         at segment 1 abandons the step: no update has happened yet."""
-        self.finish_gradients()
+        p = self.parts
+        p.finish_gradients()
         if diag is not None:
-            diag.add_gradients(j, self.params)
+            diag.add_gradients(j, p.params)
         stats = dist_utils.step_statistics(
-            self.params, ce_total, self.stop_signals.flag_tensor(), n_valid_t
+            p.params, ce_total, p.stop_signals.flag_tensor(), n_valid_t
         )
-        if self.stop_signals.observe(stats.stop_flag) and j == 0:
+        if p.stop_signals.observe(stats.stop_flag) and j == 0:
             raise StepAbandoned
         return stats
 
     def _update(self, j: int, stats: dist_utils.StepStatistics, out: StepResult) -> bool:
         """Piece 3, the decision order in one place: non-finite → spike → clip → step. Records the
         segment in ``out``; False when it is skipped (the rest of the step with it)."""
-        a, b = self.segments[j]
+        p = self.parts
+        a, b = p.segments[j]
         seg_loss = stats.loss_sum / max(stats.n_valid, 1.0)
         out.seg_losses.append(seg_loss)
         # Never stepped on, whatever the guard says; the run then stops (components/optim/divergence.py).
@@ -152,20 +184,18 @@ class SegmentedStep:
         if bad:
             out.non_finite = f"{bad} in segment {j + 1} (loops {a}-{b})"
         # Only finite spikes are skipped and trained past.
-        skip = bad or self.spike_guard.check(j, seg_loss, self.state.step + 1)
+        skip = bad or p.spike_guard.check(j, seg_loss, p.state.step + 1)
         if skip:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state.skipped_segments += 1
+            p.optimizer.zero_grad(set_to_none=True)
+            p.state.skipped_segments += 1
             out.skip_reason, out.healthy = f"segment {j + 1} (loops {a}-{b}): {skip}", False
             return False
-        out.healthy = out.healthy and self.spike_guard.breach(j, seg_loss) is None  # warm-up too
-        dist_utils.clip_grads_with_total_norm(
-            self.params, stats.grad_norm_sq_t, self.cfg.training.max_norm
-        )
+        out.healthy = out.healthy and p.spike_guard.breach(j, seg_loss) is None  # warm-up too
+        dist_utils.clip_grads_with_total_norm(p.params, stats.grad_norm_sq_t, p.max_norm)
         norm_sq = stats.grad_norm_sq  # pre-clip; finite pieces can still overflow their sum
         out.grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("nan")
-        self.optimizer.step()
-        if self.float8_precompute:
-            self.float8.post_optimizer_hook(self.model)
-        self.spike_guard.accept(j, seg_loss)
+        p.optimizer.step()
+        if p.after_optimizer_step is not None:
+            p.after_optimizer_step()
+        p.spike_guard.accept(j, seg_loss)
         return True
