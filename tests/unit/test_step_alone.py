@@ -6,8 +6,8 @@ one CPU runs the same kernels in the same order; nothing may differ)."""
 import contextlib
 
 import torch
-
 from test_train_step import batch_of, make_trainer
+
 from torchtitan_loom.components.observability.diagnostics import build_diagnostics
 from torchtitan_loom.components.optim.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.optim.optimizer import build_optimizer
