@@ -383,7 +383,7 @@ def test_a_finite_explosion_inside_the_guard_warm_up_keeps_a_checkpoint_from_bef
     """Issue 34: a step-8 run resumed at lr 10, a checkpoint every step, keep 1. Inside the spike
     guard's warm-up the exploded losses feed its running average until the plateau's steps are
     "healthy" (from step ~30 here);
-    the proof's loss bound (pruning.py: PROOF_LOSS_RATIO against the launch's first loss) still
+    the proof's loss bound (proof.py: PROOF_LOSS_RATIO against the launch's first loss) still
     keeps a checkpoint saved before the explosion."""
     keep = ("--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1")
     guard = ("--spike_guard.warmup_steps", "50", "--spike_guard.abort_on_spike", "false")

@@ -7,7 +7,8 @@
     resolve.py     which checkpoint a run loads; the up-front config check used by section_checks.py
     manager.py     CheckpointManager: when to save; the facade the trainer calls
     saving.py      what is saved, the sync/async write and its commit (rank 0)
-    pruning.py     the proof policy: PROVE_STEPS healthy steps before older checkpoints go
+    proof.py       the proof policy, pure: PROVE_STEPS healthy steps before older checkpoints go
+    pruning.py     the pruning a proof allows, agreed by every rank
     loading.py     which checkpoint is resumed, the fallback past a bad one, the restore
 
 Stop signals (what makes a run save and exit early) are components/runtime/preemption.py's.

@@ -22,7 +22,7 @@ from torchtitan_loom.components.runtime.messages import count
 
 class LoadMixin:
     """CheckpointManager's load path (uses its cfg, root, model, optimizer, states, device,
-    rank, world_size, _distributed, _unproven, _last_noted and _log)."""
+    rank, world_size, _distributed, proof and _log)."""
 
     def _decide(
         self, exclude: dict[str, str]
@@ -77,7 +77,7 @@ class LoadMixin:
                 )
             exclude[choice.path] = "refused after loading (non-finite weights)"
         if step is not None:
-            self._unproven[step], self._last_noted = 0, step  # the steps after it prove it
+            self.proof.resumed(step)  # the steps after it prove it
         if step is not None and self.rank == 0:
             moved = layout.abandon_newer(self.root, step)
             if moved:

@@ -16,8 +16,8 @@ CPU generator, plus the current CUDA generator on GPUs) restored on every rank; 
 are not kept, which is what makes it loadable at another world size.
 
 The class is split by what each part does: saving.py (what is saved, the sync/async write and
-its commit), pruning.py (the proof policy: PROVE_STEPS healthy steps before a checkpoint may
-prune older ones), loading.py (which checkpoint is resumed, the fallback, the restore).
+its commit), proof.py (the pure proof policy: PROVE_STEPS healthy steps before a checkpoint may
+prune older ones), pruning.py (the pruning it allows), loading.py (which checkpoint is resumed, the fallback, the restore).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from torch import nn
 
 from torchtitan_loom.components.checkpoint import layout, resolve
 from torchtitan_loom.components.checkpoint.loading import LoadMixin
-from torchtitan_loom.components.checkpoint.pruning import PROVE_STEPS, ProofMixin
+from torchtitan_loom.components.checkpoint.proof import PROVE_STEPS, ProofPolicy
+from torchtitan_loom.components.checkpoint.pruning import PruneMixin
 from torchtitan_loom.components.checkpoint.saving import SaveMixin, _Pending, make_stager
 from torchtitan_loom.components.runtime import safe_files
 
@@ -41,7 +42,7 @@ __all__ = ["ASYNC_MODES", "PROVE_STEPS", "CheckpointManager"]
 from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES
 
 
-class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):
+class CheckpointManager(PruneMixin, SaveMixin, LoadMixin):
     """Owns the run's checkpoint folder. A disabled manager (``cfg.enable`` false) does nothing.
 
     Args:
@@ -92,11 +93,8 @@ class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):
         self._saved: dict[
             str, int
         ] = {}  # kind → the step last saved (or in flight) by this process
-        self._unproven: dict[int, int] = {}  # saved step → healthy steps since (all so far)
-        self._proven: int | None = None  # the newest checkpoint proven by PROVE_STEPS healthy steps
-        self._reference_loss: float | None = None  # what a proving step's loss is held against
+        self.proof = ProofPolicy()  # which checkpoint may prune older ones (pure, proof.py)
         self._pruned_for: int | None = None
-        self._last_noted = 0
         self._pg = None
         self._async = self.enabled and cfg.async_mode != "disabled"
         if self._async and self._distributed:
@@ -133,7 +131,7 @@ class CheckpointManager(ProofMixin, SaveMixin, LoadMixin):
         """Save what the policy asks for after global step ``step``; ``last``: no step follows in
         this process; ``stopping``: the run stops now (the stop signals decided), so this step is
         saved and the save finished; ``healthy`` and ``loss`` (the step's global loss): whether
-        the step proves the checkpoints before it (pruning.py). Returns the folder of that final
+        the step proves the checkpoints before it (proof.py). Returns the folder of that final
         save, else None."""
         if not self.enabled:
             return None

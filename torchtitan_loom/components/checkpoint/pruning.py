@@ -1,14 +1,6 @@
-"""The proof policy of CheckpointManager: when a checkpoint may prune older ones.
-
-Pruning (``keep_latest_k``, ``snapshot_keep``) waits for proof: a checkpoint may make older ones
-go only once the PROVE_STEPS steps right after it were healthy (StepResult.healthy: every segment
-stepped, nothing non-finite, no spike rule broken, warm-up included) AND their losses stayed
-within PROOF_LOSS_RATIO of a reference that an explosion cannot raise: the loss of the steps that
-proved the newest proven checkpoint, or, before any proof in this launch, the loss of its first
-step (computed from the weights it started with: the resumed checkpoint's, or the init's). The
-spike guard's running average is no such reference: a finite explosion inside its warm-up feeds
-the average and is judged healthy. The newest proven checkpoint and everything after it always
-stay, so a saved explosion never takes the last good checkpoint with it.
+"""CheckpointManager's pruning: once the proof policy (proof.py) has proven a committed checkpoint,
+rank 0 prunes what ``keep_latest_k`` and ``snapshot_keep`` let go of older than it, and every
+rank agrees on the outcome.
 """
 
 from __future__ import annotations
@@ -21,50 +13,25 @@ from torch.distributed.checkpoint.api import (
 
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.checkpoint.proof import PROVE_STEPS
 from torchtitan_loom.components.runtime import safe_files
 
-PROVE_STEPS = 2
-"""Healthy steps that must follow a checkpoint before it may prune older ones: the first one's
-loss is computed from exactly the saved weights, the second is the first update made from the
-saved optimizer state (its moments). A step beyond them no longer tests what was saved."""
 
-
-PROOF_LOSS_RATIO = 1.5
-"""A proving step's loss above this multiple of the reference proves nothing. Training noise at a
-fixed lr moves the loss by a few percent and a warm-up or decay by tens of percent; an explosion
-multiplies it (seen: 3 -> 69). Above the ratio older checkpoints are only kept longer, never lost."""
-
-
-class ProofMixin:
-    """CheckpointManager's proof bookkeeping and pruning (uses its _unproven, _proven,
-    _reference_loss, _pruned_for, _last_noted and _pending, and the save path's wait() and
-    _agree())."""
+class PruneMixin:
+    """CheckpointManager's pruning (uses its proof policy, _pruned_for and _pending, and the save
+    path's wait() and _agree())."""
 
     def _note(self, step: int, healthy: bool, loss: float | None = None) -> None:
-        """Count step ``step`` (its global loss ``loss``) for every checkpoint still waiting for
-        proof, each step once; every rank sees the same agreed values and decides alike."""
-        if step <= self._last_noted:
-            return
-        self._last_noted = step
-        if self._reference_loss is None and loss is not None:
-            self._reference_loss = loss  # the launch's first step: its starting weights' loss
-        within = loss is not None and loss <= PROOF_LOSS_RATIO * (self._reference_loss or loss)
-        for saved in [s for s in self._unproven if s < step]:
-            if not (healthy and within):  # a checkpoint followed by such a step never prunes
-                del self._unproven[saved]
-                continue
-            self._unproven[saved] += 1
-            if self._unproven[saved] >= PROVE_STEPS:
-                del self._unproven[saved]
-                if saved >= (self._proven or 0):
-                    self._proven, self._reference_loss = saved, loss
+        """Step ``step`` went as ``healthy`` and ``loss`` say: tell the proof policy, then prune
+        up to what it has proven."""
+        self.proof.note(step, healthy, loss)
         self._prune()
 
     def _prune(self) -> None:
         """Once a committed checkpoint is proven, rank 0 prunes what is older than it. Every rank
         reaches the same decision (the health flags are agreed), so only a prune costs a
         broadcast: its outcome, agreed as a save's is."""
-        p = self._proven
+        p = self.proof.proven
         if p is None or p == self._pruned_for:
             return
         self._pruned_for = p

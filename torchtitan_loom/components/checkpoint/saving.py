@@ -3,7 +3,7 @@
 A save writes into a temporary folder (layout.temp_dir) and is committed by rank 0 (marker +
 rename, the snapshot copy, the index) once every rank's data is written; a failed write removes
 the temporary folder, keeps every older checkpoint and raises CheckpointSaveError. Pruning is not
-part of a save: it waits for proof (pruning.py).
+part of a save: it waits for proof (proof.py).
 
 Async (``checkpoint.async_mode = "async"``): ``dcp.async_save`` copies the state to CPU memory
 before it returns (so the next optimizer step cannot race the staging) and writes in a background
@@ -80,7 +80,7 @@ class _Pending:
 
 class SaveMixin:
     """CheckpointManager's save path (manager.py builds the attributes it uses: cfg, root, model,
-    optimizer, states, rank, world_size, _pending, _saved, _unproven, _pg, stager, _log, ...)."""
+    optimizer, states, rank, world_size, _pending, _saved, proof, _pg, stager, _log, ...)."""
 
     def _collect(self) -> dict[str, Any]:
         """The state to save (tensors alias live ones; DCP or its stager copies them)."""
@@ -130,7 +130,7 @@ class SaveMixin:
         tmp = layout.temp_dir(self.root, step, kind)
         try:
             self._save(step, kind, tmp, periodic, snapshot)
-            self._unproven[step] = 0
+            self.proof.saved(step)
             self._saved.update(
                 {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
             )
@@ -278,7 +278,7 @@ class SaveMixin:
                 self._incomplete_message(final, step, "index", exc, snap_exc), exc
             ) from exc
         if snap_exc is not None:
-            self._unproven.pop(step, None)  # a save that did not finish prunes nothing
+            self.proof.dropped(step)  # a save that did not finish prunes nothing
             raise _CommittedButIncomplete(
                 self._incomplete_message(final, step, "done", None, snap_exc), snap_exc
             )
@@ -334,7 +334,7 @@ class SaveMixin:
         p, self._pending = self._pending, None
         if p is None:
             return None
-        self._unproven.pop(p.step, None)
+        self.proof.dropped(p.step)
         if wait:
             try:
                 p.future.result()

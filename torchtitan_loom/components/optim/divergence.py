@@ -3,7 +3,7 @@
 finite spikes are ever skipped and trained past. Each stop exits 2 and writes SPIKE_ABORT.txt;
 after it nothing is saved, committed or pruned (the step's update may already hold the diverged
 segments; a save still in flight is discarded), and pruning only ever removes checkpoints older
-than one proven by healthy steps (components/checkpoint/pruning.py), so the last good checkpoint
+than one proven by healthy steps (components/checkpoint/proof.py), so the last good checkpoint
 is on disk.
 
 The non-finite rule lives here alone (``non_finite_statistic``): the trainer asks it before the

@@ -60,6 +60,6 @@ class StepResult:
     """Which statistic of which segment was non-finite (the run stops), None when all were finite."""
     healthy: bool = True
     """Every segment stepped and none broke a spike rule, warm-up or not: a step that proves the
-    checkpoint before it (components/checkpoint/pruning.py)."""
+    checkpoint before it (components/checkpoint/proof.py)."""
     diag: dict[str, float | None] | None = None
     """The branch diagnostics of a diagnostic step (components/observability/diagnostics.py), else None."""
