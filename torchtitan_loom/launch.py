@@ -268,8 +268,8 @@ def _lost_peer(cfg: Any, step: int, why: str, in_step: bool = True) -> Outcome:
     makes an elastic agent restart the group (1 without restarts left: relaunch by hand)."""
     elastic = ElasticRestarts.from_env(os.environ)
     code = exit_codes.RESTART if elastic.restarts_left else exit_codes.FAILED
-    newest = layout.scan(checkpoint_root(cfg.job.dump_folder, cfg.checkpoint.folder))
-    newest = newest.newest() if cfg.checkpoint.enable else None
+    scanned = layout.scan(checkpoint_root(cfg.job.dump_folder, cfg.checkpoint.folder))
+    newest = scanned.newest() if cfg.checkpoint.enable else None
     resume = (
         f"resumes from step {newest.step} ({_steps(newest.step + 1, step)} trained again)"
         if newest is not None and newest.step < step

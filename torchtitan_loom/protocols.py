@@ -337,7 +337,7 @@ def cast_for_inference(
 
 def cast_model_for_inference(spec: TrainSpec, model: nn.Module, dtype: torch.dtype) -> None:
     """``cast_for_inference`` applied in place to ``model``'s parameters and buffers."""
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     for name, cast in cast_for_inference(spec, tensors, dtype).items():
         tensors[name].data = cast

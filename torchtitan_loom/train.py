@@ -82,10 +82,6 @@ class Trainer(TrainerBuild):
         self.step = self._build_step()
 
     # ------------------------------------------------------------------ helpers
-    def log(self, msg: str) -> None:
-        if self.info.rank == self.cfg.metrics.log_rank:
-            print(f"[torchtitan_loom] {msg}", flush=True)
-
     def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
         """One global step (LOOM_SPEC §6): the step object's call."""
         return self.step(batch)
@@ -248,7 +244,9 @@ class Trainer(TrainerBuild):
         """A stop agreed before the step's first update: save the step before it (if any)."""
         step = self.state.step
         if step:
-            return self._save_or_stop(step, last=True, healthy=False)
+            saved = self._save_or_stop(step, last=True, healthy=False)
+            if saved is not None:  # the agreed stop, with this step saved
+                return saved
         code = self.stop_signals.exit_code()
         return Outcome(Status.STOPPED, code, f"stopped before step {step + 1}")
 
@@ -292,7 +290,10 @@ class Trainer(TrainerBuild):
             self.metrics.close()
         except OSError as exc:  # e.g. the last flush of a full disk
             if not outcome.error:
-                outcome = launch.outcome_of(exc, self.cfg, self.state.step)
+                known = launch.outcome_of(exc, self.cfg, self.state.step)
+                if known is None:  # not a way a launch ends that we know: a bug, with its traceback
+                    raise
+                outcome = known
         if outcome.error:
             for line in outcome.message.splitlines():
                 print(line, file=sys.stderr)

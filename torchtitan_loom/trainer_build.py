@@ -9,38 +9,106 @@ through ``protocols.ModelProtocol``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
 
 import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan_loom.components.checkpoint import CheckpointManager
 from torchtitan_loom.components.data import build_train_loader, bundled_corpus_path
 from torchtitan_loom.components.evaluation.downstream import build_scorer
 from torchtitan_loom.components.evaluation.held_out import HeldOutEval
-from torchtitan_loom.components.observability.diagnostics import build_diagnostics
+from torchtitan_loom.components.observability.diagnostics import (
+    BranchDiagnostics,
+    build_diagnostics,
+)
 from torchtitan_loom.components.observability.metrics import MetricsLogger
 from torchtitan_loom.components.observability.progress import start_report
 from torchtitan_loom.components.optim.divergence import DivergenceMonitor
 from torchtitan_loom.components.optim.lr_scheduler import build_lr_scheduler
 from torchtitan_loom.components.optim.optimizer import build_optimizer
 from torchtitan_loom.components.optim.spike_guard import SpikeGuard
-from torchtitan_loom.components.quantization.float8 import build_float8_converter
+from torchtitan_loom.components.quantization.float8 import (
+    Float8Converter,
+    build_float8_converter,
+)
 from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.components.runtime.train_state import TrainState
-from torchtitan_loom.config import to_toml
+from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.distributed.model_wrappers import apply_checkpoint_and_compile
-from torchtitan_loom.protocols import ModelProtocol, segments
+from torchtitan_loom.distributed.parallel_dims import ParallelDims
+from torchtitan_loom.protocols import ModelProtocol, TrainSpec, segments
 from torchtitan_loom.trainer_step import SegmentedStep, StepParts
 
 
 class TrainerBuild:
-    """The Trainer's builders (a base of ``train.Trainer``; not used alone)."""
+    """The Trainer's builders (the base of ``train.Trainer``; not used alone). The parts a Trainer
+    is made of are declared here, each set once: by ``Trainer.__init__`` (the first group) or by
+    the builder that makes it."""
+
+    # Set by Trainer.__init__ from its arguments, before any builder runs.
+    cfg: JobConfig
+    info: dist_utils.DistInfo
+    device: torch.device
+    run_id: str
+    in_step: bool  # whether the loop is inside a step (else in the work after one)
+    model_args: Any
+    parallel_dims: ParallelDims
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    use_autocast: bool
+    spec: TrainSpec
+    # _build_model
+    model: ModelProtocol
+    float8: Float8Converter | None
+    float8_precompute: bool
+    compiled_units: int
+    finish_gradients: Callable[[], None]
+    before_micro_batch: Callable[[bool], None]
+    params: list[torch.Tensor]
+    # _build_training
+    num_loops: int
+    segments: list[tuple[int, int]]
+    diagnostics: BranchDiagnostics
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LambdaLR
+    spike_guard: SpikeGuard
+    state: TrainState
+    divergence: DivergenceMonitor
+    data_path: str | Path
+    vocab_size: int
+    tokenizer_name: str | None
+    dataloader: Any
+    metrics: MetricsLogger
+    flops_per_token: float
+    # _build_services
+    stop_signals: PreemptionWatcher
+    held_out: HeldOutEval
+    downstream: Any
+    resumed: bool
+    resumed_from: int | None
+    launch_recorded: bool
+    checkpointer: CheckpointManager
+    # _build_step
+    step: SegmentedStep
+
+    def log(self, msg: str) -> None:
+        """A console line from the metrics rank only."""
+        if self.info.rank == self.cfg.metrics.log_rank:
+            print(f"[torchtitan_loom] {msg}", flush=True)
 
     def _build_model(self) -> ModelProtocol:
         """meta → (converters) → AC, compile → parallelize → materialise → layout-independent init."""
         cfg, t = self.cfg, self.cfg.training
         with torch.device("meta"):
-            model = self.spec.model_cls(self.model_args)
+            module = self.spec.model_cls(self.model_args)
+        # One object, two faces: the nn.Module the wrappers and the optimizer take, and the
+        # protocol the trainer reads (a TrainSpec's model_cls builds both).
+        model = cast(ModelProtocol, module)
         if self.info.rank == cfg.metrics.log_rank:  # within seconds of start, before any allocation
             n_segments = len(segments(model.num_loops, t.bp_segment_len))
             for line in start_report(
@@ -58,25 +126,26 @@ class TrainerBuild:
             cfg.float8, t.device, self.spec, t.micro_batch_size * t.seq_len
         )
         if self.float8 is not None:
-            self.log(self.float8.convert(model).summary(self.float8.plan))
+            self.log(self.float8.convert(module).summary(self.float8.plan))
         # AC and compile where the model declares them (the config check refused anything else).
         self.compiled_units = apply_checkpoint_and_compile(
-            model, self.spec, cfg, expert_parallel=self.parallel_dims.ep_enabled
+            module, self.spec, cfg, expert_parallel=self.parallel_dims.ep_enabled
         )
         if self.spec.parallelize_fn is not None:
-            model, self.finish_gradients, self.before_micro_batch = self.spec.parallelize_fn(
-                model, self.parallel_dims, cfg
+            module, self.finish_gradients, self.before_micro_batch = self.spec.parallelize_fn(
+                module, self.parallel_dims, cfg
             )
+            model = cast(ModelProtocol, module)
         else:  # a plain replicated model: every gradient is summed over the ranks
             self.finish_gradients = lambda: dist_utils.reduce_gradients(
                 self.params, self.reduce_dtype
             )
             self.before_micro_batch = lambda last: None
-        model.to_empty(device=self.device)
+        module.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights()
         # Tensorwise float8 scale precompute: only when FSDP sharded the float8 weights.
-        self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(model)
+        self.float8_precompute = self.float8 is not None and self.float8.precompute_applies(module)
         if self.float8_precompute:
             self.log(
                 "float8: FSDP shards the float8 weights; their scales are precomputed after each "
@@ -87,8 +156,9 @@ class TrainerBuild:
                 model, self.device.type, self.compute_dtype, cfg.compile.enable
             ):
                 self.log(line)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        return model.train()
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        module.train()
+        return model
 
     def _build_training(self) -> None:
         """Segments, optimizer, schedule, spike guard, train state, divergence, data, metrics."""
@@ -96,7 +166,7 @@ class TrainerBuild:
         self.num_loops = model.num_loops
         self.segments = segments(self.num_loops, t.bp_segment_len)
         self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
-        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.optimizer = build_optimizer(cast(nn.Module, model), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,
             total_steps=t.steps,
@@ -158,7 +228,7 @@ class TrainerBuild:
             self.device,
             exit_after_step=ck.exit_after_step if ck.enable else 0,
         )
-        common = dict(
+        common: dict[str, Any] = dict(
             model=self.model,
             data_path=self.data_path,
             tokenizer_name=self.tokenizer_name,
@@ -203,6 +273,9 @@ class TrainerBuild:
     def _build_step(self) -> SegmentedStep:
         """The segmented step over the parts built above (it holds them; the Trainer runs it)."""
         float8, model = self.float8, self.model
+        hook = None
+        if self.float8_precompute and float8 is not None:
+            hook = lambda: float8.post_optimizer_hook(cast(nn.Module, model))  # noqa: E731
         return SegmentedStep(
             StepParts(
                 model=model,
@@ -221,9 +294,7 @@ class TrainerBuild:
                 max_norm=self.cfg.training.max_norm,
                 dp_degree=self.parallel_dims.dp,
                 device=self.device,
-                after_optimizer_step=(
-                    (lambda: float8.post_optimizer_hook(model)) if self.float8_precompute else None
-                ),
+                after_optimizer_step=hook,
             )
         )
 

@@ -83,7 +83,10 @@ class SegmentedStep:
         # Kept on the device (read with segment 1's statistics, no sync of its own); an integer
         # < 2^24 is exact in fp32, so ce_sum / denom_t equals the division by the Python count.
         n_valid_t = dist_utils.all_reduce(
-            sum(count_valid(m["labels"]) for m in micro).to(torch.float64).reshape(1)
+            torch.stack([count_valid(m["labels"]) for m in micro])
+            .sum()
+            .to(torch.float64)
+            .reshape(1)
         )
         n_layers, n_experts = p.model.routing or (0, 0)
         out = StepResult(

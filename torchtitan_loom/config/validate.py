@@ -165,13 +165,13 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         errors.append(str(exc))
     dims = _parallel_dims(cfg, world_size, args, errors)
     if t.global_batch_size == -1:  # TorchTitan's default: local_batch_size × the DP degree
-        rows = "micro_batch_size × data-parallel ranks"
+        meant = "micro_batch_size × data-parallel ranks"
         if dims is not None:
-            rows = f"{t.micro_batch_size * dims.dp} here ({t.micro_batch_size} × {dims.dp} ranks)"
+            meant = f"{t.micro_batch_size * dims.dp} here ({t.micro_batch_size} × {dims.dp} ranks)"
         errors.append(
             "training.global_batch_size = -1 (TorchTitan: local_batch_size × data-parallel "
             "degree): give the rows per step over all ranks instead; that product is "
-            f"{rows}, a multiple of it accumulates gradients over micro-batches"
+            f"{meant}, a multiple of it accumulates gradients over micro-batches"
         )
     if dims is not None:
         dp = dims.dp
@@ -259,7 +259,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
             )
     if not 0 <= t.seed <= INT_MAX:
         errors.append(f"training.seed = {t.seed}: must lie in [0, 2^63 - 1]")
-    batches = [
+    batches: list[tuple[str, int, int]] = [
         ("training.global_batch_size", t.global_batch_size, t.seq_len),
         ("training.micro_batch_size", t.micro_batch_size, t.seq_len),
         ("eval.batch_size", cfg.eval.batch_size, t.seq_len),
@@ -280,6 +280,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     errors += checkpoint_errors(cfg, args if not errors else None)
     if errors:
         raise ConfigError("\n".join(errors))
+    assert dims is not None  # a layout that could not be built is one of the errors
     return Resolved(args, dims)
 
 

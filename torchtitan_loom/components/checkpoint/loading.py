@@ -16,11 +16,12 @@ import torch.distributed as dist
 
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime.messages import count
 
 
-class LoadMixin:
+class LoadMixin(ManagerParts):
     """CheckpointManager's load path (uses its cfg, root, model, optimizer, states, device,
     rank, world_size, _distributed, proof and _log)."""
 

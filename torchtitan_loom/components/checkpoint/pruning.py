@@ -13,11 +13,12 @@ from torch.distributed.checkpoint.api import (
 
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
 from torchtitan_loom.components.checkpoint.proof import PROVE_STEPS
 from torchtitan_loom.components.runtime import safe_files
 
 
-class PruneMixin:
+class PruneMixin(ManagerParts):
     """CheckpointManager's pruning (uses its proof policy, _pruned_for and _pending, and the save
     path's wait() and _agree())."""
 

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import (
 
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
 from torchtitan_loom.components.runtime import safe_files
 
@@ -78,7 +79,7 @@ class _Pending:
     started: float
 
 
-class SaveMixin:
+class SaveMixin(ManagerParts):
     """CheckpointManager's save path (manager.py builds the attributes it uses: cfg, root, model,
     optimizer, states, rank, world_size, _pending, _saved, proof, _pg, stager, _log, ...)."""
 
@@ -170,6 +171,7 @@ class SaveMixin:
                 f"checkpoint step {step} not saved: {exc}; nothing pruned, the previous "
                 f"checkpoints in {self.root} are untouched"
             )
+        reason: str | None  # None: not a failure we can explain; the original error is raised
         if isinstance(exc, layout.IncompleteSave):  # its message says what is missing and why
             reason = str(exc)
         else:
