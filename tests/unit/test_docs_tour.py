@@ -203,7 +203,9 @@ def test_the_analysis_of_the_tour_run_is_what_the_docs_show(tour):
     assert heatmap.is_file()
     shown, now = (after_console(t) for t in (region.body, body))
     assert "| layer |" in shown and "| loop |" in shown, f"{region.path}: {shown}"
-    mine = next((k for k in recorded() if k["kind"] == cpu_kind()), None)
+    # A kind whose analysis was dropped (its tables went stale with a changed statistic, its
+    # figures did not) is compared loosely, as an unrecorded one.
+    mine = next((k for k in recorded() if k["kind"] == cpu_kind() and k["analysis"]), None)
     if mine is not None:
         assert now == mine["analysis"], (
             f"{region.path}: the analysis of the tour's run differs from the one recorded for "

@@ -15,7 +15,7 @@ import inspect
 import textwrap
 import typing
 from dataclasses import field
-from typing import Any
+from typing import Any, cast
 
 from torchtitan_loom.protocols import model_args_of
 
@@ -30,7 +30,8 @@ def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None):
 
 def attribute_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field of a dataclass (its one documentation)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    # the source of a class is its class statement
+    body = cast(ast.ClassDef, ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]).body
     docs = {}
     for node, after in zip(body, body[1:]):
         if (
@@ -82,6 +83,7 @@ def _same_section(a: Any, b: Any) -> bool:
     return (
         type(b).__name__ == "Model"
         and dataclasses.is_dataclass(b)
+        and not isinstance(b, type)  # for asdict: a class never passes the name check above
         and dataclasses.asdict(a) == dataclasses.asdict(b)
     )
 

@@ -290,7 +290,11 @@ def help_text(argv: list[str] | None = None) -> str:
     for sec, cls in section_types().items():
         lines.append(f"[{sec}]  {SECTION_DOCS.get(sec, '')}")
         for key, (tp, f) in section_fields(cls).items():
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                assert f.default_factory is not dataclasses.MISSING, f"{sec}.{key} has no default"
+                default = f.default_factory()
             if values is not None and sec != "model":
                 default = getattr(getattr(values, sec), key)
             extra = (

@@ -66,7 +66,8 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
 def _shard_report(model: torch.nn.Module, sharding: Sharding) -> list[str]:
     """Rank 0's shard of every parameter; the units of the spec's repeated_unit that match the first
     one are folded into one line."""
-    lines, seen = ["rank 0 parameters: name  full shape -> local shard  placements"], {}
+    lines = ["rank 0 parameters: name  full shape -> local shard  placements"]
+    seen: dict[str, str] = {}  # key -> its entry
     units: set[int] = set()
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p

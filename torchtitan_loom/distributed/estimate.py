@@ -28,7 +28,7 @@ from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
-from torchtitan_loom.protocols import get_train_spec, segments
+from torchtitan_loom.protocols import ModelCost, get_train_spec, segments
 
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)
@@ -66,9 +66,16 @@ def seconds(c: Collective, hw: Any) -> float:
     return c.calls * (hw.latency_us * 1e-6 + c.nbytes * factor / bandwidth)
 
 
+def _model_cost(cfg: Any, model_args: Any, dims: ParallelDims) -> ModelCost:
+    cost_fn = get_train_spec(cfg.model.name).cost_fn
+    # the callers (dry_run.py, config/validate.py) estimate only a model that has a cost_fn
+    assert cost_fn is not None, f"model {cfg.model.name!r} has no TrainSpec.cost_fn"
+    return cost_fn(model_args, dims, cfg)
+
+
 def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) -> Estimate:
     """The estimate of `cfg` on `dims` (cost: the spec's ModelCost, built when not given)."""
-    cost = cost or get_train_spec(cfg.model.name).cost_fn(model_args, dims, cfg)
+    cost = cost or _model_cost(cfg, model_args, dims)
     t, hw = cfg.training, cfg.estimate
     pb, rb = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
@@ -227,7 +234,7 @@ def _collective_table(collectives: list[Collective], hw: Any, n_seg: int) -> lis
 def _padding_notes(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
     """Where FSDP's padding grows a unit's gathered size: a split dimension smaller than, or not a
     multiple of, the shard degree (e.g. 30 routed experts over 64 ranks pad to 64 rows)."""
-    cost = get_train_spec(cfg.model.name).cost_fn(model_args, dims, cfg)
+    cost = _model_cost(cfg, model_args, dims)
     notes, seen = [], set()
     for unit in cost.units:
         n = comm_plan.shard_degree(unit, dims)

@@ -13,6 +13,7 @@ import datetime
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -204,7 +205,7 @@ def _copies(t: torch.Tensor, world: int) -> int:
 
 
 def reduce_gradients(
-    params: list[torch.nn.Parameter],
+    params: Sequence[torch.Tensor],
     reduce_dtype: torch.dtype,
     group: dist.ProcessGroup | None = None,
 ) -> None:
@@ -222,6 +223,7 @@ def reduce_gradients(
     for p in params:
         if p.grad is None or not _is_replicated(p.grad):
             continue
+        groups: tuple[dist.ProcessGroup | None, ...]  # None: all ranks
         if isinstance(p.grad, DTensor):
             mesh = p.grad.device_mesh
             groups = tuple(mesh.get_group(i) for i in range(mesh.ndim) if mesh.size(i) > 1)
@@ -285,7 +287,7 @@ class StepStatistics(NamedTuple):
 
 
 def step_statistics(
-    params: list[torch.nn.Parameter],
+    params: Sequence[torch.Tensor],
     loss_sum: torch.Tensor,
     stop_flag: torch.Tensor,
     n_valid_t: torch.Tensor,
@@ -310,11 +312,14 @@ def step_statistics(
     flag = stop_flag.to(device=norm_sq.device, dtype=torch.float64).reshape(1)
     reduced = all_reduce(torch.cat([loss.to(norm_sq.device), norm_sq, non_finite, flag]))
     host = torch.cat([reduced, n_valid_t.to(reduced.device, torch.float64).reshape(1)]).tolist()
-    return StepStatistics(*host, grad_norm_sq_t=reduced[1])
+    loss_h, norm_sq_h, non_finite_h, flag_h, n_valid_h = host
+    return StepStatistics(
+        loss_h, norm_sq_h, non_finite_h, flag_h, n_valid_h, grad_norm_sq_t=reduced[1]
+    )
 
 
 def clip_grads_with_total_norm(
-    params: list[torch.nn.Parameter], norm_sq: torch.Tensor, max_norm: float
+    params: Sequence[torch.Tensor], norm_sq: torch.Tensor, max_norm: float
 ) -> torch.Tensor:
     """Clip in place with a global norm² already reduced (step_statistics); returns the fp32 norm
     (0-d, on the device). No collective and no host sync."""

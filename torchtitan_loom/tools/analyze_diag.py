@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -60,7 +60,11 @@ def read_diagnostics(metrics_path: str) -> dict[str, Any]:
     return {"branch": branch, "grad": grad}
 
 
-def _figure(width_in: float, height_in: float, layout: str | None = None):
+def _figure(
+    width_in: float,
+    height_in: float,
+    layout: Literal["constrained", "compressed", "tight"] | None = None,
+):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

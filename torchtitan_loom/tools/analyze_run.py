@@ -11,7 +11,8 @@ written through a symbolic link there (tools/out_files.py): a link at a name the
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from typing import Any, cast
 
 import torch
 
@@ -19,6 +20,7 @@ from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.data_contract import real_tokens
+from torchtitan_loom.protocols import ModelProtocol
 from torchtitan_loom.tools.analyze_diag import report_section
 from torchtitan_loom.tools.analyze_report import write_report
 from torchtitan_loom.tools.progress import Progress, plural
@@ -34,9 +36,9 @@ def _run_config(ckpt: str) -> dict[str, Any]:
     path = os.path.join(ckpt, "config.toml")
     if not os.path.isfile(path):
         return {}
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10
+    else:  # Python 3.10
         import tomli as tomllib
     with open(path, "rb") as fh:
         return tomllib.load(fh)
@@ -95,11 +97,11 @@ def evaluate(
         n_batches += 1
         if progress is not None:
             of = f" of {tokens:,}" if tokens else ""
-            progress.tick(
-                lambda n=n_tok, of=of, b=n_batches: (
-                    f"{n:,}{of} held-out tokens routed ({plural(b, 'batch')})"
-                )
-            )
+
+            def routed(n: int = n_tok, of: str = of, b: int = n_batches) -> str:
+                return f"{n:,}{of} held-out tokens routed ({plural(b, 'batch')})"
+
+            progress.tick(routed)
     if n_tok == 0:
         raise AnalyzeError(
             "the held-out data has no valid tokens; pass --data with a pack that has a holdout"
@@ -111,7 +113,7 @@ def _sample_docs(
     batch: dict[str, torch.Tensor], topk_LHBSK: torch.Tensor, count: int, max_tokens: int
 ) -> list[dict[str, Any]]:
     """The first `count` documents of the batch with ≥ 8 tokens: their token ids and ids [L, H, S, K]."""
-    docs = []
+    docs: list[dict[str, Any]] = []
     for row in range(batch["doc_ids"].shape[0]):
         doc_row = batch["doc_ids"][row]
         for doc in doc_row.unique().tolist():
@@ -162,9 +164,10 @@ def analyze(
         raise AnalyzeError(str(exc)) from None
     check_out_links(out)
     data = data or run.get("data", {}).get("path") or str(bundled_corpus_path(None))
-    a = model.args
+    a = cast(ModelProtocol, model).args
     seq_len = seq_len or run.get("training", {}).get("seq_len") or a.max_seq_len
-    n_layers = model.routing.num_layers if model.routing is not None else 0
+    routing = cast(ModelProtocol, model).routing
+    n_layers = routing.num_layers if routing is not None else 0
     if layer is None:
         layer = n_layers // 2
     if not 0 <= layer < n_layers:

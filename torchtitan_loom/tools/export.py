@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,6 +113,7 @@ def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
     spec, args = model_spec(info)
     tensors = cast_for_export(spec, _checkpoint_model(ckpt), SHORT_DTYPES[dtype])
     prepare_out(out, force)
+    save_file: Callable[..., Any] | None
     try:
         from safetensors.torch import save_file
     except ImportError:  # optional dependency (pip install torchtitan_loom[export])

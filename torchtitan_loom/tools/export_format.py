@@ -48,7 +48,9 @@ def find_checkpoint(path: str, step: int | None = None) -> str:
 def model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
     """(TrainSpec, model args) from a model_args.json payload."""
     spec = get_train_spec(info["name"])
-    args_cls = type(spec.model_args.get(info.get("flavor")) or next(iter(spec.model_args.values())))
+    flavor = info.get("flavor")
+    preset = spec.model_args.get(flavor) if flavor is not None else None
+    args_cls = type(preset or next(iter(spec.model_args.values())))
     known = {f.name for f in dataclasses.fields(args_cls)}
     return spec, args_cls(**{k: v for k, v in info["args"].items() if k in known})
 

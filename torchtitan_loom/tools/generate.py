@@ -80,7 +80,9 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.args.num_loops)
-    ids = loaded.tokenizer.encode(ns.prompt)
+    tok = loaded.tokenizer
+    assert tok is not None  # load() builds one (need_tokenizer defaults to True)
+    ids = tok.encode(ns.prompt)
     if not ids:
         raise LoadError("--prompt is empty: give at least one token of text")
     max_len = loaded.args.max_seq_len
@@ -97,9 +99,9 @@ def run(ns: argparse.Namespace) -> str:
             flush=True,
         )
     prompt_BS = torch.tensor([ids], dtype=torch.long, device=ns.device)
-    new_BS = generate(loaded.model, prompt_BS, cfg, loops=loops, eos_id=loaded.tokenizer.eos_id)
-    new = [t for t in new_BS[0].tolist() if t != loaded.tokenizer.eos_id]
-    return loaded.tokenizer.decode(new)
+    new_BS = generate(loaded.model, prompt_BS, cfg, loops=loops, eos_id=tok.eos_id)
+    new = [t for t in new_BS[0].tolist() if t != tok.eos_id]
+    return tok.decode(new)
 
 
 def main(argv: list[str] | None = None) -> int:

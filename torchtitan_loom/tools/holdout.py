@@ -98,7 +98,8 @@ def recompute_eval_loss(
     ``progress`` gets a line after the first batch and then every ~10 s."""
     from torchtitan_loom.components.data import PackError, build_eval_loader
 
-    cfg = loaded.config
+    cfg, pack_path = loaded.config, loaded.pack_path
+    assert cfg is not None and pack_path is not None  # check() returns early without them
     t = cfg.training
     with torch.device("meta"):
         trained = type(loaded.model)(
@@ -108,7 +109,7 @@ def recompute_eval_loss(
     rows = cfg.eval.batch_size or t.global_batch_size
     try:
         loader = build_eval_loader(
-            loaded.pack_path,
+            pack_path,
             seq_len=t.seq_len,
             vocab_size=loaded.args.vocab_size,
             batch_rows=rows,
@@ -129,7 +130,11 @@ def recompute_eval_loss(
             ce += token_ce_sum(out.logits_BSV, m["labels"]).double()
             n_tok += count_valid(m["labels"])
         if progress is not None:
-            progress.tick(lambda n=n_tok: f"holdout check: {int(n.item()):,} held-out tokens read")
+
+            def read(n: torch.Tensor = n_tok) -> str:
+                return f"holdout check: {int(n.item()):,} held-out tokens read"
+
+            progress.tick(read)
     dist_utils.all_reduce(ce)
     dist_utils.all_reduce(n_tok)
     return (ce / n_tok.clamp(min=1)).item(), int(n_tok.item())
@@ -167,7 +172,8 @@ def check(
     if progress is not None:
         progress.phase(f"holdout check: recomputing the held-out loss of step {loaded.step}")
     result.recomputed, result.tokens = recompute_eval_loss(loaded, device, rank, world, progress)
-    if mode == "on" and result.gap > threshold:
+    gap = result.gap  # never None in mode "on": logged was found and recomputed is set
+    if mode == "on" and gap is not None and gap > threshold:
         raise LoadError(
             f"holdout check failed: recomputed eval loss {result.recomputed:.5f} vs {result.logged:.5f} "
             f"logged at step {loaded.step} (gap {result.gap:.5f} > --holdout-threshold {threshold}); "

@@ -253,6 +253,7 @@ def run(ns: argparse.Namespace) -> str | None:
         ns.param_dtype != "fp32"
     ):  # what stays fp32 is the model's call (TrainSpec.inference_fp32_fn)
         cast_model_for_inference(get_train_spec(loaded.name), model, SHORT_DTYPES[ns.param_dtype])
+    assert loaded.tokenizer is not None  # load() builds one (need_tokenizer defaults to True)
     lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
     if info.rank == 0:
         print(f"lm_eval: scoring {', '.join(tasks)} (step {loaded.step}) ...", flush=True)

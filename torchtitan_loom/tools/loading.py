@@ -54,7 +54,7 @@ class Loaded:
 
 def is_export_dir(path: str) -> bool:
     info = layout.read_json(os.path.join(path, MODEL_ARGS_FILE))
-    return bool(info) and "file" in info
+    return info is not None and "file" in info
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -176,6 +176,7 @@ def load(
     from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
 
     ckpt = resolve_checkpoint(path)
+    info: dict[str, Any] | None  # model_args.json's payload
     if is_export_dir(ckpt):
         try:
             info, tensors = read_export(ckpt)

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -217,7 +218,7 @@ def _tokenise_and_write(args: argparse.Namespace, created_by: str, progress: Pro
     # The ETA needs every input's document count: known when the HF dataset is the only input.
     only_hf = hf_rows is not None and not (args.jsonl or args.text or args.parquet)
     progress.total_docs = hf_total if only_hf else None
-    extra = {"created_by": created_by}
+    extra: dict[str, Any] = {"created_by": created_by}
     if args.hf_dataset:
         extra["hf_dataset"] = {
             "name": args.hf_dataset,
@@ -229,6 +230,7 @@ def _tokenise_and_write(args: argparse.Namespace, created_by: str, progress: Pro
     with PackWriter(args.out, info, args.seq_len, extra_metadata=extra) as w:
         reading = read_documents(args, hf_rows, on_source=lambda s: progress.step(f"reading {s}"))
         batches = _batches(reading)
+        encoded: Iterator[list[np.ndarray]]  # each batch's documents as token ids
         if args.workers == 1:
             encoded = ([tok.encode_array(t) for t in b] for b in batches)
             pool = None

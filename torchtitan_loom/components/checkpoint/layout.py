@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from torchtitan_loom.components.checkpoint import integrity
@@ -243,7 +244,7 @@ def prune(
     root: str,
     keep_latest_k: int,
     snapshot_keep: int,
-    keep_paths: set[str] = frozenset(),
+    keep_paths: Set[str] = frozenset(),
     upto_step: int | None = None,
 ) -> list[str]:
     """Delete old complete checkpoints beyond the keep counts (0 keeps all) and torn temporaries

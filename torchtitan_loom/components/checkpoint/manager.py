@@ -32,9 +32,10 @@ from torch import nn
 
 from torchtitan_loom.components.checkpoint import layout, resolve
 from torchtitan_loom.components.checkpoint.loading import LoadMixin
+from torchtitan_loom.components.checkpoint.manager_parts import PendingSave
 from torchtitan_loom.components.checkpoint.proof import PROVE_STEPS, ProofPolicy
 from torchtitan_loom.components.checkpoint.pruning import PruneMixin
-from torchtitan_loom.components.checkpoint.saving import SaveMixin, _Pending, make_stager
+from torchtitan_loom.components.checkpoint.saving import SaveMixin, make_stager
 from torchtitan_loom.components.runtime import safe_files
 
 __all__ = ["ASYNC_MODES", "PROVE_STEPS", "CheckpointManager"]
@@ -87,7 +88,7 @@ class CheckpointManager(PruneMixin, SaveMixin, LoadMixin):
         self._distributed = (
             dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         )
-        self._pending: _Pending | None = None
+        self._pending: PendingSave | None = None
         self.loaded_total_steps: int | None = None
         self.loaded_world_size: int | None = None  # the world size that saved the resumed step
         self._saved: dict[

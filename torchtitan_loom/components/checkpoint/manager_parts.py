@@ -8,7 +8,8 @@ Legend: none (no tensors here).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,8 +17,16 @@ from torch import nn
 from torchtitan_loom.components.checkpoint.proof import ProofPolicy
 from torchtitan_loom.components.runtime.safe_files import HeldFolder
 
-if TYPE_CHECKING:  # saving.py imports this module
-    from torchtitan_loom.components.checkpoint.saving import _Pending
+
+@dataclass
+class PendingSave:
+    """The async save in flight: its future and what it saves (committed when it completes)."""
+
+    future: Any
+    step: int
+    kind: str
+    snapshot_too: bool
+    started: float
 
 
 class ManagerParts:
@@ -39,7 +48,7 @@ class ManagerParts:
     world_size: int
     _log: Callable[[str], None]
     _distributed: bool
-    _pending: _Pending | None  # the async save in flight
+    _pending: PendingSave | None  # the async save in flight
     loaded_total_steps: int | None
     loaded_world_size: int | None  # the world size that saved the resumed step
     _saved: dict[str, int]  # kind -> the step last saved (or in flight) by this process

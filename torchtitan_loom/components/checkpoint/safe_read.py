@@ -188,9 +188,10 @@ class SafeReader(dcp.FileSystemReader):
         if kwargs.get("rank") is not None:  # rank-local metadata: never written by this project
             raise UnsafeCheckpoint(f"{self.path}: per-rank metadata is not supported")
         md = read_metadata_file(str(self.path))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_meta.StorageMeta()
-        md.storage_meta.load_id = getattr(self, "load_id", None)
+        storage: dcp_meta.StorageMeta | None = getattr(md, "storage_meta", None)
+        if storage is None:
+            storage = md.storage_meta = dcp_meta.StorageMeta()
+        storage.load_id = getattr(self, "load_id", None)
         return md
 
 

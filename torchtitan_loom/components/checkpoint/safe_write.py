@@ -14,6 +14,7 @@ import io
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
+from typing import cast
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
@@ -35,7 +36,7 @@ class _NewFilesOnly(FileSystem):
                 f"{path}: {what} was placed there during the save; refusing to write through it"
             ) from None
         with os.fdopen(fd, mode) as stream:
-            yield stream
+            yield cast(io.IOBase, stream)  # what DCP's own create_stream yields
 
 
 class SafeWriter(FileSystemWriter):

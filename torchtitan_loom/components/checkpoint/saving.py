@@ -23,7 +23,6 @@ import dataclasses
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.api import (
 
 from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
-from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
+from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts, PendingSave
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
 from torchtitan_loom.components.runtime import safe_files
 
@@ -68,15 +67,6 @@ def make_stager(device: torch.device):
             use_non_blocking_copy=cuda,
         )
     )
-
-
-@dataclass
-class _Pending:
-    future: Any
-    step: int
-    kind: str
-    snapshot_too: bool
-    started: float
 
 
 class SaveMixin(ManagerParts):
@@ -234,7 +224,7 @@ class SaveMixin(ManagerParts):
             if not isinstance(future, Future):  # AsyncSaveResponse: make staging finish now too
                 future.staging_completion.result()
                 future = future.upload_completion
-            self._pending = _Pending(future, step, kind, periodic and snapshot, started)
+            self._pending = PendingSave(future, step, kind, periodic and snapshot, started)
             return
         with ckstate.single_process_quiet():
             dcp.save(sd, checkpoint_id=tmp, storage_writer=SafeWriter(tmp), no_dist=no_dist)

@@ -71,6 +71,7 @@ class GlobalBatchStream(IterableDataset):
                     f"rows of {self.seq_len + 1} tokens, fewer than global_batch_rows "
                     f"{self.global_batch_rows}; use a smaller global batch or a larger corpus"
                 )
+        assert self._layout is not None  # set above on the first call (_layout_key starts None)
         return self._layout
 
     def resolve(self, epoch: int, cursor: int) -> tuple[int, int]:

@@ -58,6 +58,7 @@ def read_metadata(path: Path) -> dict:
         missing += [f"tokenizer_info.{k}" for k in ("vocab_size", "eos_token_id") if k not in info]
     if missing:
         raise fail(path, f"metadata.json lacks {missing}", _LAYOUT)
+    assert isinstance(info, dict)  # else "tokenizer_info" would be in missing
     if meta.get("layout", "document") != "document":
         raise fail(
             path,

@@ -59,6 +59,7 @@ def pack_tokenizer(
                 f"--tokenizer {override!r} does not match the pack {pack}, which was tokenised "
                 f"with {recorded!r}; pass that tokenizer or leave --tokenizer unset"
             )
+        assert pack is not None  # info is only read from a pack
         name = override or recorded_tokenizer(Path(pack), recorded)
         if (
             name != "byte"

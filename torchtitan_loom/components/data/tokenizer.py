@@ -42,7 +42,7 @@ class ByteTokenizer:
     name_or_path = BYTE_TOKENIZER_NAME
     vocab_size = 258
     eos_id = 256
-    pad_id = 257
+    pad_id: int | None = 257  # declared as the Tokenizer protocol has it
 
     def encode(self, text: str) -> list[int]:
         """Bytes of `text` as ids; no EOS is appended (the packer appends it)."""
@@ -117,8 +117,9 @@ class HFTokenizer:
                 )
             return int(tid)
         for cand in (_eos_from_config(json_path), *EOS_CANDIDATES):
-            if cand is not None and self._tok.token_to_id(cand) is not None:
-                return int(self._tok.token_to_id(cand))
+            tid = self._tok.token_to_id(cand) if cand is not None else None
+            if tid is not None:
+                return int(tid)
         raise ValueError(
             f"tokenizer {self.name_or_path!r}: cannot guess the end-of-text token (none of "
             f"{list(EOS_CANDIDATES)} is in the vocabulary); name it explicitly (packer flag --eos-token)"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from torchtitan_loom.components.data.tokenizer import Tokenizer
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
+from torchtitan_loom.protocols import ModelProtocol
 
 
 class ScoringStopped(Exception):
@@ -54,7 +55,7 @@ class LoomLM(LM):
         super().__init__()
         self.model, self.tok, self._device, self.loops = model, tokenizer, device, loops
         self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
-        self.max_len = model.args.max_seq_len
+        self.max_len: int = cast(ModelProtocol, model).args.max_seq_len
         self.should_stop = should_stop or (lambda: False)
         self.forward_context = forward_context or contextlib.nullcontext
         if split_over_ranks and dist.is_initialized():

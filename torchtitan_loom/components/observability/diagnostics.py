@@ -209,7 +209,7 @@ class StepDiagnostics:
                     if o.options.rank:
                         trio = (
                             rank_collapse(gram_LHNRR[l, t, n])
-                            if t + 1 in self.gram_loops
+                            if gram_LHNRR is not None and t + 1 in self.gram_loops
                             else (None, None, None)
                         )
                         out.update(

@@ -17,11 +17,14 @@ import re
 import sys
 import time
 import warnings
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from torchtitan_loom.components.runtime import safe_files
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 # Dense bf16 peak FLOP/s by GPU name substring, most specific names first (first match wins).
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
@@ -169,9 +172,9 @@ class MetricsLogger:
         self.tb_dir = (
             launch_dir(os.path.join(dump_folder, tb_folder)) if enable_tensorboard else None
         )
-        self._jsonl = None
-        self._writer = None
-        self._wandb = None
+        self._jsonl: IO[str] | None = None
+        self._writer: SummaryWriter | None = None
+        self._wandb: Any = None
         if not self.active:
             return
         os.makedirs(dump_folder, exist_ok=True)
@@ -210,17 +213,19 @@ class MetricsLogger:
             record["run_id"] = self.run_id
         record.update(self._launch_note)
         self._launch_note = {}
+        assert self._jsonl is not None, "MetricsLogger.log after close"
         try:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
         except OSError as exc:  # a full disk, say: name the file (a failed flush names none)
             raise OSError(exc.errno, exc.strerror, self.jsonl_path) from None
-        if self._tb_safe():
+        writer = self._writer if self._tb_safe() else None  # _tb_safe opens the writer
+        if writer is not None:
             try:
                 for name, value in values.items():
                     if value is not None:
-                        self._writer.add_scalar(tb_tag(name), value, global_step=int(step))
-                self._writer.flush()
+                        writer.add_scalar(tb_tag(name), value, global_step=int(step))
+                writer.flush()
             except OSError as exc:  # its writer thread failed (a disk filled since the check)
                 self._tb_stop(exc)
         if self._wandb is not None:
@@ -235,11 +240,12 @@ class MetricsLogger:
 
     def log_image(self, tag: str, image_CHW: Any, step: int) -> None:
         """One uint8 RGB image [3, h, w] to TensorBoard under ``tag`` (no-op without a writer)."""
-        if not self._tb_safe():
+        writer = self._writer if self._tb_safe() else None  # _tb_safe opens the writer
+        if writer is None:
             return
         try:
-            self._writer.add_image(tag, image_CHW, global_step=int(step), dataformats="CHW")
-            self._writer.flush()
+            writer.add_image(tag, image_CHW, global_step=int(step), dataformats="CHW")
+            writer.flush()
         except OSError as exc:
             self._tb_stop(exc)
 
@@ -249,23 +255,23 @@ class MetricsLogger:
         write stops TensorBoard for this launch, with one warning (nothing pending is flushed)."""
         if not (self.active and self._tb_open):
             return False
+        tb_dir = self.tb_dir
+        assert tb_dir is not None  # _tb_open starts true only with a tb_dir
         try:
             if self._writer is None:  # the first write of this launch
                 from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
 
-                safe_files.make_dirs(
-                    self.tb_dir, self.dump_folder
-                )  # refuses a tb/ planted as a link
-                self._writer = SummaryWriter(log_dir=self.tb_dir)
-            safe_files.check_inside(self.tb_dir, self.dump_folder)
-            disk = os.statvfs(self.tb_dir)
+                safe_files.make_dirs(tb_dir, self.dump_folder)  # refuses a tb/ planted as a link
+                self._writer = SummaryWriter(log_dir=tb_dir)
+            safe_files.check_inside(tb_dir, self.dump_folder)
+            disk = os.statvfs(tb_dir)
             if disk.f_bavail * disk.f_frsize < TB_MIN_FREE_BYTES:
                 raise OSError(
                     errno.ENOSPC,
                     f"its disk is full ({disk.f_bavail * disk.f_frsize >> 10} KiB left)",
-                    self.tb_dir,
+                    tb_dir,
                 )
-            links = [e.path for e in os.scandir(self.tb_dir) if e.is_symlink()]
+            links = [e.path for e in os.scandir(tb_dir) if e.is_symlink()]
             if links:
                 raise safe_files.UnsafePathError(
                     f"{links[0]} is a symbolic link; refusing to write through it"

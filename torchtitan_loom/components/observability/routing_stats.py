@@ -44,13 +44,16 @@ class RoutingStats:
     ) -> None:
         L, H, E = num_layers, num_loops, num_experts
         self.L, self.H, self.E, self.K = L, H, E, top_k
-        f64 = dict(dtype=torch.float64, device=device)
+
+        def f64(*size: int) -> torch.Tensor:
+            return torch.zeros(*size, dtype=torch.float64, device=device)
+
         self.load_LHE = torch.zeros(L, H, E, dtype=torch.int64, device=device)
-        self.distinct_sum_L = torch.zeros(L, **f64)
-        self.overlap_sum_LP = torch.zeros(L, max(H - 1, 0), **f64)  # P: consecutive loop pairs
-        self.sq_sum_H = torch.zeros(H, **f64)
-        self.cos_sum_P = torch.zeros(max(H - 1, 0), **f64)
-        self.tokens = torch.zeros(1, **f64)
+        self.distinct_sum_L = f64(L)
+        self.overlap_sum_LP = f64(L, max(H - 1, 0))  # P: consecutive loop pairs
+        self.sq_sum_H = f64(H)
+        self.cos_sum_P = f64(max(H - 1, 0))
+        self.tokens = f64(1)
         self._batch: _BatchState | None = None
 
     # ----------------------------------------------------------------- feeding
@@ -86,6 +89,8 @@ class RoutingStats:
         if t == 0:
             b.union_LNE = onehot_LNE.clone()
         else:
+            # loop 0 (an earlier call) set them
+            assert b.union_LNE is not None and b.prev_LNE is not None and b.prev_z_ND is not None
             b.union_LNE |= onehot_LNE
             self.overlap_sum_LP[:, t - 1] += (onehot_LNE & b.prev_LNE).sum((1, 2)).double() / K
             self.cos_sum_P[t - 1] += torch.nn.functional.cosine_similarity(

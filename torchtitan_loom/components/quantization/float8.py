@@ -288,6 +288,7 @@ class Float8Converter:
         from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel
 
         k = self.plan.experts_kernel
+        assert k is not None, "the plan converts no routed experts"
         return grouped_kernel(k, EXPERT_ALIGNMENT[k], EXPERT_DIM_MULTIPLE[k], gemm)
 
     def precompute_applies(self, model: nn.Module) -> bool:

@@ -240,7 +240,7 @@ class LauncherWatch:
     ) -> None:
         self.parent = os.getppid()
         self.poll_s, self.on_gone = poll_s, on_gone
-        self.store = None
+        self.store: tuple[str, int] | None = None
         if (
             env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
             and env.get("LOCAL_RANK", "0") == "0"
@@ -265,9 +265,9 @@ class LauncherWatch:
         watch._thread.start()
         return watch
 
-    def _store_reachable(self) -> bool:
+    def _store_reachable(self, store: tuple[str, int]) -> bool:
         try:
-            socket.create_connection(self.store, timeout=max(self.poll_s, 1.0)).close()
+            socket.create_connection(store, timeout=max(self.poll_s, 1.0)).close()
             return True
         except OSError:
             return False
@@ -279,7 +279,7 @@ class LauncherWatch:
             if os.getppid() != self.parent:
                 self.gone = f"the launcher (parent pid {self.parent}) is gone"
             elif self.store is not None and n % 2 == 0:
-                failures = 0 if self._store_reachable() else failures + 1
+                failures = 0 if self._store_reachable(self.store) else failures + 1
                 if failures >= self.STORE_FAILURES:
                     self.gone = (
                         f"the launcher's store {self.store[0]}:{self.store[1]} is unreachable"

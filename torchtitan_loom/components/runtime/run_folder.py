@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
@@ -315,7 +316,7 @@ def _rewrite_in_place(path: str, text: str) -> None:
         os.close(fd)
 
 
-def planted_links(dump_folder: str, folders: list[str] = ()) -> list[str]:
+def planted_links(dump_folder: str, folders: Sequence[str] = ()) -> list[str]:
     """Symbolic links where a launch writes its run files or the sub-``folders`` it writes into
     (tb/), which a launch refuses (safe_files.py); each writer checks again when it writes."""
     names = [*_RUN_FILES, *(f + ".partial" for f in _RUN_FILES), LOCK, *folders]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TypedDict
 
 EMBED_INJECT_MODES = ("none", "loop_start_mix_soft")
 FFN_BRANCH_RMS_MODES = ("none", "affine")
@@ -207,8 +208,14 @@ def _check_enum(name: str, value: str, valid: tuple[str, ...]) -> None:
         )
 
 
+class _Sizes(TypedDict):
+    vocab_size: int
+    num_loops: int
+    max_seq_len: int
+
+
 # The size presets (spec §1.1), torch-free: the config reads them before torch is imported.
-_LOOM_SIZES = dict(vocab_size=49152, num_loops=9, max_seq_len=1023)
+_LOOM_SIZES = _Sizes(vocab_size=49152, num_loops=9, max_seq_len=1023)
 
 loom_flavors = {
     # Tiny and CPU-fast: head_dim 64, 8 routed + 2 shared experts, 2 routed per token.

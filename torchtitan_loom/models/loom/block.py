@@ -76,6 +76,7 @@ class LoomBlock(nn.Module):
         self.per_layer_out_norm = args.per_layer_out_norm
         self.attention = GatedAttention(args)
         self.moe = LoomMoE(args)
+        self.ffn_branch_norm: RMSNormAffine | None
         if args.ffn_branch_rms == "affine":
             self.ffn_branch_norm = RMSNormAffine(args.dim, args.norm_eps)
         else:

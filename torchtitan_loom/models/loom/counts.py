@@ -6,8 +6,13 @@ Legend: L layers, H loops, E routed experts, k routed top-k, V vocab, D model di
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
+import torch
 from torch import nn
 
+from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.block import LoomBlock
 
 
@@ -19,8 +24,9 @@ def count_params(model: nn.Module) -> dict[str, int]:
     row and the output head (V*D each, spec §2 "active incl. head and embedding").
     """
     total = sum(p.numel() for p in model.parameters())
-    per_layer = sum(_active_matmul_params(layer) + _norm_params(layer) for layer in model.layers)
-    head_and_embedding = model.output.weight.numel() + model.tok_embeddings.weight.numel()
+    per_layer = sum(_active_matmul_params(layer) + _norm_params(layer) for layer in _blocks(model))
+    embedding = cast(nn.Embedding, model.tok_embeddings).weight
+    head_and_embedding = _head(model).numel() + embedding.numel()
     return {"total": total, "active": per_layer + head_and_embedding}
 
 
@@ -35,11 +41,20 @@ def count_flops_per_token(model: nn.Module, seq_len: int, head_calls: int = 1) -
     attention scores and values (QK^T and AV, 2 matmuls x 2 FLOPs x 3 for fwd+bwd, no causal
     discount, TorchTitan convention). The embedding lookup and the norms are not counted.
     """
-    args = model.args
-    p_loop = sum(_active_matmul_params(layer) for layer in model.layers)
-    head = model.output.weight.numel()
+    args = cast(LoomModelArgs, model.args)
+    p_loop = sum(_active_matmul_params(layer) for layer in _blocks(model))
+    head = _head(model).numel()
     attention = 12 * args.n_layers * args.num_loops * args.n_heads * args.head_dim * seq_len
     return float(6 * (p_loop * args.num_loops + head * head_calls) + attention)
+
+
+# model is a LoomTransformer; nn.Module's __getattr__ types its attributes as Tensor | Module.
+def _blocks(model: nn.Module) -> Iterable[LoomBlock]:
+    return cast("Iterable[LoomBlock]", model.layers)
+
+
+def _head(model: nn.Module) -> torch.Tensor:
+    return cast(nn.Linear, model.output).weight
 
 
 def _active_matmul_params(layer: LoomBlock) -> int:
@@ -47,7 +62,8 @@ def _active_matmul_params(layer: LoomBlock) -> int:
     attention = sum(p.numel() for p in layer.attention.parameters())
     routed = (moe.experts.w13.numel() + moe.experts.w2.numel()) * moe.top_k // moe.num_experts
     shared = sum(p.numel() for p in moe.shared_experts.parameters())
-    return attention + routed + shared + moe.routers[0].numel()
+    router: nn.Parameter = moe.routers[0]  # ParameterList indexing is untyped
+    return attention + routed + shared + router.numel()
 
 
 def _norm_params(layer: LoomBlock) -> int:

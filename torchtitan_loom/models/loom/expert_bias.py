@@ -6,6 +6,7 @@ Legend: L MoE layers, E routed experts.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ def update_expert_bias(moe_layers: Iterable[nn.Module], counts_LE: torch.Tensor,
     n_experts = counts_LE.shape[1]
     sign_LE = torch.sign(counts_LE.sum(dim=1, keepdim=True) - n_experts * counts_LE)
     for l, layer in enumerate(layers):
-        bias_E = layer.expert_bias
+        bias_E = cast(torch.Tensor, layer.expert_bias)  # a buffer (nn.Module types Tensor | Module)
         if isinstance(bias_E, DTensor):
             if not all(isinstance(p, Replicate) for p in bias_E.placements):
                 raise ValueError(

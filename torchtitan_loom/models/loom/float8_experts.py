@@ -14,12 +14,18 @@ E routed experts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
 from torchtitan_loom.models.loom.moe import Experts, RoutedExperts
 from torchtitan_loom.models.loom.swiglu import swiglu_activation
 from torchtitan_loom.protocols import GroupedKernel
+
+if TYPE_CHECKING:
+    from torchtitan_loom.models.loom.block import LoomBlock
 
 
 def swiglu_grouped(
@@ -75,7 +81,8 @@ def convert_float8_experts(
     unless a name in `filter_fqns` matches or the dims are not multiples of the kernel's; returns
     (names converted, {name skipped: why})."""
     chosen, skipped = [], {}
-    for index, layer in enumerate(model.layers):
+    # model is a LoomTransformer (iterating an nn.ModuleList yields nn.Module)
+    for index, layer in enumerate(cast("Iterable[LoomBlock]", model.layers)):
         fqn, experts = f"layers.{index}.moe.experts", layer.moe.experts
         if type(experts) is not RoutedExperts:
             continue

@@ -16,8 +16,8 @@ E routed experts, K routed top-k.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -76,7 +76,7 @@ class LoomTransformer(nn.Module):
         """Choose every kernel (attention backend, flex compiled or not, grouped GEMM) for
         `target.device_type` instead of the tensors' device; None restores the default."""
         self.kernel_target = target
-        for layer in self.layers:
+        for layer in self._blocks():
             layer.attention.kernel_target = target
             layer.moe.experts.set_kernel_device(None if target is None else target.device_type)
 
@@ -87,7 +87,11 @@ class LoomTransformer(nn.Module):
 
     def moe_layers(self) -> Iterator[LoomMoE]:
         """The L MoE modules in layer order (each with its `expert_bias` buffer [E])."""
-        return (layer.moe for layer in self.layers)
+        return (layer.moe for layer in self._blocks())
+
+    def _blocks(self) -> Iterable[LoomBlock]:
+        """self.layers, typed (iterating an nn.ModuleList yields nn.Module)."""
+        return cast("Iterable[LoomBlock]", self.layers)
 
     @property
     def routing(self) -> Routing:

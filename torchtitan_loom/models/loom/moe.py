@@ -155,6 +155,10 @@ class Experts(nn.Module):
     and shapes, w13 [E, 2I, D] (gate rows then up rows) and w2 [E, D, I], so checkpoints, the init
     rules and the parameter counts do not depend on which one runs."""
 
+    # Every implementation registers these two parameters (declared here for their type).
+    w13: nn.Parameter
+    w2: nn.Parameter
+
     takes_capacity_slots = False
     """True: with capacity on, forward takes only the kept assignments, in E fixed slots of C rows
     (moe.capacity_slots) and ``capacity=C``; False: every assignment, grouped by expert."""
@@ -274,6 +278,8 @@ class SharedExpert(nn.Module):
 
 class LoomMoE(nn.Module):
     """Per-loop routers (separate parameters), `expert_bias` buffer, routed and shared experts."""
+
+    expert_bias: torch.Tensor  # registered as a buffer in __init__ (declared here for its type)
 
     def __init__(self, args: LoomModelArgs):
         super().__init__()

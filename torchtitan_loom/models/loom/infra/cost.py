@@ -67,7 +67,7 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
         recompute = (
             0.0 if mode == "none" else N * T * loop_flops / 3
         )  # the forward third, once more
-        a2a = ()
+        a2a: tuple[tuple[str, int, int], ...] = ()  # (what, calls, bytes per call)
         if dims.ep_enabled:  # per MoE call: L per loop; with capacity the E*C fixed slots travel
             capacity = expert_capacity(N, k, E, args.capacity_factor)
             rows = N * k if capacity is None else E * capacity

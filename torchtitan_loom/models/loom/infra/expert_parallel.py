@@ -50,11 +50,13 @@ W ep ranks, L local experts (E/W), R rows received by this rank, C capacity, X s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan_loom.models.loom.moe import (
     Experts,
@@ -63,6 +65,9 @@ from torchtitan_loom.models.loom.moe import (
     gemm_path,
     run_experts,
 )
+
+if TYPE_CHECKING:
+    from torchtitan_loom.models.loom.model import LoomTransformer
 
 
 class ExpertParallelExperts(RoutedExperts):
@@ -120,8 +125,8 @@ class ExpertParallelExperts(RoutedExperts):
         y_RD = run_experts(
             recv_RD[order_R],
             recv_WL.sum(0),
-            self.w13.to_local(),
-            self.w2.to_local(),
+            cast(DTensor, self.w13).to_local(),  # both DTensors (see __init__)
+            cast(DTensor, self.w2).to_local(),
             self.impl,
             local_sizes_L,
             device_type=self.kernel_device,
@@ -144,7 +149,7 @@ class ExpertParallelExperts(RoutedExperts):
         by_expert_R = (
             torch.arange(W * L * C, device=device).view(W, L, C).transpose(0, 1).reshape(-1)
         )
-        w13, w2 = self.w13.to_local(), self.w2.to_local()
+        w13, w2 = cast(DTensor, self.w13).to_local(), cast(DTensor, self.w2).to_local()
         kernel = (
             self.kernel_device
         )  # the GEMM path is chosen as run_experts chooses it (models/loom/target.py)
@@ -255,7 +260,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             f"apply_expert_parallel needs a 1-D ep mesh, got {ep_mesh.ndim} dims {ep_mesh.mesh_dim_names}"
         )
     ep = ep_mesh.size()
-    for index, moe in enumerate(model.moe_layers()):
+    for index, moe in enumerate(cast("LoomTransformer", model).moe_layers()):
         experts = moe.experts
         if isinstance(experts, ExpertParallelExperts):
             raise ValueError(f"expert parallelism is already applied to layer {index}")

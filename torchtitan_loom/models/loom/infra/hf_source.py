@@ -88,7 +88,8 @@ def _strip(source: str, keep: tuple[str, ...] | None = None) -> tuple[str, set[s
     ``keep`` when given, plus its plain imports), and the names it defines at top level."""
     tree = ast.parse(source)
     lines = source.splitlines()
-    pieces, defined = [], set()
+    pieces: list[tuple[bool, str]] = []  # (is an import, its text)
+    defined: set[str] = set()
     for node in tree.body:
         if _is_internal(node):
             continue
@@ -112,7 +113,7 @@ def _strip(source: str, keep: tuple[str, ...] | None = None) -> tuple[str, set[s
             if sub is not node
             and isinstance(sub, (ast.Import, ast.ImportFrom))
             and _is_internal(sub)
-            for n in range(sub.lineno, sub.end_lineno + 1)
+            for n in range(sub.lineno, (sub.end_lineno or sub.lineno) + 1)  # parse sets it
         }
         text = "\n".join(
             line

@@ -34,7 +34,8 @@ Choices made for the looped model (each block runs H times per forward, K per se
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -44,6 +45,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES, RESHARD_AFTER_FORWARD, reduce_gradients
 from torchtitan_loom.protocols import FsdpUnit, Parallelized
+
+if TYPE_CHECKING:
+    from torchtitan_loom.models.loom.block import LoomBlock
+    from torchtitan_loom.models.loom.model import LoomTransformer
+    from torchtitan_loom.models.loom.moe import Experts
 
 
 def parallelize_loom(
@@ -57,6 +63,7 @@ def parallelize_loom(
     The caller materialises afterwards (``to_empty`` + ``init_weights``, layout-independent).
     """
     cfg = job_config
+    loom = cast("LoomTransformer", model)
     reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
     if parallel_dims.ep_enabled:
         from torchtitan_loom.models.loom.infra.expert_parallel import apply_expert_parallel
@@ -74,20 +81,21 @@ def parallelize_loom(
     def finish_gradients() -> None:
         # Parameters are looked up per call: materialising the meta model may swap the objects.
         if parallel_dims.fsdp_enabled:
-            unreduced = [router for moe in model.moe_layers() for router in moe.routers]
+            unreduced = [router for moe in loom.moe_layers() for router in moe.routers]
         else:
             unreduced = [p for p in model.parameters() if p.requires_grad]
         reduce_gradients(unreduced, reduce_dtype)
 
     if not parallel_dims.fsdp_enabled:
         return Parallelized(model, finish_gradients)
-    looped = LoopedBlockSync(model.layers)
+    looped = LoopedBlockSync(loom.layers)
+    root = cast(FSDPModule, model)  # apply_fsdp sharded the root
 
     def defer_sync_to_segment_end(last: bool) -> None:
         # Deferred sync: gradients accumulate unsharded and the gathered parameters stay until the
         # segment's last backward, which reduces and reshards (before the optimizer step).
-        model.set_requires_gradient_sync(last, recurse=True)
-        model.set_reshard_after_backward(last, recurse=True)
+        root.set_requires_gradient_sync(last, recurse=True)
+        root.set_reshard_after_backward(last, recurse=True)
         if last:
             looped.defer()
 
@@ -144,8 +152,9 @@ class LoopedBlockSync:
 
 
 def _set_block_sync(block: nn.Module, on: bool) -> None:
-    block.set_requires_gradient_sync(on, recurse=True)
-    block.set_reshard_after_backward(on, recurse=True)
+    unit = cast(FSDPModule, block)  # apply_fsdp sharded every block
+    unit.set_requires_gradient_sync(on, recurse=True)
+    unit.set_reshard_after_backward(on, recurse=True)
 
 
 def apply_fsdp(
@@ -166,8 +175,8 @@ def apply_fsdp(
     )
     dense_mesh = parallel_dims.get_mesh("fsdp")
     routers = replicate_routers(model, parallel_dims.get_mesh("dp"))
-    common = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    for layer in model.layers:
+    common: dict[str, Any] = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for layer in _blocks(model):
         if parallel_dims.ep_enabled:
             experts = layer.moe.experts
             fully_shard(
@@ -178,8 +187,9 @@ def apply_fsdp(
             )
         fully_shard(layer, mesh=dense_mesh, ignored_params=routers, **common)
         layer.register_forward_pre_hook(_local_tensor_args)
-    fully_shard(model.tok_embeddings, mesh=dense_mesh, **common)
-    fully_shard(model.output, mesh=dense_mesh, **common)
+    loom = cast("LoomTransformer", model)
+    fully_shard(loom.tok_embeddings, mesh=dense_mesh, **common)
+    fully_shard(loom.output, mesh=dense_mesh, **common)
     fully_shard(model, mesh=dense_mesh, mp_policy=mp, ignored_params=routers)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -192,7 +202,7 @@ def fsdp_units(model: nn.Module, parallel_dims: ParallelDims) -> list[FsdpUnit]:
     works on a meta-device model before any parallelism is applied)."""
     units = []
     ep = parallel_dims.ep if parallel_dims.ep_enabled else 1
-    for l, layer in enumerate(model.layers):
+    for l, layer in enumerate(_blocks(model)):
         experts = [(f"layers.{l}.moe.{n}", p) for n, p in layer.moe.experts.named_parameters()]
         dense = [
             (n, p) for n, p in layer.named_parameters(prefix=f"layers.{l}") if ".routers." not in n
@@ -214,7 +224,7 @@ def replicate_routers(model: nn.Module, dp_mesh: Any) -> set[nn.Parameter]:
     DTensors, not plain tensors, because one foreach AdamW cannot mix the two. Works on meta.
     """
     routers = set()
-    for moe in model.moe_layers():
+    for moe in cast("LoomTransformer", model).moe_layers():
         for i, weight in enumerate(moe.routers):
             replicated = distribute_tensor(
                 weight.detach(), dp_mesh, [Replicate()], src_data_rank=None
@@ -224,12 +234,17 @@ def replicate_routers(model: nn.Module, dp_mesh: Any) -> set[nn.Parameter]:
     return routers
 
 
-def expert_shard_placement(experts: nn.Module, efsdp_degree: int):
+def expert_shard_placement(experts: Experts, efsdp_degree: int):
     """FSDP placement of the routed experts: Shard(0) over the local experts when there are at
     least as many as efsdp ranks, else Shard(1) (rows of each expert) so no rank holds only padding."""
     local_experts = _local(experts.w13).shape[0]
     placement = Shard(0) if local_experts >= efsdp_degree else Shard(1)
     return lambda param: placement
+
+
+def _blocks(model: nn.Module) -> Iterable[LoomBlock]:
+    """model.layers of a LoomTransformer, typed (an nn.ModuleList iterates as nn.Module)."""
+    return cast("Iterable[LoomBlock]", model.layers)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

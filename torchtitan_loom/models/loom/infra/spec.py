@@ -2,7 +2,10 @@
 hooks, registered under "loom" when this module is imported (protocols.get_train_spec does that
 on the first lookup; models/__init__.py names this module)."""
 
+from typing import cast
+
 import torch
+from torch import nn
 
 from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs, loom_flavors
 from torchtitan_loom.models.loom.attention import resolve_attn_backend
@@ -46,7 +49,7 @@ register_train_spec(
         checkpoint_scopes=("block", "loop", "segment"),  # model.py's _region scopes
         # One compiled graph per block serves every loop: the loop-dependent inputs (router weight,
         # gamma, memories) are tensors; at most 3 variants (requires_grad of the fresh memories).
-        compile_units_fn=lambda model: list(model.layers),
+        compile_units_fn=lambda model: list(cast(nn.ModuleList, model.layers)),
         kernel_report_fn=kernel_report,
         arg_choices=FIELD_CHOICES,
         # Same math, or tunables a user may adjust mid-run.
