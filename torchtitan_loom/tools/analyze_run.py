@@ -16,10 +16,8 @@ from typing import Any, cast
 
 import torch
 
-from torchtitan_loom.components.loss import count_valid, token_ce_sum
-from torchtitan_loom.components.observability.routing_stats import RoutingStats
+from torchtitan_loom.components.evaluation.loop_by_loop import LoopByLoop
 from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.protocols import ModelProtocol
 from torchtitan_loom.tools.analyze_diag import report_section
 from torchtitan_loom.tools.analyze_report import write_report
@@ -56,45 +54,17 @@ def evaluate(
 ) -> dict[str, Any]:
     """Loss after every loop, RoutingStats, and the routed ids of the first `samples` documents.
     ``progress``: a line after the first batch, then every ~10 s (``tokens``: the target)."""
-    H = model.num_loops
     if model.routing is None:
         raise AnalyzeError("the model has no routed experts: nothing to analyze")
-    n_layers, n_experts = model.routing
-    routing: RoutingStats | None = None
-    ce_H = torch.zeros(H, dtype=torch.float64)
-    n_tok = 0
+    sums = LoopByLoop(model, device)
     docs: list[dict[str, Any]] = []
     n_batches = 0
     for batch in loader:
-        mb = {k: v.to(device) for k, v in batch.items()}
-        carry, topk_per_loop = None, []
-        for loop in range(1, H + 1):
-            out = model(
-                mb["input_ids"],
-                mb["positions"],
-                mb["doc_ids"],
-                loop_start=loop,
-                loop_end=loop,
-                carry=carry,
-                return_topk=True,
-            )
-            carry = out.carry
-            ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double().cpu()
-            if routing is None:  # top-k from the ids' own shape
-                routing = RoutingStats(n_layers, H, n_experts, out.topk_LTBSK.shape[-1], device)
-            if loop == 1:
-                routing.start_batch(real_tokens(mb["doc_ids"]))
-            routing.add_loop(
-                out.topk_LTBSK[:, 0], model.carry_stream(carry), model.stream_rms(carry)
-            )
-            if len(docs) < samples:
-                topk_per_loop.append(out.topk_LTBSK[:, 0].cpu())
-        n_tok += int(count_valid(mb["labels"]))
-        if len(docs) < samples:
-            docs += _sample_docs(
-                batch, torch.stack(topk_per_loop, dim=1), samples - len(docs), sample_tokens
-            )
+        ids_LHBSK = sums.add({k: v.to(device) for k, v in batch.items()})
+        if len(docs) < samples and ids_LHBSK is not None:
+            docs += _sample_docs(batch, ids_LHBSK.cpu(), samples - len(docs), sample_tokens)
         n_batches += 1
+        n_tok = int(sums.n_tok.item())
         if progress is not None:
             of = f" of {tokens:,}" if tokens else ""
 
@@ -102,11 +72,13 @@ def evaluate(
                 return f"{n:,}{of} held-out tokens routed ({plural(b, 'batch')})"
 
             progress.tick(routed)
+    n_tok = int(sums.n_tok.item())
     if n_tok == 0:
         raise AnalyzeError(
             "the held-out data has no valid tokens; pass --data with a pack that has a holdout"
         )
-    return {"losses": (ce_H / n_tok).tolist(), "routing": routing, "docs": docs, "tokens": n_tok}
+    losses = (sums.ce_H.cpu() / n_tok).tolist()
+    return {"losses": losses, "routing": sums.routing, "docs": docs, "tokens": n_tok}
 
 
 def _sample_docs(

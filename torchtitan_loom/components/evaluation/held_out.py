@@ -1,9 +1,6 @@
-"""HeldOutEval: the held-out loss after every loop, and the routing statistics of the same forwards.
-
-Every loop is run one at a time with the carry, which equals the full forward (tested by the
-model), so one pass gives the loss after each loop. A model with routed experts also returns the
-expert ids it chose; they are summed into RoutingStats (valid tokens only). A stop signal drops
-the eval at the next micro-batch.
+"""HeldOutEval: the held-out loss after every loop, and the routing statistics of the same forwards
+(the loop-by-loop evaluation of loop_by_loop.py), on the trainer's schedule and over its ranks.
+A stop signal drops the eval at the next micro-batch.
 
 Legend: B rows, S sequence length, H loops, L layers, T loops of a call, K top-k.
 """
@@ -17,9 +14,8 @@ from typing import Any
 import torch
 
 from torchtitan_loom.components.data import build_eval_loader
-from torchtitan_loom.components.loss import count_valid, token_ce_sum
+from torchtitan_loom.components.evaluation.loop_by_loop import LoopByLoop
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
-from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.distributed import utils as dist_utils
 
 
@@ -126,40 +122,9 @@ class HeldOutEval:
     def _run(
         self, model: Any, num_loops: int, loader: Any
     ) -> tuple[torch.Tensor, torch.Tensor, RoutingStats | None] | None:
-        ce_H = torch.zeros(num_loops, dtype=torch.float64, device=self.device)
-        n_tok = torch.zeros(1, dtype=torch.float64, device=self.device)
-        n_layers, n_experts = model.routing or (0, 0)
-        routing: RoutingStats | None = None
-        # return_topk is a keyword of routed models only (protocols.ModelProtocol.__call__).
-        topk = {"return_topk": True} if n_experts > 0 else {}
+        sums = LoopByLoop(model, self.device, self._autocast)
         for mb in self._micro(loader):
             if self._stop_requested():  # a stop signal: drop this eval
                 return None
-            carry = None
-            for loop in range(1, num_loops + 1):
-                with self._autocast():
-                    out = model(
-                        mb["input_ids"],
-                        mb["positions"],
-                        mb["doc_ids"],
-                        loop_start=loop,
-                        loop_end=loop,
-                        carry=carry,
-                        **topk,
-                    )
-                carry = out.carry
-                if out.topk_LTBSK is not None:
-                    if (
-                        routing is None
-                    ):  # top-k from the ids' own shape: the validator reads no model field
-                        routing = RoutingStats(
-                            n_layers, num_loops, n_experts, out.topk_LTBSK.shape[-1], self.device
-                        )
-                    if loop == 1:
-                        routing.start_batch(real_tokens(mb["doc_ids"]))
-                    routing.add_loop(
-                        out.topk_LTBSK[:, 0], model.carry_stream(carry), model.stream_rms(carry)
-                    )
-                ce_H[loop - 1] += token_ce_sum(out.logits_BSV, mb["labels"]).double()
-            n_tok += count_valid(mb["labels"])
-        return ce_H, n_tok, routing
+            sums.add(mb)
+        return sums.ce_H, sums.n_tok, sums.routing
