@@ -171,6 +171,23 @@ class DecodesIncrementally(Protocol):
         ...
 
 
+@runtime_checkable
+class ExitsPerToken(Protocol):
+    """Optional: a model that runs loops past its trained depth and lets single tokens stop early
+    (the depth report, adaptive decoding). Its forward also takes ``hold=`` (the call's hold:
+    the K/V of tokens marked exited are held at their exit loop's)."""
+
+    def set_beyond_policy(self, policy: str | None) -> None:
+        """Allow loop_end > num_loops under ``policy`` (LOOM: models/loom/depth.BEYOND_POLICIES);
+        None refuses them again."""
+        ...
+
+    def new_exit_hold(self, cache: Any = None) -> Any:
+        """An empty hold over ``cache`` (a decode cache, or None for a whole-sequence call), with
+        ``exit(new_BS)``: the tokens of ``new_BS`` exit after the loop just run."""
+        ...
+
+
 class Parallelized(NamedTuple):
     """What a parallelize function hands back to the trainer."""
 

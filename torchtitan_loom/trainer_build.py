@@ -38,6 +38,8 @@ from torchtitan_loom.components.quantization.float8 import (
 from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.components.runtime.train_state import TrainState
 from torchtitan_loom.config import JobConfig, to_toml
+from torchtitan_loom.depth_sampling import DepthSampler, sampler_of
+from torchtitan_loom.depth_sampling import flops_per_token as expected_flops
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.distributed.model_wrappers import apply_checkpoint_and_compile
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
@@ -73,6 +75,7 @@ class TrainerBuild:
     # _build_training
     num_loops: int
     segments: list[tuple[int, int]]
+    depth: DepthSampler | None
     diagnostics: BranchDiagnostics
     optimizer: torch.optim.Optimizer
     lr_scheduler: LambdaLR
@@ -165,6 +168,7 @@ class TrainerBuild:
         cfg, t, s, model = self.cfg, self.cfg.training, self.cfg.lr_scheduler, self.model
         self.num_loops = model.num_loops
         self.segments = segments(self.num_loops, t.bp_segment_len)
+        self.depth = sampler_of(self.segments, t.sample_depth_min, t.seed)
         self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
         self.optimizer = build_optimizer(cast(nn.Module, model), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(
@@ -200,8 +204,9 @@ class TrainerBuild:
             run_id=self.run_id,
             wandb_config=cfg.to_dict(),
         )
-        # The head runs once per segment, so it counts once per segment (see the model docstring).
-        self.flops_per_token = model.flops_per_token(t.seq_len, head_calls=len(self.segments))
+        # The head runs once per segment, so it counts once per segment (see the model docstring);
+        # with depth sampling, the expected loops and segments of a step.
+        self.flops_per_token = expected_flops(model, t.seq_len, self.segments, self.depth)
         self._log_layout()
 
     def _log_layout(self) -> None:
@@ -212,6 +217,13 @@ class TrainerBuild:
             f"world={info.world_size}, device={self.device}, compute dtype={t.mixed_precision_param}, "
             f"init seed={self.model.args.init_seed} (training.seed), data={self.data_path}"
         )
+        if self.depth is not None:
+            ends = [str(self.segments[n - 1][1]) for n in self.depth.choices]
+            self.log(
+                f"depth sampling (training.sample_depth_min = {t.sample_depth_min}): each step runs "
+                f"{' or '.join(ends)} loops, drawn uniformly per step "
+                f"({self.depth.mean_loops():.2f} on average)"
+            )
         if info.world_size > 1:
             self.log(
                 "parallelism: "
@@ -295,6 +307,7 @@ class TrainerBuild:
                 dp_degree=self.parallel_dims.dp,
                 device=self.device,
                 after_optimizer_step=hook,
+                depth=self.depth,
             )
         )
 

@@ -1,6 +1,7 @@
 """LOOM's segmented step (LOOM_SPEC §6 with the §14 decisions) as an object built from its parts.
 
-``SegmentedStep(parts)(batch)`` runs ⌈H/K⌉ backprop segments, each in three pieces:
+``SegmentedStep(parts)(batch)`` runs ⌈H/K⌉ backprop segments (the first few of them when the depth is
+sampled per step: depth_sampling.py), each in three pieces:
 ``_backward_segment`` (forward/backward of every micro-batch), ``_finish_segment`` (the gradients
 reduced, the segment's one all-reduce of statistics with every rank's stop flag) and ``_update``
 (the decision order non-finite → spike → clip → step, in one place). ``StepParts`` names all it
@@ -26,6 +27,7 @@ from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.optim.divergence import non_finite_statistic
 from torchtitan_loom.components.runtime.train_state import StepAbandoned, StepResult, TrainState
 from torchtitan_loom.data_contract import real_tokens
+from torchtitan_loom.depth_sampling import DepthSampler
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import ModelProtocol, UpdatesAfterStep
 
@@ -65,6 +67,8 @@ class StepParts:
     device: torch.device
     after_optimizer_step: Callable[[], None] | None = None
     """Called after each optimizer step (float8: the tensorwise scales' precompute)."""
+    depth: DepthSampler | None = None
+    """training.sample_depth_min: how many of the segments step s runs (None: all of them)."""
 
 
 class SegmentedStep:
@@ -97,7 +101,10 @@ class SegmentedStep:
         )
         carries: list[Any] = [None] * len(micro)
         diag = p.diagnostics.begin(p.state.step + 1)  # None on most steps: nothing extra
-        for j in range(len(p.segments)):
+        # Depth training: the first n segments only (a pure function of the step: every rank and
+        # every resume runs the same ones); the loops after them neither run nor count.
+        n_run = len(p.segments) if p.depth is None else p.depth.segments_at(p.state.step + 1)
+        for j in range(n_run):
             ce_total = self._backward_segment(j, micro, carries, n_valid_t, out.counts_LHE, diag)
             stats = self._finish_segment(j, ce_total, n_valid_t, diag)
             out.n_valid = stats.n_valid

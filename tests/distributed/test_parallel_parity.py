@@ -87,6 +87,27 @@ def reference(tiny_pack, tmp_path_factory):
         torch.set_num_threads(threads)
 
 
+# Depth training (training.sample_depth_min) composed with FSDP, EP, AC and compile: the draws of
+# seed 0 at H = 9, K = 3, minimum 1 are 2, 1, 1 segments in steps 1-3 (checked below).
+DEPTH = ["--training.sample_depth_min", "1"]
+
+
+@pytest.fixture(scope="module")
+def depth_reference(tiny_pack, tmp_path_factory):
+    cfg = load_config(
+        base_argv(tiny_pack) + DEPTH + ["--job.dump_folder", str(tmp_path_factory.mktemp("dref"))]
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = Trainer(
+            cfg, resolve(cfg, 1), DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
+        )
+        return parallel_workers.record_run(trainer, SHORT)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def launch(launch_ranks, world: int, cases: list[dict], pack_dir, tmp_path) -> dict[str, dict]:
     spec = {"base": base_argv(pack_dir), "cases": cases, "out": str(tmp_path)}
     spec_path = tmp_path / "spec.json"
@@ -160,7 +181,9 @@ def test_two_rank_layouts_match_one_process(reference, tiny_pack, tmp_path, laun
     assert bf16["adam_steps"] == {"router": [SHORT], "other": [3 * SHORT]}
 
 
-def test_four_rank_layouts_match_one_process(reference, tiny_pack, tmp_path, launch_ranks):
+def test_four_rank_layouts_match_one_process(
+    reference, depth_reference, tiny_pack, tmp_path, launch_ranks
+):
     cases = [
         {"name": "fsdp4", "argv": [], "steps": STEPS},
         {"name": "fsdp4_ep2", "argv": ["--parallelism.ep", "2"], "steps": STEPS},
@@ -175,7 +198,39 @@ def test_four_rank_layouts_match_one_process(reference, tiny_pack, tmp_path, lau
             "argv": ["--parallelism.ep", "2", "--activation_checkpoint.mode", "segment"],
             "steps": SHORT,
         },
+        {
+            "name": "fsdp4_ep2_ac_compile_depth",
+            "argv": [
+                "--parallelism.ep",
+                "2",
+                "--activation_checkpoint.mode",
+                "loop",
+                "--compile.enable",
+                "--compile.backend",
+                "aot_eager",
+                *DEPTH,
+            ],
+            "steps": SHORT,
+        },
     ]
     results = launch(launch_ranks, 4, cases, tiny_pack, tmp_path)
-    for case in cases:
+    for case in cases[:-1]:
         check_layout(case["name"], results[case["name"]], reference)
+    check_depth_layout(results["fsdp4_ep2_ac_compile_depth"], depth_reference)
+
+
+def check_depth_layout(got: dict, want: dict) -> None:
+    """The sampled-depth run under FSDP × EP × AC × compile equals one process with the same
+    draws: as many segments per step, the same losses and grad norms (the tolerances above), the
+    same kept counts in step 1, the same AdamW steps per parameter kind."""
+    assert [len(s) for s in want["seg_losses"]] == [2, 1, 1]  # the draws vary: not vacuous
+    assert [len(s) for s in got["seg_losses"]] == [2, 1, 1]
+    for what in ("seg_losses", "grad_norms"):
+        flat = [x for s in got[what] for x in (s if isinstance(s, list) else [s])]
+        ref = [x for s in want[what] for x in (s if isinstance(s, list) else [s])]
+        a, b = torch.tensor(flat, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64)
+        rel = (a - b).abs() / b.abs()
+        assert rel.max() <= MAX_RTOL and rel.median() <= MEDIAN_RTOL, (what, rel.tolist())
+    assert got["counts_by_step"][0] == want["counts_by_step"][0]
+    assert got["adam_steps"] == want["adam_steps"]
+    assert got["init_diff"] == 0.0

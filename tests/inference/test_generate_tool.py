@@ -101,8 +101,21 @@ def test_bad_input_is_one_line_and_exit_2(trained_run, tmp_path, capsys):
         ([str(tmp_path / "nothing"), "--prompt", "x"], "no such file or directory"),
         ([str(torn), "--prompt", "x"], "incomplete checkpoint"),
         (
-            [str(trained_run), "--prompt", "x", "--loops", "4"],
-            "--loops 4: out of range; valid 1..3",
+            [str(trained_run), "--prompt", "x", "--loops", "7"],
+            "--loops 7: out of range; valid 1..6 (the model's H=3)",
+        ),
+        ([str(trained_run), "--prompt", "x", "--beyond", "wrap"], "--beyond: beyond-H policy 'wrap'"),
+        (
+            [str(trained_run), "--prompt", "x", "--exit", "kl", "--exit-threshold", "-1"],
+            "--exit kl threshold -1.0: must be a finite number ≥ 0",
+        ),
+        (
+            [str(trained_run), "--prompt", "x", "--exit", "entropy"],
+            "--exit exit criterion 'entropy': valid kl, confidence",
+        ),
+        (
+            [str(trained_run), "--prompt", "x", "--exit-threshold", "0.1"],
+            "--exit-threshold needs --exit kl or --exit confidence",
         ),
         ([str(trained_run), "--prompt", "x", "--loops", "0"], "--loops 0: out of range"),
         (

@@ -126,7 +126,7 @@ def test_bad_input_exit_2(trained_run, tmp_path, capsys):
             ["--tasks", "loom_tiny_mcq", "--tasks-dir", TASKS_DIR, "--only-tasks-dir"],
             "lm-eval knows no task 'loom_tiny_mcq'; did you mean loom_tiny_mc",
         ),
-        ([*TASK, "--loops", "4"], "--loops 4: out of range; valid 1..3"),
+        ([*TASK, "--loops", "7"], "--loops 7: out of range; valid 1..6"),
         ([*TASK, "--tokenizer", "gpt2"], "does not match the pack"),
     ]
     for extra, expected in cases:

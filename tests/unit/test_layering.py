@@ -31,7 +31,7 @@ LAYERS = (
     ("components",),
     ("models",),
     ("distributed",),
-    ("protocols", "data_contract"),
+    ("protocols", "data_contract", "depth_sampling"),
 )
 
 
@@ -250,6 +250,7 @@ def loom_members() -> set[str]:
         protocols.ModelProtocol,
         protocols.UpdatesAfterStep,
         protocols.DecodesIncrementally,
+        protocols.ExitsPerToken,
     ):
         declared |= {k for k in vars(proto) if not k.startswith("_")}
     generic = set(dir(nn.Module)) | set(dir(torch.Tensor)) | {"weight", "bias"}

@@ -45,6 +45,13 @@ class Training:
     bp_segment_len: int = opt(
         3, "K loops per backprop segment (seed BP_K); 0 = one segment of all H loops."
     )
+    sample_depth_min: int = opt(
+        0,
+        "Depth training: 0 = every step runs all H loops; N ≥ 1 = each step runs only its first "
+        "D loops, D drawn uniformly from the backprop segments' last loops that are ≥ N (whole "
+        "segments; Huginn's per-step depth sampling), from (training.seed, step), so a resume "
+        "draws the same depths (depth_sampling.py).",
+    )
     max_norm: float = opt(
         1.0, "Gradient clip on the global L2 norm before every optimizer step; ≤ 0 disables."
     )

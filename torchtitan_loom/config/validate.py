@@ -27,6 +27,7 @@ from torchtitan_loom.config.section_checks import (
     profiling_errors,
     vocab_errors,
 )
+from torchtitan_loom.depth_sampling import depth_sampling_errors
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import get_train_spec
 
@@ -163,6 +164,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         args = resolve_model_args(cfg)
     except ConfigError as exc:
         errors.append(str(exc))
+    errors += depth_sampling_errors(t.sample_depth_min, t.bp_segment_len, args)
     dims = _parallel_dims(cfg, world_size, args, errors)
     if t.global_batch_size == -1:  # TorchTitan's default: local_batch_size × the DP degree
         meant = "micro_batch_size × data-parallel ranks"

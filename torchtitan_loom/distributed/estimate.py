@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from torchtitan_loom.depth_sampling import sampler_of
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
@@ -117,8 +118,14 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     }
     memory["total"] = sum(memory.values())
     collectives = comm_plan.predict(cfg, cost, dims, model_args.num_loops)
-    flops = micro * sum(s.flops for s in segs)
-    recompute = micro * sum(s.recompute_flops for s in segs)
+    # Depth sampling: segment j runs on a fraction of the steps (memory and collectives above
+    # are the deepest step's, the worst case).
+    sampler = sampler_of(
+        segments(model_args.num_loops, t.bp_segment_len), t.sample_depth_min, t.seed
+    )
+    runs = [1.0] * len(segs) if sampler is None else sampler.segment_weights()
+    flops = micro * sum(w * s.flops for w, s in zip(runs, segs))
+    recompute = micro * sum(w * s.recompute_flops for w, s in zip(runs, segs))
     compute_s = (flops + recompute) / (hw.peak_tflops * 1e12 * hw.achievable_fraction)
     overlapped = sum(
         seconds(c, hw)
@@ -179,6 +186,16 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
             lines.append(
                 "    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
             )
+    sampler = sampler_of(
+        segments(model_args.num_loops, t.bp_segment_len), t.sample_depth_min, t.seed
+    )
+    if sampler is not None:
+        lines.append(
+            f"  depth sampling (training.sample_depth_min = {t.sample_depth_min}): a step runs "
+            f"{' or '.join(str(sampler.segments[n - 1][1]) for n in sampler.choices)} loops, "
+            f"{sampler.mean_loops():.2f} on average; FLOPs and time are the expected ones, memory "
+            "and communication the deepest step's"
+        )
     lines.append(
         f"  FLOPs per step: {est.flops / 1e12:,.1f} TFLOP model + {est.recompute_flops / 1e12:,.1f} "
         f"TFLOP recompute ({cfg.activation_checkpoint.mode}) on each rank; "

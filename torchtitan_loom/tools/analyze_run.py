@@ -180,9 +180,11 @@ def analyze(
         raise AnalyzeError(f"{out}: cannot write the report: {exc}") from None
 
 
-def default_out(ckpt: str, run: dict[str, Any], step: Any) -> tuple[str, str]:
+def default_out(
+    ckpt: str, run: dict[str, Any], step: Any, kind: str = ANALYSIS_DIR
+) -> tuple[str, str]:
     """(report folder, the folder that owns it) when --out is not given:
-    ``<run folder>/analysis/step-<N>/``; the run folder holds metrics.jsonl above the checkpoint,
+    ``<run folder>/<kind>/step-<N>/`` (kind: analysis, depth); the run folder holds metrics.jsonl above the checkpoint,
     else it is the run's job.dump_folder, else the folder above the checkpoint folder."""
     from torchtitan_loom.tools.loading import run_folder
 
@@ -192,7 +194,7 @@ def default_out(ckpt: str, run: dict[str, Any], step: Any) -> tuple[str, str]:
         found = dump
     found = found or os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     name = f"step-{step}" if isinstance(step, int) else os.path.basename(os.path.abspath(ckpt))
-    return os.path.join(found, ANALYSIS_DIR, name), found
+    return os.path.join(found, kind, name), found
 
 
 def check_out_links(out: str) -> None:

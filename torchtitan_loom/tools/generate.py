@@ -2,10 +2,15 @@
 
     python -m torchtitan_loom.tools.generate CKPT --prompt "The cat" [--max-new-tokens 64]
         [--temperature 0.8 --top-k 50 --top-p 0.95 --seed 0 --loops H' --device cpu|cuda]
+        [--exit kl|confidence --exit-threshold X] [--beyond last|cycle]
 
 CKPT: a run folder, a step-N checkpoint directory or an export folder. The tokenizer is the
-training pack's (``--tokenizer`` must match it). ``--loops H'`` stops after loop H' (early exit);
-``--temperature 0`` is greedy. Capacity dropping is off. Bad input: one line, exit code 2.
+training pack's (``--tokenizer`` must match it). ``--loops H'`` stops after loop H' (1..2H: fewer than the
+trained H is early exit, more runs deeper loops whose routers follow ``--beyond``); ``--exit``
+lets each new token stop at its own loop once the criterion falls below ``--exit-threshold``
+(components/evaluation/adaptive_exit.py: 0 = fixed depth; ``--loops`` is then the deepest), and
+the mean loops per token go to stderr. ``--temperature 0`` is greedy. Capacity dropping is off.
+Bad input: one line, exit code 2.
 
 Progress goes to stderr (stdout carries only the text): "generate: loading CKPT ..." is printed
 before torch and the model code are imported (tens of seconds on a cold file system), and when the
@@ -48,7 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="nucleus: smallest set with this much mass; 1 = off",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--loops", type=int, default=None, help="stop after loop H' (1..H); default H")
+    p.add_argument("--loops", type=int, default=None, help="stop after loop H' (1..2H); default H")
+    p.add_argument(
+        "--beyond",
+        default=None,
+        help="which router a loop past H uses: last (router H, the default) or cycle "
+        "(routers 1..H again)",
+    )
+    p.add_argument(
+        "--exit",
+        default=None,
+        help="per-token exit criterion: kl (successive loops' predictions) or confidence "
+        "(1 - top probability); default: every token runs --loops",
+    )
+    p.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="exit once the criterion is below this (kl ≥ 0, confidence in [0, 1]; 0 = fixed depth)",
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
     p.add_argument(
         "--tokenizer", default=None, help="override the pack's tokenizer (must match it)"
@@ -63,7 +86,7 @@ def run(ns: argparse.Namespace) -> str:
     print(f"generate: loading {ns.ckpt} ...", file=sys.stderr, flush=True)
     import torch
 
-    from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
+    from torchtitan_loom.components.evaluation.sampling import DepthUsed, SamplingConfig, generate
     from torchtitan_loom.tools.loading import check_loops, load
 
     cfg = SamplingConfig(
@@ -72,14 +95,18 @@ def run(ns: argparse.Namespace) -> str:
         top_k=ns.top_k,
         top_p=ns.top_p,
         seed=ns.seed,
+        exit_criterion=ns.exit,
+        exit_threshold=0.0 if ns.exit_threshold is None else ns.exit_threshold,
     )
+    if ns.exit_threshold is not None and ns.exit is None:
+        raise LoadError("--exit-threshold needs --exit kl or --exit confidence")
     problems = cfg.problems()
     if problems:
         raise LoadError(problems[0])
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
-    loops = check_loops(ns.loops, loaded.args.num_loops)
+    loops = check_loops(ns.loops, loaded.model, ns.beyond)
     tok = loaded.tokenizer
     assert tok is not None  # load() builds one (need_tokenizer defaults to True)
     ids = tok.encode(ns.prompt)
@@ -99,7 +126,15 @@ def run(ns: argparse.Namespace) -> str:
             flush=True,
         )
     prompt_BS = torch.tensor([ids], dtype=torch.long, device=ns.device)
-    new_BS = generate(loaded.model, prompt_BS, cfg, loops=loops, eos_id=tok.eos_id)
+    used = DepthUsed()
+    new_BS = generate(loaded.model, prompt_BS, cfg, loops=loops, eos_id=tok.eos_id, depth_used=used)
+    if cfg.exit_criterion is not None:
+        print(
+            f"generate: {used.mean():.2f} loops per token on average (of {loops}; "
+            f"{cfg.exit_criterion} exit below {cfg.exit_threshold:g}; "
+            f"{len(used.loops_per_token)} tokens after the prompt)",
+            file=sys.stderr,
+        )
     new = [t for t in new_BS[0].tolist() if t != tok.eos_id]
     return tok.decode(new)
 

@@ -91,7 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="sequences per forward (scores do not depend on it)",
     )
-    p.add_argument("--loops", type=int, default=None, help="score after loop H' (1..H); default H")
+    p.add_argument(
+        "--loops",
+        type=int,
+        default=None,
+        help="score after loop H' (1..2H; past H see --beyond); default H",
+    )
+    p.add_argument(
+        "--beyond",
+        default=None,
+        help="which router a loop past H uses: last (router H, the default) or cycle "
+        "(routers 1..H again)",
+    )
     p.add_argument(
         "--param-dtype",
         default="fp32",
@@ -231,7 +242,7 @@ def run(ns: argparse.Namespace) -> str | None:
         raise LoadError("--tasks is empty: name at least one lm-eval task")
     info = dist_utils.init_distributed(ns.device)
     loaded = load(ns.ckpt, device=str(info.device), tokenizer=ns.tokenizer)
-    loops = check_loops(ns.loops, loaded.args.num_loops)
+    loops = check_loops(ns.loops, loaded.model, ns.beyond)
     progress.phase(f"step {loaded.step} loaded; indexing the lm-eval tasks")
     tm = _task_manager(ns, tasks)
     holdout = check(

@@ -218,12 +218,30 @@ def load(
     )
 
 
-def check_loops(loops: int | None, num_loops: int) -> int:
-    """--loops H' (1 <= H' <= H); None = H."""
+def check_loops(loops: int | None, model: Any, beyond: str | None = None) -> int:
+    """--loops H' (1 <= H' <= 2H); None = H. Past H the model runs under the beyond policy
+    ``beyond`` (None: the model's default; models/loom/depth.py), set here."""
+    from torchtitan_loom.protocols import ExitsPerToken
+
+    num_loops = model.num_loops
     if loops is None:
-        return num_loops
-    if not 1 <= loops <= num_loops:
-        raise LoadError(f"--loops {loops}: out of range; valid 1..{num_loops} (the model's H)")
+        loops = num_loops
+    deeper = isinstance(model, ExitsPerToken)
+    top = 2 * num_loops if deeper else num_loops
+    if not 1 <= loops <= top:
+        past = " (loops past H follow --beyond)" if deeper else ""
+        raise LoadError(
+            f"--loops {loops}: out of range; valid 1..{top} (the model's H={num_loops}){past}"
+        )
+    if deeper:
+        from torchtitan_loom.models.loom.depth import DEFAULT_BEYOND
+
+        try:
+            model.set_beyond_policy(beyond or DEFAULT_BEYOND)
+        except ValueError as exc:
+            raise LoadError(f"--beyond: {exc}") from None
+    elif beyond is not None:
+        raise LoadError("--beyond: this model cannot run loops past its trained depth")
     return loops
 
 

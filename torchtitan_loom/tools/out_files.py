@@ -33,7 +33,7 @@ def check_out(out: str, force: bool, names: frozenset[str], error: type[Exceptio
     if present and not force:
         raise error(
             f"{out} already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
-            f"pass --force to overwrite the export there, or choose a new folder"
+            f"pass --force to replace what the tool wrote there, or choose a new folder"
         )
     if present and os.path.islink(out):
         raise error(

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from torchtitan_loom.components.optim.choices import OPTIMIZERS
+from torchtitan_loom.depth_sampling import flops_per_token as expected_flops
+from torchtitan_loom.depth_sampling import sampler_of
 from torchtitan_loom.protocols import ModelCost, segments
 
 _GIB = float(1 << 30)
@@ -145,7 +147,9 @@ def start_report(
 ) -> list[str]:
     """The start lines for a model still on the meta device (nothing allocated yet); ``cost_fn``:
     the TrainSpec's cost model (None: no activation estimate)."""
-    fpt = meta_model.flops_per_token(cfg.training.seq_len, head_calls=num_segments)
+    t = cfg.training
+    segs = segments(meta_model.num_loops, t.bp_segment_len)
+    fpt = expected_flops(meta_model, t.seq_len, segs, sampler_of(segs, t.sample_depth_min, t.seed))
     cost = None if cost_fn is None else cost_fn(meta_model.args, dims, cfg)
     est = estimate_step(cfg, dims, meta_model.param_counts(), fpt, cost, meta_model.num_loops)
     return start_lines(cfg, est, device, matmul_tflops(device, dtype))

@@ -63,6 +63,7 @@ def identity(cfg: Any) -> dict[str, Any]:
         "training.seq_len": t.seq_len,
         "training.global_batch_size": t.global_batch_size,
         "training.bp_segment_len": t.bp_segment_len,
+        "training.sample_depth_min": t.sample_depth_min,  # which loops each step trains
         "optimizer.name": cfg.optimizer.name,  # another optimizer cannot continue this one's state
     }
 
@@ -111,6 +112,7 @@ def relaunch_errors(cfg: Any) -> list[str]:
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
     old, new = _flat(run.get("identity", {})), _flat(identity(cfg))
     old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
+    old.setdefault("training.sample_depth_min", 0)  # recorded before depth sampling existed
     diff = [
         f"{k}: {old.get(k)!r} → {new.get(k)!r}"
         for k in sorted(old.keys() | new.keys())

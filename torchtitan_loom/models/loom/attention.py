@@ -175,9 +175,18 @@ class KVCache:
     def __init__(self) -> None:
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def past_len(self) -> int:
-        """Positions already cached (every filled slot holds the same number)."""
-        return next(iter(self.kv.values()))[0].shape[1] if self.kv else 0
+    def past_len(self, loop: int = 1) -> int:
+        """Positions cached before this call, read from layer 0's slot of ``loop`` (the call's first
+        loop): a call that continues loop by loop has already appended to the earlier loops'."""
+        if not self.kv:
+            return 0
+        entry = self.kv.get((0, loop))
+        if entry is None:
+            raise ValueError(
+                f"the cached positions were not run through loop {loop}: run the prompt through "
+                "every loop that later calls use"
+            )
+        return entry[0].shape[1]
 
     def slot(self, layer: int, loop: int) -> KVSlot:
         """The handle one attention call appends to."""

@@ -33,7 +33,9 @@ from torchtitan_loom.models.loom.attention import (
 )
 from torchtitan_loom.models.loom.block import BRANCHES, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.counts import count_flops_per_token, count_params
+from torchtitan_loom.models.loom.depth import check_beyond, check_inputs, router_index
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
+from torchtitan_loom.models.loom.kv_hold import KVHold
 from torchtitan_loom.models.loom.loop_result import LoopRange, OneLoop
 from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
@@ -71,6 +73,8 @@ class LoomTransformer(nn.Module):
         self.kernel_target: KernelTarget | None = (
             None  # None: kernels chosen from the tensors' device
         )
+        # Which router a loop past H uses (models/loom/depth.py); None refuses such loops.
+        self.beyond_policy: str | None = None
 
     def set_kernel_target(self, target: KernelTarget | None) -> None:
         """Choose every kernel (attention backend, flex compiled or not, grouped GEMM) for
@@ -79,6 +83,15 @@ class LoomTransformer(nn.Module):
         for layer in self._blocks():
             layer.attention.kernel_target = target
             layer.moe.experts.set_kernel_device(None if target is None else target.device_type)
+
+    def set_beyond_policy(self, policy: str | None) -> None:
+        """Allow loops past H with `policy`'s routers (depth.BEYOND_POLICIES); None refuses them."""
+        check_beyond(policy)
+        self.beyond_policy = policy
+
+    def new_exit_hold(self, cache: KVCache | None = None) -> KVHold:
+        """An empty hold for per-token exits (models/loom/kv_hold.py), over `cache` when decoding."""
+        return KVHold(cache)
 
     @property
     def num_loops(self) -> int:
@@ -135,8 +148,10 @@ class LoomTransformer(nn.Module):
         return_topk: bool = False,
         cache: KVCache | None = None,
         observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        hold: KVHold | None = None,
     ) -> ModelOutput:
-        """Run loops [loop_start, loop_end] (1-based, global; loop_end None = H).
+        """Run loops [loop_start, loop_end] (1-based, global; loop_end None = H; past H only under
+        a beyond policy, set_beyond_policy).
 
         loop_start = 1 starts from the embedding and needs carry=None; loop_start > 1 continues
         from `carry` (the state after loop_start - 1). return_topk=True also returns the routed
@@ -144,13 +159,28 @@ class LoomTransformer(nn.Module):
         `cache` (incremental decoding): the tokens continue the cached positions of every row (one
         document per row, doc_ids ignored); their K/V are appended to it. Nothing else is cached:
         the Looping-Residual memories are per position, so the new positions start them fresh.
+        `hold` (per-token exit, models/loom/kv_hold.py): the K/V of the tokens it marks exited are
+        held at their exit loop's; over `cache` when decoding (hold.cache is cache).
         """
         args = self.args
         loop_end = args.num_loops if loop_end is None else loop_end
-        self._check_inputs(tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry)
-        if cache is not None and cache.past_len() + tokens_BS.shape[1] > args.max_seq_len:
+        check_inputs(
+            tokens_BS,
+            positions_BS,
+            doc_ids_BS,
+            loop_start,
+            loop_end,
+            None if carry is None else carry.z_BSD,
+            args.max_seq_len,
+            args.num_loops,
+            self.beyond_policy,
+        )
+        if hold is not None and hold.cache is not cache:
+            raise ValueError("hold must wrap the cache of the call (new_exit_hold(cache))")
+        past = 0 if cache is None else cache.past_len(loop_start)
+        if past + tokens_BS.shape[1] > args.max_seq_len:
             raise ValueError(
-                f"cached {cache.past_len()} + new {tokens_BS.shape[1]} positions exceed "
+                f"cached {past} + new {tokens_BS.shape[1]} positions exceed "
                 f"max_seq_len={args.max_seq_len}"
             )
 
@@ -165,7 +195,7 @@ class LoomTransformer(nn.Module):
             attn_mask = build_attention_mask(self.attention_backend(e_BSD), doc_ids_BS)
         else:  # causal over the cached positions; every new position is a real query
             attn_mask = AttentionMask(
-                build_cache_mask(cache.past_len(), tokens_BS.shape[1], tokens_BS.device),
+                build_cache_mask(past, tokens_BS.shape[1], tokens_BS.device),
                 torch.ones_like(doc_ids_BS, dtype=torch.bool)[:, :, None, None],
             )
         gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
@@ -182,7 +212,7 @@ class LoomTransformer(nn.Module):
             attn_mask,
             gamma,
             return_topk,
-            cache,
+            cache if hold is None else hold,
             observe,
         )
         if args.router_z_loss_coef > 0:
@@ -303,7 +333,9 @@ class LoomTransformer(nn.Module):
         counts_per_layer, z_terms, topk_per_layer, observed_per_layer = [], [], [], []
         for i, layer in enumerate(self.layers):
             # Picked here, outside the block, so the block sees the router as a plain tensor.
-            router_w_ED = layer.moe.routers[t - 1 if args.router_per_loop else 0]
+            router_w_ED = layer.moe.routers[
+                router_index(t, args.num_loops, args.router_per_loop, self.beyond_policy)
+            ]
             kv_slot = None if cache is None else cache.slot(i, t)
             z_BSD, l_mem, h_mem, kept_E, z_sq, rms_BS1, expert_BSK, branches = self._region(
                 "block",
@@ -337,37 +369,6 @@ class LoomTransformer(nn.Module):
             observed_LNK,
             rms_BS1,
         )
-
-    def _check_inputs(
-        self, tokens_BS, positions_BS, doc_ids_BS, loop_start, loop_end, carry
-    ) -> None:
-        # Shape and range checks only: value checks would need a host sync.
-        H = self.args.num_loops
-        if tokens_BS.dim() != 2:
-            raise ValueError(f"tokens_BS must be [B, S], got shape {tuple(tokens_BS.shape)}")
-        if positions_BS.shape != tokens_BS.shape or doc_ids_BS.shape != tokens_BS.shape:
-            raise ValueError(
-                f"positions_BS {tuple(positions_BS.shape)} and doc_ids_BS {tuple(doc_ids_BS.shape)} "
-                f"must have the shape of tokens_BS {tuple(tokens_BS.shape)}"
-            )
-        if tokens_BS.shape[1] > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len={self.args.max_seq_len}"
-            )
-        if not 1 <= loop_start <= loop_end <= H:
-            raise ValueError(
-                f"loop range [{loop_start}, {loop_end}] invalid: need 1 <= loop_start <= loop_end <= H={H}"
-            )
-        if loop_start == 1 and carry is not None:
-            raise ValueError("loop_start=1 starts from the embedding: pass carry=None")
-        if loop_start > 1 and carry is None:
-            raise ValueError(
-                f"loop_start={loop_start} continues a forward: pass the carry of loops [1, {loop_start - 1}]"
-            )
-        if carry is not None and carry.z_BSD.shape[:2] != tokens_BS.shape:
-            raise ValueError(
-                f"carry.z_BSD shape {tuple(carry.z_BSD.shape)} does not match tokens {tuple(tokens_BS.shape)}"
-            )
 
     # ------------------------------------------------------------------ counts
 

@@ -1,0 +1,117 @@
+"""tools.depth on a trained checkpoint, and generate's depth flags: the report's fixed-depth losses
+for loops 1..H equal the held-out evaluation's own loop-by-loop pass (an independent path: one
+forward per loop with the carry, no hold), loops past H are measured under both policies,
+adaptive sweeps are monotone in what they count, the files land under the run folder, an
+occupied output folder needs --force, and bad input is one line with exit 2."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from torchtitan_loom.components.data import build_eval_loader
+from torchtitan_loom.components.evaluation.loop_by_loop import LoopByLoop
+from torchtitan_loom.tools import depth as depth_tool
+from torchtitan_loom.tools import generate as gen_tool
+from torchtitan_loom.tools.loading import load
+
+FAST = ["--tokens", "1200", "--kl", "0,0.01,10", "--confidence", "0,0.5,1"]
+
+
+@pytest.fixture(scope="module")
+def report(trained_run):
+    code = depth_tool.main([str(trained_run), *FAST])
+    assert code == 0
+    out = trained_run / "depth" / "step-40"
+    return out, json.loads((out / "depth.json").read_text())
+
+
+def test_fixed_depth_losses_equal_the_loop_by_loop_evaluation(report, trained_run, tiny_pack):
+    _, numbers = report
+    loaded = load(str(trained_run), need_tokenizer=False)
+    loader = build_eval_loader(
+        str(tiny_pack),
+        seq_len=numbers["seq_len"],
+        vocab_size=loaded.args.vocab_size,
+        batch_rows=8,
+        dp_rank=0,
+        dp_world=1,
+        max_tokens=1200,
+    )
+    sums = LoopByLoop(loaded.model, torch.device("cpu"))
+    with torch.no_grad():
+        for batch in loader:
+            sums.add(batch)
+    want = (sums.ce_H / sums.n_tok).tolist()
+    assert numbers["tokens"] == int(sums.n_tok)
+    for policy in ("last", "cycle"):
+        rows = numbers["fixed"][policy]
+        assert [r["loops"] for r in rows] == [1, 2, 3, 4, 5, 6]
+        assert [r["loss"] for r in rows[:3]] == pytest.approx(want, rel=1e-9)
+    deeper = [r["loss"] for p in ("last", "cycle") for r in numbers["fixed"][p][3:]]
+    assert all(x > 0 for x in deeper) and numbers["better_beyond"] in ("last", "cycle")
+
+
+def test_adaptive_points_span_from_one_exit_to_full_depth(report):
+    out, numbers = report
+    full = numbers["fixed"]["last"][2]["loss"]
+    by = {(a["criterion"], a["threshold"]): a for a in numbers["adaptive"]}
+    for criterion in ("kl", "confidence"):
+        zero = by[(criterion, 0.0)]  # threshold 0: every token runs all H loops
+        assert zero["mean_loops"] == 3.0 and zero["loss"] == pytest.approx(full, rel=1e-6)
+        assert sum(zero["exits_after_loop"]) == numbers["tokens"]
+    assert by[("kl", 10.0)]["mean_loops"] == 2.0  # KL is defined from loop 2: all exit there
+    assert by[("confidence", 1.0)]["mean_loops"] == 1.0  # 1 - p_max < 1 always: all exit at 1
+    assert by[("confidence", 1.0)]["loss"] == pytest.approx(
+        numbers["fixed"]["last"][0]["loss"], rel=1e-6
+    )
+    assert "Verdict:" in (out / "depth.md").read_text()
+    assert (out / "depth.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_occupied_folder_needs_force_and_bad_input_is_one_line(
+    report, trained_run, tmp_path, capsys
+):
+    out, _ = report
+    capsys.readouterr()
+    cases = [
+        ([str(trained_run), *FAST], "pass --force to replace"),
+        ([str(trained_run), "--kl", "-1"], "--kl: kl threshold -1.0: must be a finite number ≥ 0"),
+        ([str(trained_run), "--confidence", "2"], "must be in [0, 1]"),
+        ([str(trained_run), "--beyond", "wrap"], "--beyond 'wrap': valid last, cycle"),
+        ([str(trained_run), "--max-loops", "2"], "--max-loops 2: valid 3..12"),
+        ([str(tmp_path / "none")], "no such file or directory"),
+        (
+            [str(trained_run), "--data", str(tmp_path), "--out", str(tmp_path / "o")],
+            "held-out data",
+        ),
+    ]
+    for argv, expected in cases:
+        code = depth_tool.main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and expected in err, (argv, err)
+    assert depth_tool.main([str(trained_run), *FAST, "--force", "--max-loops", "4"]) == 0
+    assert len(json.loads((out / "depth.json").read_text())["fixed"]["last"]) == 4
+    assert sorted(os.listdir(out)) == ["depth.json", "depth.md", "depth.png"]
+
+
+def test_generate_adaptive_reports_mean_loops_and_zero_is_fixed_depth(trained_run, capsys):
+    base = [
+        str(trained_run),
+        "--prompt",
+        "the cat sat",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "8",
+    ]
+    assert gen_tool.main(base) == 0
+    fixed = capsys.readouterr().out
+    assert gen_tool.main([*base, "--exit", "kl", "--exit-threshold", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == fixed and "3.00 loops per token on average (of 3; kl exit below 0" in err
+    assert gen_tool.main([*base, "--exit", "confidence", "--exit-threshold", "1"]) == 0
+    assert "1.00 loops per token on average" in capsys.readouterr().err
+    assert gen_tool.main([*base, "--loops", "6", "--beyond", "cycle"]) == 0  # past H
+    assert capsys.readouterr().out.startswith("the cat sat")

@@ -1,0 +1,187 @@
+"""The writing half of tools.depth: the numbers of tools/depth_run.measure turned into the report
+(``depth.json``), its tables (console and ``depth.md``) and one figure (``depth.png``: held-out
+loss against loops per token and against forward FLOPs per token, fixed depth and adaptive exit
+on the same axes, so the saving at equal loss is read off directly).
+
+The verdict: the fewest mean loops per token of an adaptive point whose loss is within 1% of the
+loss after the trained H loops, or a plain sentence saying that no point reached it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from torchtitan_loom.tools import out_files
+
+WITHIN = 0.01  # the verdict's loss margin over full depth
+
+
+def report(
+    sums: dict[str, Any], plan: Any, flops: Any, loaded: Any, data: str, seq_len: int
+) -> dict[str, Any]:
+    """depth.json's payload from measure()'s sums."""
+    n = sums["tokens"]
+    H = loaded.model.num_loops
+    fixed = {
+        policy: [
+            {"loops": t + 1, "loss": ce / n, "gflops_per_token": flops.fixed(t + 1) / 1e9}
+            for t, ce in enumerate(ces)
+        ]
+        for policy, ces in sums["ce"].items()
+    }
+    adaptive = [
+        {
+            "criterion": s.criterion,
+            "threshold": s.threshold,
+            "loss": s.ce_sum / s.tokens,
+            "mean_loops": s.loops_sum / s.tokens,
+            "gflops_per_token": flops.adaptive(s.loops_sum / s.tokens) / 1e9,
+            "exits_after_loop": s.exits,
+        }
+        for s in sums["sweeps"]
+    ]
+    deeper = {
+        p: sum(r["loss"] for r in rows[H:]) / max(len(rows) - H, 1) for p, rows in fixed.items()
+    }
+    better = min(deeper, key=lambda p: deeper[p]) if plan.max_loops > H else None
+    full = fixed[plan.policies[0]][H - 1]["loss"]
+    return {
+        "checkpoint": loaded.checkpoint,
+        "step": loaded.step,
+        "trained_loops": H,
+        "data": data,
+        "seq_len": seq_len,
+        "tokens": n,
+        "adaptive_max_loops": plan.adaptive_max,
+        "fixed": fixed,
+        "better_beyond": better,
+        "adaptive": adaptive,
+        "verdict": verdict(full, H, adaptive),
+    }
+
+
+def verdict(full: float, H: int, adaptive: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cheapest adaptive point within WITHIN of the full-depth loss, and a sentence."""
+    target = full * (1 + WITHIN)
+    ok = [a for a in adaptive if a["loss"] <= target and a["mean_loops"] < H]
+    best = min(ok, key=lambda a: a["mean_loops"]) if ok else None
+    if best is None:
+        closest = min(adaptive, key=lambda a: a["loss"] / full + a["mean_loops"] / H, default=None)
+        text = (
+            f"no adaptive point ran fewer than H={H} loops per token within {WITHIN:.0%} of the "
+            f"full-depth loss {full:.4f}"
+        )
+        if closest is not None:
+            text += (
+                f" (closest: {closest['criterion']} < {closest['threshold']:g}, "
+                f"{closest['mean_loops']:.2f} loops, loss {closest['loss']:.4f})"
+            )
+    else:
+        text = (
+            f"{best['criterion']} exit below {best['threshold']:g}: {best['mean_loops']:.2f} loops "
+            f"per token instead of {H} ({1 - best['mean_loops'] / H:.0%} fewer) at loss "
+            f"{best['loss']:.4f}, within {WITHIN:.0%} of full depth {full:.4f}"
+        )
+    return {"full_depth_loss": full, "target_loss": target, "best": best, "text": text}
+
+
+def tables(numbers: dict[str, Any]) -> str:
+    """The two markdown tables and the verdict (the console shows the same text)."""
+    fixed = numbers["fixed"]
+    policies = list(fixed)
+    H = numbers["trained_loops"]
+    lines = [
+        "| loops | " + " | ".join(f"loss ({p})" for p in policies) + " | GFLOP/token |",
+        "|---:|" + "---:|" * len(policies) + "---:|",
+    ]
+    for i, row in enumerate(fixed[policies[0]]):
+        mark = " (H)" if row["loops"] == H else ""
+        losses = " | ".join(f"{fixed[p][i]['loss']:.4f}" for p in policies)
+        lines.append(f"| {row['loops']}{mark} | {losses} | {row['gflops_per_token']:.4f} |")
+    full = numbers["verdict"]["full_depth_loss"]
+    lines += [
+        "",
+        "| exit | threshold | mean loops | loss | vs loops 1..H | GFLOP/token |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for a in numbers["adaptive"]:
+        lines.append(
+            f"| {a['criterion']} | {a['threshold']:g} | {a['mean_loops']:.2f} | {a['loss']:.4f} | "
+            f"{a['loss'] / full - 1:+.2%} | {a['gflops_per_token']:.4f} |"
+        )
+    better = numbers["better_beyond"]
+    lines.append("")
+    if better is not None:
+        lines.append(f"Loops past H: the {better} policy gives the lower loss here.")
+    lines.append(f"Verdict: {numbers['verdict']['text']}.")
+    return "\n".join(lines)
+
+
+def write_report(numbers: dict[str, Any], out: str) -> str:
+    """depth.json, depth.png and depth.md in ``out``; returns depth.md's path."""
+    out_files.write_file(
+        os.path.join(out, "depth.json"), json.dumps(numbers, indent=1) + "\n", owner=out
+    )
+    _figure(numbers, os.path.join(out, "depth.png"), out)
+    md = [
+        f"# Depth report: step {numbers['step']}",
+        "",
+        f"Checkpoint `{numbers['checkpoint']}` (trained with H = {numbers['trained_loops']} loops); "
+        f"held-out loss over {numbers['tokens']:,} tokens of `{numbers['data']}` in rows of "
+        f"{numbers['seq_len']}. Past H the routers follow a policy: `last` reuses router H, "
+        "`cycle` runs routers 1..H again. Adaptive exit stops each token after the first loop "
+        "where its criterion is below the threshold (kl: KL between successive loops' "
+        "predictions; confidence: 1 - top probability), up to "
+        f"{numbers['adaptive_max_loops']} loops; an exited token's keys and values in deeper "
+        "loops are its exit loop's. Forward FLOPs per token count the head once per prediction "
+        "read (an adaptive token reads one after every loop it runs).",
+        "",
+        tables(numbers),
+        "",
+        "![loss against loops and FLOPs per token](depth.png)",
+        "",
+    ]
+    path = os.path.join(out, "depth.md")
+    out_files.write_file(path, "\n".join(md), owner=out)
+    return path
+
+
+def _figure(numbers: dict[str, Any], path: str, owner: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    H = numbers["trained_loops"]
+    for ax, x_key, label in (
+        (axes[0], "loops", "loops per token (mean)"),
+        (axes[1], "gflops_per_token", "forward GFLOP per token"),
+    ):
+        for policy, rows in numbers["fixed"].items():
+            ax.plot(
+                [r[x_key] for r in rows],
+                [r["loss"] for r in rows],
+                "o-" if policy == numbers["better_beyond"] else "s--",
+                label=f"fixed depth (past H: {policy})",
+                alpha=0.8,
+            )
+        for criterion in sorted({a["criterion"] for a in numbers["adaptive"]}):
+            pts = sorted(
+                (a for a in numbers["adaptive"] if a["criterion"] == criterion),
+                key=lambda a: a["mean_loops"],
+            )
+            xs = [a["mean_loops"] if x_key == "loops" else a[x_key] for a in pts]
+            ax.plot(xs, [a["loss"] for a in pts], "^-", label=f"adaptive exit ({criterion})")
+        if x_key == "loops":
+            ax.axvline(H, color="grey", linestyle=":", label=f"trained H = {H}")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out loss (nats per token)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Loss against depth, step {numbers['step']} ({numbers['tokens']:,} tokens)")
+    fig.tight_layout()
+    out_files.write_figure(fig, path, owner, dpi=110)
+    plt.close(fig)

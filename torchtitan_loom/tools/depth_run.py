@@ -1,0 +1,182 @@
+"""The measuring half of tools.depth (tools/depth.py is the command line): held-out loss after
+every loop up to 2H under each beyond-H policy, and per-token adaptive exit swept over thresholds,
+with the forward FLOPs per token of each point. tools/depth_report.py writes what this returns.
+
+Fixed depth: loops 1..H run once per batch (the policies agree there), then loops H+1.. from the
+carry of loop H once per policy. Adaptive: one pass per (criterion, threshold) up to the deepest
+adaptive loop (components/evaluation/adaptive_exit.py), its loops past H under the better policy.
+
+Forward FLOPs per token (the model's own count, without the backward): a loop's share of the
+trained H loops, plus the head once per loop whose prediction is read (fixed depth reads it once,
+an adaptive exit after every loop it runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from torchtitan_loom.components.evaluation.adaptive_exit import CRITERIA, adaptive_pass
+from torchtitan_loom.components.loss import count_valid, token_ce_sum
+from torchtitan_loom.tools.progress import Progress, plural
+
+
+@dataclasses.dataclass
+class Sweep:
+    """One adaptive point: the criterion, its threshold and the sums of adaptive_exit.ExitPass."""
+
+    criterion: str
+    threshold: float
+    ce_sum: float = 0.0
+    loops_sum: float = 0.0
+    tokens: int = 0
+    exits: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, ce_sum: float, loops_sum: float, tokens: int, exits: list[int]) -> None:
+        self.ce_sum += ce_sum
+        self.loops_sum += loops_sum
+        self.tokens += tokens
+        self.exits = exits if not self.exits else [a + b for a, b in zip(self.exits, exits)]
+
+
+@dataclasses.dataclass
+class DepthPlan:
+    """What to measure: the deepest fixed loop, the policies, the adaptive sweeps."""
+
+    max_loops: int
+    policies: tuple[str, ...]
+    adaptive_max: int
+    thresholds: dict[str, list[float]]
+
+
+class FlopCount:
+    """Forward FLOPs per token: ``loop`` per loop run, ``head`` per prediction read."""
+
+    def __init__(self, model: Any, seq_len: int) -> None:
+        no_head = model.flops_per_token(seq_len, head_calls=0)
+        self.loop = no_head / model.num_loops / 3.0  # training counts forward + backward (×3)
+        self.head = (model.flops_per_token(seq_len, head_calls=1) - no_head) / 3.0
+
+    def fixed(self, loops: int) -> float:
+        return loops * self.loop + self.head
+
+    def adaptive(self, mean_loops: float) -> float:
+        return mean_loops * (self.loop + self.head)
+
+
+@torch.no_grad()
+def measure(model: Any, loader: Any, plan: DepthPlan, progress: Progress) -> dict[str, Any]:
+    """Sums over the loader's batches: {"ce": {policy: [CE sum after each loop]}, "sweeps":
+    [Sweep], "tokens": N}. Adaptive loops past H (only with adaptive_max > H) use the first policy."""
+    H = model.num_loops
+    ce = {p: [0.0] * plan.max_loops for p in plan.policies}
+    sweeps = [Sweep(c, thr) for c in CRITERIA for thr in plan.thresholds.get(c, [])]
+    n_tok, n_batches = 0, 0
+    for batch in loader:
+        carry = None
+        for t in range(1, H + 1):  # every policy's loops 1..H are the trained ones
+            out = _loop(model, batch, t, carry)
+            carry, loss = out.carry, float(token_ce_sum(out.logits_BSV, batch["labels"]))
+            for policy in plan.policies:
+                ce[policy][t - 1] += loss
+        for policy in plan.policies:
+            model.set_beyond_policy(policy)
+            deeper = carry
+            for t in range(H + 1, plan.max_loops + 1):
+                out = _loop(model, batch, t, deeper)
+                deeper = out.carry
+                ce[policy][t - 1] += float(token_ce_sum(out.logits_BSV, batch["labels"]))
+        model.set_beyond_policy(plan.policies[0])
+        for sweep in sweeps:
+            sweep.add(
+                *adaptive_pass(model, batch, sweep.criterion, sweep.threshold, plan.adaptive_max)
+            )
+        n_tok += int(count_valid(batch["labels"]))
+        n_batches += 1
+        line = f"{n_tok:,} held-out tokens measured ({plural(n_batches, 'batch')})"
+        progress.tick(line)
+    return {"ce": ce, "sweeps": sweeps, "tokens": n_tok}
+
+
+def _loop(model: Any, mb: dict[str, torch.Tensor], t: int, carry: Any) -> Any:
+    return model(
+        mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=t, loop_end=t, carry=carry
+    )
+
+
+class DepthError(ValueError):
+    """Bad input to the tool: one line, exit code 2."""
+
+
+DEPTH_DIR = "depth"
+OUT_NAMES = frozenset({"depth.md", "depth.json", "depth.png"})
+
+
+def run_depth(
+    ckpt_arg: str,
+    data: str | None,
+    tokens: int,
+    out: str | None,
+    force: bool,
+    seq_len: int | None,
+    batch_rows: int,
+    plan_of: Any,
+    progress: Progress,
+) -> tuple[str, dict[str, Any]]:
+    """Load, measure and write; returns (depth.md's path, the report's numbers). ``plan_of(H)``
+    builds the DepthPlan once the trained H is known (DepthError for a bad one)."""
+    from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
+    from torchtitan_loom.components.data.pack_format import PackError
+    from torchtitan_loom.protocols import ExitsPerToken
+    from torchtitan_loom.tools import out_files
+    from torchtitan_loom.tools.analyze_run import default_out
+    from torchtitan_loom.tools.depth_report import report, write_report
+    from torchtitan_loom.tools.loading import LoadError, load
+
+    try:
+        loaded = load(ckpt_arg, need_tokenizer=False)
+    except LoadError as exc:
+        raise DepthError(str(exc)) from None
+    model = loaded.model
+    if not isinstance(model, ExitsPerToken):
+        raise DepthError(f"{loaded.checkpoint}: a {loaded.name} model has no per-token exit")
+    plan = plan_of(model.num_loops)
+    run_cfg = loaded.config
+    if out is None:
+        dump = {"job": {"dump_folder": run_cfg.job.dump_folder}} if run_cfg is not None else {}
+        out, _ = default_out(loaded.checkpoint, dump, loaded.step, DEPTH_DIR)
+    out_files.check_out(out, force, OUT_NAMES, DepthError)  # before the slow part
+    if data is None:
+        data = str(loaded.pack_path) if loaded.pack_path else str(bundled_corpus_path(None))
+    seq_len = seq_len or (run_cfg.training.seq_len if run_cfg is not None else 0)
+    seq_len = seq_len or loaded.args.max_seq_len
+    try:
+        loader = build_eval_loader(
+            data,
+            seq_len=seq_len,
+            vocab_size=loaded.args.vocab_size,
+            batch_rows=batch_rows,
+            dp_rank=0,
+            dp_world=1,
+            max_tokens=tokens,
+        )
+    except (PackError, ValueError, OSError) as exc:
+        raise DepthError(f"held-out data {data}: {exc}") from None
+    progress.phase(
+        f"step {loaded.step} loaded (H={model.num_loops}); loops 1..{plan.max_loops} under "
+        f"{' and '.join(plan.policies)}, then "
+        f"{sum(len(v) for v in plan.thresholds.values())} adaptive sweeps, over {data}"
+    )
+    sums = measure(model, loader, plan, progress)
+    if sums["tokens"] == 0:
+        raise DepthError(f"held-out data {data}: no valid tokens; pass --data with a holdout")
+    numbers = report(sums, plan, FlopCount(model, seq_len), loaded, data, seq_len)
+    progress.phase(f"writing depth.md, depth.json and depth.png to {out}")
+    try:
+        out_files.clear_out(out, force, OUT_NAMES, DepthError)
+        out_files.make_out(out, DepthError)
+        return write_report(numbers, out), numbers
+    except OSError as exc:
+        raise DepthError(f"{out}: cannot write the report: {exc}") from None
