@@ -104,7 +104,10 @@ def test_bad_input_is_one_line_and_exit_2(trained_run, tmp_path, capsys):
             [str(trained_run), "--prompt", "x", "--loops", "7"],
             "--loops 7: out of range; valid 1..6 (the model's H=3)",
         ),
-        ([str(trained_run), "--prompt", "x", "--beyond", "wrap"], "--beyond: beyond-H policy 'wrap'"),
+        (
+            [str(trained_run), "--prompt", "x", "--beyond", "wrap"],
+            "--beyond: beyond-H policy 'wrap'",
+        ),
         (
             [str(trained_run), "--prompt", "x", "--exit", "kl", "--exit-threshold", "-1"],
             "--exit kl threshold -1.0: must be a finite number ≥ 0",
