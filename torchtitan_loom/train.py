@@ -114,7 +114,13 @@ class Trainer(TrainerBuild):
         ):  # after the resume succeeded: a refused one leaves the run as it was
             dump = cfg.job.dump_folder
             safe_files.atomic_write(os.path.join(dump, "config.toml"), to_toml(cfg), dump)
-            record_launch(cfg, self.run_id, "running", self.state.step, resumed)
+            counts = self.model.param_counts()
+            sizes = {
+                "params": counts["total"],
+                "active_params": counts["active"],
+                "flops_per_token": self.flops_per_token,
+            }
+            record_launch(cfg, self.run_id, "running", self.state.step, resumed, sizes)
             self.launch_recorded = True
 
     def train(self) -> int:

@@ -156,3 +156,19 @@ def test_dry_run_counts_the_expected_flops(tmp_path):
         "depth sampling" in line and "2 or 4 or 6 loops" in line
         for line in report(cfg_depth, r_depth.model_args, r_depth.dims)
     )
+
+
+def test_run_json_records_the_model_sizes_and_each_launchs_seconds(tiny_pack, tmp_path):
+    # What tools.compare reads instead of rebuilding the model: the trainer's own counts, with
+    # the depth-sampled FLOPs, and the seconds of every launch that ended.
+    trainer = run(make_trainer(tiny_pack, tmp_path, "--training.steps", "2", *DEPTH))
+    record = json.loads((tmp_path / "run.json").read_text())
+    counts = trainer.model.param_counts()
+    assert record["model"] == {
+        "params": counts["total"],
+        "active_params": counts["active"],
+        "flops_per_token": trainer.flops_per_token,
+    }
+    assert trainer.flops_per_token < trainer.model.flops_per_token(32, head_calls=3)
+    (launch,) = record["launches"]
+    assert record["status"] == "finished" and 0 < launch["seconds"] < 600 and "ended" in launch

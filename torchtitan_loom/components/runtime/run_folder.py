@@ -273,10 +273,16 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
 
 
 def record_launch(
-    cfg: Any, run_id: str, status: str, step: int, resumed_from: int | None = None
+    cfg: Any,
+    run_id: str,
+    status: str,
+    step: int,
+    resumed_from: int | None = None,
+    model: dict[str, float] | None = None,
 ) -> None:
     """Write run.json: identity, status ("running", or how the launch ended: Trainer._finish), step,
-    launches."""
+    launches (each with its start, and its end and seconds once it ended), and ``model`` when given
+    (params, active params and training FLOPs per token, for tools that compare runs)."""
     dump = cfg.job.dump_folder
     safe_files.check_held(dump)  # a run folder swapped since the launch is neither read nor written
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
@@ -288,9 +294,17 @@ def record_launch(
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "started_unix": round(time.time(), 3),
                 "resumed_from_step": resumed_from,
             }
         )
+    if status != "running":
+        launch = run["launches"][-1]
+        launch["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if isinstance(launch.get("started_unix"), (int, float)):
+            launch["seconds"] = round(time.time() - launch["started_unix"], 1)
+    if model is not None:
+        run["model"] = model
     run.update(run_id=run_id, status=status, step=step)
     path, text = os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True)
     try:
