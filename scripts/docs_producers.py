@@ -5,11 +5,13 @@ default run, the short run with checkpoints) happen once, on first use.
 
 The producers live by topic: docs_producers_runs.py (training runs and the tools on them),
 docs_producers_layout.py (sizes, the dry run, the FSDP benchmarks), docs_producers_figures.py (the
-figures of the estimate and the cost model quoted in the prose, the protocol's surface).
+figures of the estimate and the cost model quoted in the prose, the protocol's surface),
+docs_producers_depth.py (the depth study and the depth reports of docs/studying_depth.md).
 """
 
 from __future__ import annotations
 
+import docs_producers_depth as depth
 import docs_producers_figures as fig
 import docs_producers_layout as lay
 import docs_producers_runs as runs
@@ -71,6 +73,10 @@ PRODUCERS: dict[str, Producer] = {
     "generate-console": Producer((GENERATE,), runs.generate_console),
     "lm-eval-console": Producer((LM_EVAL,), runs.lm_eval_console, sources=LM_TASKS),
     "hf-export-console": Producer((HF_EXPORT, HF_SNIPPET), runs.hf_export_console),
+    "depth-study": Producer((depth.STUDY, depth.COMPARE), depth.study_table),
+    "depth-report": Producer((depth.DEPTH_H3,), depth.depth_report),
+    "depth-training": Producer((depth.DEPTH_SAMPLED,), depth.depth_training),
+    "depth-generate": Producer((depth.GENERATE_EXIT,), depth.generate_exit),
     "protocol-surface": Producer(
         (), fig.protocol_surface, sources=("torchtitan_loom/protocols.py",), check="exact"
     ),

@@ -37,6 +37,19 @@ def test_progress_prints_each_phase_and_ticks_at_most_every_interval():
     ]
 
 
+def test_counts_take_the_plural_their_noun_needs():
+    from torchtitan_loom.components.runtime.messages import count
+
+    assert [count(1, "batch"), count(3, "batch"), count(2, "rank"), count(0, "pass")] == [
+        "1 batch",
+        "3 batches",
+        "2 ranks",
+        "0 passes",
+    ]
+    assert count(2, "micro-batch", "micro-batches") == "2 micro-batches"
+    assert count(1_200, "run folder") == "1,200 run folders"
+
+
 def test_analyze_says_where_it_is_between_loading_and_the_report(dump, tmp_path, capsys):
     assert analyze_tool.main([str(dump), "--out", str(tmp_path / "r"), *analyze_args()]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -18,10 +18,11 @@ import torch
 
 from torchtitan_loom.components.evaluation.loop_by_loop import LoopByLoop
 from torchtitan_loom.components.runtime import safe_files
+from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.protocols import ModelProtocol
 from torchtitan_loom.tools.analyze_diag import report_section
 from torchtitan_loom.tools.analyze_report import write_report
-from torchtitan_loom.tools.progress import Progress, plural
+from torchtitan_loom.tools.progress import Progress
 
 ANALYSIS_DIR = "analysis"
 
@@ -69,7 +70,7 @@ def evaluate(
             of = f" of {tokens:,}" if tokens else ""
 
             def routed(n: int = n_tok, of: str = of, b: int = n_batches) -> str:
-                return f"{n:,}{of} held-out tokens routed ({plural(b, 'batch')})"
+                return f"{n:,}{of} held-out tokens routed ({count(b, 'batch')})"
 
             progress.tick(routed)
     n_tok = int(sums.n_tok.item())

@@ -27,9 +27,9 @@ import os
 import sys
 
 from torchtitan_loom.components.runtime import exit_codes
-from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.tools.compare_runs import STUDY_JSON, CompareError
-from torchtitan_loom.tools.progress import Progress, plural
+from torchtitan_loom.tools.progress import Progress
 
 
 def default_out(paths: list[str], first_run: str) -> str:
@@ -54,7 +54,7 @@ def compare(paths: list[str], out: str | None, force: bool, progress: Progress) 
         raise CompareError(f"{', '.join(paths)}: no run folder to compare (a study not run yet?)")
     out = out or default_out(paths, refs[0].path)
     check_out(out, force, NAMES, CompareError)  # before the reading: an occupied out fails fast
-    progress.phase(f"reading {plural(len(refs), 'run folder')}")
+    progress.phase(f"reading {count(len(refs), 'run folder')}")
     runs = [summarize(ref, warn) for ref in refs]
     progress.phase("counting the models' parameters (built on the meta device)")
     model_sizes(runs, warn)

@@ -20,7 +20,8 @@ import torch
 
 from torchtitan_loom.components.evaluation.adaptive_exit import CRITERIA, adaptive_pass
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
-from torchtitan_loom.tools.progress import Progress, plural
+from torchtitan_loom.components.runtime.messages import count
+from torchtitan_loom.tools.progress import Progress
 
 
 @dataclasses.dataclass
@@ -95,7 +96,7 @@ def measure(model: Any, loader: Any, plan: DepthPlan, progress: Progress) -> dic
             )
         n_tok += int(count_valid(batch["labels"]))
         n_batches += 1
-        line = f"{n_tok:,} held-out tokens measured ({plural(n_batches, 'batch')})"
+        line = f"{n_tok:,} held-out tokens measured ({count(n_batches, 'batch')})"
         progress.tick(line)
     return {"ce": ce, "sweeps": sweeps, "tokens": n_tok}
 

@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from torchtitan_loom.components.runtime import exit_codes
-from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
 from torchtitan_loom.tools.holdout import MODES, check
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
-from torchtitan_loom.tools.progress import Progress, plural
+from torchtitan_loom.tools.progress import Progress
 
 DEFAULT_THRESHOLD = 0.005
 # A tqdm progress bar as it is drawn ("  40%|████      | 4/10 [00:01<00:01, 3.9it/s]").
@@ -275,7 +275,7 @@ def run(ns: argparse.Namespace) -> str | None:
         nonlocal forwards
         forwards += 1
         progress.tick(
-            lambda: f"scoring: {plural(forwards, 'batch')} of up to {ns.batch_size} scored"
+            lambda: f"scoring: {count(forwards, 'batch')} of up to {ns.batch_size} scored"
         )
 
     with quiet_scoring(), model.register_forward_hook(scored):  # the handle removes the hook

@@ -51,8 +51,3 @@ class Progress:
             return
         self.last_tick = now
         self._print(f"{self.tool}: {text() if callable(text) else text} ({now - self.start:.0f} s)")
-
-
-def plural(count: int, noun: str) -> str:
-    """``"1 batch"``, ``"3 batches"``."""
-    return f"{count:,} {noun}{'' if count == 1 else 'es' if noun.endswith(('s', 'ch')) else 's'}"

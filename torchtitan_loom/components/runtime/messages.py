@@ -42,5 +42,8 @@ def shorten_line(line: str) -> str:
 
 
 def count(n: int, one: str, many: str | None = None) -> str:
-    """``n`` and the noun in the number it needs: ``1 rank``, ``2 ranks``, ``1 micro-batch``."""
-    return f"{n:,} {one if n == 1 else (many or one + 's')}"
+    """``n`` and the noun in the number it needs: ``1 rank``, ``2 ranks``, ``3 batches`` (-es after
+    s, x, ch, sh unless ``many`` says otherwise)."""
+    if many is None:
+        many = one + ("es" if one.endswith(("s", "x", "ch", "sh")) else "s")
+    return f"{n:,} {one if n == 1 else many}"
