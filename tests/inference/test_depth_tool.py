@@ -115,3 +115,68 @@ def test_generate_adaptive_reports_mean_loops_and_zero_is_fixed_depth(trained_ru
     assert "1.00 loops per token on average" in capsys.readouterr().err
     assert gen_tool.main([*base, "--loops", "6", "--beyond", "cycle"]) == 0  # past H
     assert capsys.readouterr().out.startswith("the cat sat")
+
+
+def test_task_scores_after_each_loop_equal_an_independent_likelihood(trained_run, tmp_path):
+    pytest.importorskip("lm_eval")
+    import torch.nn.functional as F
+
+    tasks_dir = os.path.join(os.path.dirname(__file__), "tiny_tasks")
+    out = tmp_path / "tasks"
+    argv = [
+        str(trained_run),
+        "--tokens",
+        "300",
+        "--kl",
+        "0",
+        "--confidence",
+        "0",
+        "--out",
+        str(out),
+    ]
+    assert (
+        depth_tool.main(
+            [*argv, "--tasks", "loom_tiny_mc", "--tasks-dir", tasks_dir, "--only-tasks-dir"]
+        )
+        == 0
+    )
+    numbers = json.loads((out / "depth.json").read_text())
+    rows = numbers["task_scores"]["by_loops"]
+    assert [r["loops"] for r in rows] == [1, 2, 3, 4, 5, 6] and numbers["task_scores"][
+        "policy"
+    ] == "last"
+    assert "| loops (past H: last) | loom_tiny_mc/acc |" in (out / "depth.md").read_text()
+
+    loaded = load(str(trained_run))
+    model, enc = loaded.model, loaded.tokenizer.encode
+    model.set_beyond_policy("last")
+    docs = [json.loads(line) for line in open(os.path.join(tasks_dir, "loom_tiny_mc.jsonl"))]
+
+    def loglik(ctx, cont, loops):
+        ids = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            logits = model(
+                ids[:, :-1],
+                torch.arange(ids.shape[1] - 1)[None],
+                torch.zeros_like(ids[:, :-1]),
+                loop_end=loops,
+            ).logits_BSV
+        logp = F.log_softmax(logits[0, len(ctx) - 1 :], dim=-1)
+        return logp.gather(1, torch.tensor(cont)[:, None]).sum().item()
+
+    for row in rows:
+        right = 0
+        for doc in docs:
+            s = [loglik(enc(doc["query"]), enc(c), row["loops"]) for c in doc["choices"]]
+            right += max(range(len(s)), key=s.__getitem__) == doc["gold"]
+        assert row["scores"]["downstream/loom_tiny_mc/acc"] == pytest.approx(right / len(docs))
+    bad = [
+        *argv,
+        "--force",
+        "--tasks",
+        "no_such_task",
+        "--tasks-dir",
+        tasks_dir,
+        "--only-tasks-dir",
+    ]
+    assert depth_tool.main(bad) == 2

@@ -3,7 +3,7 @@
     python -m torchtitan_loom.tools.depth CKPT [--data PACK] [--tokens N] [--max-loops N]
         [--beyond last,cycle] [--kl T,T,..] [--confidence T,T,..] [--adaptive-max N] [--out DIR]
 
-Held-out loss after each of loops 1..2H (past the trained H the routers follow each --beyond
+Held-out loss (and the run's downstream task scores, ``--tasks``) after each of loops 1..2H (past the trained H the routers follow each --beyond
 policy: ``last`` reuses router H, ``cycle`` runs routers 1..H again), and per-token adaptive exit
 swept over thresholds of two criteria (components/evaluation/adaptive_exit.py): the curve of loss
 against mean loops per token and forward FLOPs per token, with the fixed-depth points on the same
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
@@ -59,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--adaptive-max", type=int, default=None, help="deepest adaptive loop (default H)"
     )
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help="lm-eval tasks scored after each loop, comma-separated (default: the run's "
+        "eval.downstream_tasks when it scored any; none: skip)",
+    )
+    p.add_argument("--tasks-dir", default=None, help="extra folder of lm-eval task YAML files")
+    p.add_argument("--only-tasks-dir", action="store_true", help="index only --tasks-dir (faster)")
+    p.add_argument("--limit", type=int, default=None, help="at most N documents per task")
     p.add_argument("--out", default=None, help="output folder (default <run>/depth/step-<N>)")
     p.add_argument("--force", action="store_true", help="replace an earlier report in --out")
     return p
@@ -83,6 +93,8 @@ def plan_maker(ns: argparse.Namespace):
             problem = threshold_problem(criterion, value)
             if problem:
                 raise ValueError(f"--{criterion}: {problem}")
+    if ns.limit is not None and ns.limit < 1:
+        raise ValueError(f"--limit {ns.limit}: must be ≥ 1")
     for key in ("tokens", "batch_rows"):
         if getattr(ns, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} {getattr(ns, key)}: must be ≥ 1")
@@ -97,6 +109,32 @@ def plan_maker(ns: argparse.Namespace):
         return DepthPlan(max_loops, policies, adaptive_max, thresholds)
 
     return plan
+
+
+def tasks_maker(ns: argparse.Namespace):
+    """ns -> (the run's config or None -> the [eval] section whose tasks are scored, or None)."""
+    import dataclasses
+
+    def tasks(run_cfg: Any) -> Any:
+        from torchtitan_loom.config.sections_train import Eval
+
+        base = run_cfg.eval if run_cfg is not None else Eval()
+        if ns.tasks == "none":
+            return None
+        names = [t.strip() for t in ns.tasks.split(",") if t.strip()] if ns.tasks else []
+        if not names and base.downstream_interval:  # the run scored these during training
+            names = list(base.downstream_tasks)
+        if not names:
+            return None
+        return dataclasses.replace(
+            base,
+            downstream_tasks=names,
+            downstream_tasks_dir=ns.tasks_dir or base.downstream_tasks_dir,
+            downstream_only_tasks_dir=ns.only_tasks_dir or base.downstream_only_tasks_dir,
+            downstream_limit=base.downstream_limit if ns.limit is None else ns.limit,
+        )
+
+    return tasks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 ns.batch_rows,
                 checked_plan,
                 progress,
+                tasks_maker(ns),
             )
     except (DepthError, ValueError) as exc:
         print(shorten_line(f"depth error: {exc}"), file=sys.stderr)

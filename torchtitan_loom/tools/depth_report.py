@@ -111,12 +111,32 @@ def tables(numbers: dict[str, Any]) -> str:
             f"| {a['criterion']} | {a['threshold']:g} | {a['mean_loops']:.2f} | {a['loss']:.4f} | "
             f"{a['loss'] / full - 1:+.2%} | {a['gflops_per_token']:.4f} |"
         )
+    lines += _task_table(numbers.get("task_scores"), H)
     better = numbers["better_beyond"]
     lines.append("")
     if better is not None:
         lines.append(f"Loops past H: the {better} policy gives the lower loss here.")
     lines.append(f"Verdict: {numbers['verdict']['text']}.")
     return "\n".join(lines)
+
+
+def _task_table(tasks: dict[str, Any] | None, H: int) -> list[str]:
+    """The downstream scores after each loop (depth_run.task_scores), or nothing."""
+    if not tasks:
+        return []
+    keys = sorted({k for row in tasks["by_loops"] for k in row["scores"]})
+    lines = [
+        "",
+        f"| loops (past H: {tasks['policy']}) | "
+        + " | ".join(k.removeprefix("downstream/") for k in keys)
+        + " |",
+        "|---:|" + "---:|" * len(keys),
+    ]
+    for row in tasks["by_loops"]:
+        mark = " (H)" if row["loops"] == H else ""
+        cells = [f"{row['scores'][k]:.4f}" if k in row["scores"] else "—" for k in keys]
+        lines.append(f"| {row['loops']}{mark} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_report(numbers: dict[str, Any], out: str) -> str:

@@ -13,6 +13,7 @@ an adaptive exit after every loop it runs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -125,9 +126,11 @@ def run_depth(
     batch_rows: int,
     plan_of: Any,
     progress: Progress,
+    tasks_of: Any = None,
 ) -> tuple[str, dict[str, Any]]:
     """Load, measure and write; returns (depth.md's path, the report's numbers). ``plan_of(H)``
-    builds the DepthPlan once the trained H is known (DepthError for a bad one)."""
+    builds the DepthPlan once the trained H is known (DepthError for a bad one); ``tasks_of(run
+    config)`` the [eval] section whose downstream_tasks are scored at each depth (None: none)."""
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError
     from torchtitan_loom.protocols import ExitsPerToken
@@ -145,6 +148,14 @@ def run_depth(
         raise DepthError(f"{loaded.checkpoint}: a {loaded.name} model has no per-token exit")
     plan = plan_of(model.num_loops)
     run_cfg = loaded.config
+    tasks = None if tasks_of is None else tasks_of(run_cfg)
+    if tasks is not None:  # before the slow part: an unknown task fails now
+        from torchtitan_loom.components.evaluation.downstream import unknown_tasks
+
+        dir_ = tasks.downstream_tasks_dir or None
+        unknown = unknown_tasks(list(tasks.downstream_tasks), dir_, tasks.downstream_only_tasks_dir)
+        if unknown:
+            raise DepthError(f"--tasks: {unknown[0]}")
     if out is None:
         dump = {"job": {"dump_folder": run_cfg.job.dump_folder}} if run_cfg is not None else {}
         out, _ = default_out(loaded.checkpoint, dump, loaded.step, DEPTH_DIR)
@@ -174,6 +185,8 @@ def run_depth(
     if sums["tokens"] == 0:
         raise DepthError(f"held-out data {data}: no valid tokens; pass --data with a holdout")
     numbers = report(sums, plan, FlopCount(model, seq_len), loaded, data, seq_len)
+    if tasks is not None and tasks.downstream_tasks:
+        numbers["task_scores"] = task_scores(loaded, tasks, plan, progress)
     progress.phase(f"writing depth.md, depth.json and depth.png to {out}")
     try:
         out_files.clear_out(out, force, OUT_NAMES, DepthError)
@@ -181,3 +194,30 @@ def run_depth(
         return write_report(numbers, out), numbers
     except OSError as exc:
         raise DepthError(f"{out}: cannot write the report: {exc}") from None
+
+
+def task_scores(loaded: Any, tasks: Any, plan: DepthPlan, progress: Progress) -> dict[str, Any]:
+    """The downstream tasks of ``tasks`` (an [eval] section) scored after each of loops
+    1 .. plan.max_loops (past H under the first policy), through the trainer's own scorer."""
+    from torchtitan_loom.components.evaluation.downstream import DownstreamScorer
+    from torchtitan_loom.tools.loading import LoadError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(loaded.pack_path, None, loaded.args.vocab_size)
+    except LoadError as exc:
+        raise DepthError(f"task scores: {exc}") from None
+    scorer = DownstreamScorer(
+        tasks,
+        model=loaded.model,
+        tokenizer=tokenizer,
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+        stop_requested=lambda: 0,
+        log=lambda line: print(f"depth: {line}", flush=True),
+    )
+
+    loaded.model.set_beyond_policy(plan.policies[0])
+    rows = []
+    for t in range(1, plan.max_loops + 1):
+        rows.append({"loops": t, "scores": scorer.score(loaded.step or 0, loops=t) or {}})
+    return {"tasks": list(tasks.downstream_tasks), "policy": plan.policies[0], "by_loops": rows}

@@ -98,22 +98,24 @@ class DownstreamScorer:
         every = self.cfg.downstream_interval
         return bool(every) and (step % every == 0 or step == last_step)
 
-    def score(self, step: int) -> dict[str, float] | None:
-        """The scores after all loops (see flat_scores), with a start and a done line; None when a
-        stop signal interrupted them (dropped, as an interrupted eval is)."""
+    def score(self, step: int, loops: int | None = None) -> dict[str, float] | None:
+        """The scores after all loops, or after loop ``loops`` (the depth report; see flat_scores),
+        with a start and a done line; None when a stop signal interrupted them (dropped, as an
+        interrupted eval is). The model is left in training mode unless it came in eval mode."""
         from lm_eval import simple_evaluate
 
         from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM, ScoringStopped
 
         cfg = self.cfg
         limit = f" (at most {cfg.downstream_limit} documents each)" if cfg.downstream_limit else ""
-        self.log(f"downstream at step {step}: {', '.join(cfg.downstream_tasks)}{limit} ...")
+        depth = "" if loops is None else f" after loop {loops}"
+        self.log(f"downstream at step {step}{depth}: {', '.join(cfg.downstream_tasks)}{limit} ...")
         started = time.perf_counter()
         lm = LoomLM(
             self.model,
             self.tokenizer,
             self.device,
-            self.model.num_loops,
+            self.model.num_loops if loops is None else loops,
             batch_size=cfg.downstream_batch_size,
             split_over_ranks=False,
             should_stop=lambda: bool(self._stop_requested()),
@@ -121,6 +123,7 @@ class DownstreamScorer:
         )
         states = random.getstate(), np.random.get_state()
         devices = [self.device] if self.device.type == "cuda" else []
+        was_training = self.model.training
         self.model.eval()
         try:
             with (
@@ -143,7 +146,7 @@ class DownstreamScorer:
             )
             return None
         finally:
-            self.model.train()
+            self.model.train(was_training)
             random.setstate(states[0])
             np.random.set_state(states[1])
         scores = flat_scores(res["results"])
