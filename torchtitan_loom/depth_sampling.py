@@ -58,6 +58,11 @@ class DepthSampler:
         """Segments of global step ``step`` (1-based): the same on every rank and every resume."""
         return random.Random(f"depth:{self.seed}:{step}").choice(self.choices)
 
+    def depths(self) -> str:
+        """The loop counts a step may run, as a reader says them: "1, 2 or 3"."""
+        ends = [str(self.segments[n - 1][1]) for n in self.choices]
+        return ends[0] if len(ends) == 1 else f"{', '.join(ends[:-1])} or {ends[-1]}"
+
     def mean_loops(self) -> float:
         return sum(self.segments[n - 1][1] for n in self.choices) / len(self.choices)
 

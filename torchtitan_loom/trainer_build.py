@@ -218,10 +218,9 @@ class TrainerBuild:
             f"init seed={self.model.args.init_seed} (training.seed), data={self.data_path}"
         )
         if self.depth is not None:
-            ends = [str(self.segments[n - 1][1]) for n in self.depth.choices]
             self.log(
                 f"depth sampling (training.sample_depth_min = {t.sample_depth_min}): each step runs "
-                f"{' or '.join(ends)} loops, drawn uniformly per step "
+                f"{self.depth.depths()} loops, drawn uniformly per step "
                 f"({self.depth.mean_loops():.2f} on average)"
             )
         if info.world_size > 1:

@@ -52,7 +52,7 @@ def test_expected_flops_scale_the_loops_by_the_mean_depth_and_the_head_by_the_me
 def test_a_step_runs_exactly_the_drawn_segments(tiny_pack, tmp_path):
     trainer = make_trainer(tiny_pack, tmp_path, "--training.steps", "8", *DEPTH)
     sampler = trainer.depth
-    assert sampler is not None and sampler.choices == [1, 2, 3]
+    assert sampler is not None and sampler.choices == [1, 2, 3] and sampler.depths() == "1, 2 or 3"
     data = iter(trainer.dataloader)
     router_updates = torch.zeros(3, dtype=torch.int64)
     for step in range(1, 9):
@@ -153,7 +153,7 @@ def test_dry_run_counts_the_expected_flops(tmp_path):
     assert sampled.flops == pytest.approx(full.flops * 2 / 3, rel=1e-9)
     assert sampled.memory == full.memory
     assert any(
-        "depth sampling" in line and "2 or 4 or 6 loops" in line
+        "depth sampling" in line and "runs 2, 4 or 6 loops, 4.00 on average" in line
         for line in report(cfg_depth, r_depth.model_args, r_depth.dims)
     )
 

@@ -192,7 +192,7 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
     if sampler is not None:
         lines.append(
             f"  depth sampling (training.sample_depth_min = {t.sample_depth_min}): a step runs "
-            f"{' or '.join(str(sampler.segments[n - 1][1]) for n in sampler.choices)} loops, "
+            f"{sampler.depths()} loops, "
             f"{sampler.mean_loops():.2f} on average; FLOPs and time are the expected ones, memory "
             "and communication the deepest step's"
         )
