@@ -64,7 +64,7 @@ def test_analyze_says_where_it_is_between_loading_and_the_report(dump, tmp_path,
     assert lines[-1] == f"report written: {tmp_path / 'r' / 'report.md'}"
 
 
-@pytest.mark.parametrize("tool", ["generate", "analyze"])
+@pytest.mark.parametrize("tool", ["generate", "analyze", "depth", "study", "compare"])
 def test_the_first_line_comes_before_torch_is_imported(tool):
     """The tool's module imports no torch, so its first line is printed before that wait (tens of
     seconds on a cold file system); the line itself is checked by the tools' own tests."""
