@@ -78,7 +78,7 @@ def _step(model, opt) -> None:
 
 def check_async_save(rank: int, world: int, dump: str) -> None:
     mgr, model, opt, counter = _manager(dump, rank, world, "async")
-    assert mgr._pg is not None and mgr._pg != dist.group.WORLD, (
+    assert mgr.writer.pg is not None and mgr.writer.pg != dist.group.WORLD, (
         "async save needs its own process group"
     )
     _step(model, opt)

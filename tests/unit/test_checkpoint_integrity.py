@@ -105,7 +105,7 @@ def write_nonfinite_step(trainer, step):
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
     tmp = layout.temp_dir(trainer.checkpointer.root, step, "periodic")
-    trainer.checkpointer._save(
+    trainer.checkpointer.writer._save(
         step, "periodic", tmp, True, False
     )  # bypasses save()'s finiteness guard
 

@@ -235,7 +235,7 @@ def test_the_sigint_stop_line_names_the_exit_code_it_exits_with(tiny_pack, tmp_p
 
 def test_a_signal_during_a_save_does_not_save_that_step_twice(tiny_pack, tmp_path, capfd):
     t = make_trainer(tiny_pack, tmp_path, *STEPS)
-    real, saved = t.checkpointer._save, []
+    real, saved = t.checkpointer.writer._save, []
 
     def save_then_signal(step, *args):
         saved.append(step)
@@ -243,7 +243,7 @@ def test_a_signal_during_a_save_does_not_save_that_step_twice(tiny_pack, tmp_pat
         if step == 2:
             signal.raise_signal(signal.SIGTERM)  # arrives while step 2's save is being written
 
-    t.checkpointer._save = save_then_signal
+    t.checkpointer.writer._save = save_then_signal
     assert t.train() == 0 and t.state.step == 2
     assert saved == [1, 2]  # step 2 was saved once; the stop that followed it found it saved
     out = capfd.readouterr().out

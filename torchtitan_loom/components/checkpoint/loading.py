@@ -21,28 +21,31 @@ from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime.messages import count
 
 
-class LoadMixin(ManagerParts):
-    """CheckpointManager's load path (uses its cfg, root, model, optimizer, states, device,
-    rank, world_size, _distributed, proof and _log)."""
+class Resumer:
+    """CheckpointManager's load path over the shared parts ``p`` (it records there the loaded
+    run's total steps and world size)."""
+
+    def __init__(self, parts: ManagerParts) -> None:
+        self.p = parts
 
     def _decide(
         self, exclude: dict[str, str]
     ) -> tuple[Any, list[layout.Entry], list[str], str | None]:
         """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or error."""
         payload: list[Any] = [None]
-        if self.rank == 0:
+        if self.p.rank == 0:
             try:
                 choice, found, skipped = resolve.choose(
-                    self.root, self.cfg.load_step, self.cfg.initial_load_path, exclude=exclude
+                    self.p.root, self.p.cfg.load_step, self.p.cfg.initial_load_path, exclude=exclude
                 )
                 payload = [(choice, found.incomplete, skipped, None)]
             except ValueError as exc:
                 payload = [(None, [], [], str(exc))]
-        if self._distributed:
+        if self.p._distributed:
             dist.broadcast_object_list(payload, src=0)
         return payload[0]
 
-    def _load(self) -> int | None:
+    def load(self) -> int | None:
         """Newest checkpoint that verifies (checksums, then finite weights once loaded); a failing
         one is skipped with a warning naming the file, unless it was asked for by load_step."""
         exclude: dict[str, str] = {}  # path → why it was refused once loading it began
@@ -54,13 +57,13 @@ class LoadMixin(ManagerParts):
             for line in [layout.incomplete_warning(incomplete)] + skipped:
                 if line and line not in warned:  # each once, though the choice may be made again
                     warned.add(line)
-                    self._log("warning: " + line)
+                    self.p._log("warning: " + line)
             if choice is None:
-                self._log(f"no checkpoint in {self.root}: starting from scratch")
+                self.p._log(f"no checkpoint in {self.p.root}: starting from scratch")
                 return None
             key = "initial_load_path" if choice.model_only else "load_step"
-            asked = self.cfg.load_step >= 0 or choice.model_only  # no other one to fall back on
-            self._log(f"loading checkpoint {choice.path} ...")
+            asked = self.p.cfg.load_step >= 0 or choice.model_only  # no other one to fall back on
+            self.p._log(f"loading checkpoint {choice.path} ...")
             try:
                 step = self._load_choice(choice)
             except ckstate.CheckpointUnreadable as exc:  # a refused entry, a read that failed
@@ -68,7 +71,7 @@ class LoadMixin(ManagerParts):
                     raise ckstate.CheckpointError(f"checkpoint.{key}: {exc}; refused") from None
                 exclude[choice.path] = str(exc)
                 continue
-            bad = integrity.model_finite(self.model)
+            bad = integrity.model_finite(self.p.model)
             if not bad:
                 break
             if asked:
@@ -78,13 +81,13 @@ class LoadMixin(ManagerParts):
                 )
             exclude[choice.path] = "refused after loading (non-finite weights)"
         if step is not None:
-            self.proof.resumed(step)  # the steps after it prove it
-        if step is not None and self.rank == 0:
-            moved = layout.abandon_newer(self.root, step)
+            self.p.proof.resumed(step)  # the steps after it prove it
+        if step is not None and self.p.rank == 0:
+            moved = layout.abandon_newer(self.p.root, step)
             if moved:
-                self._log(
+                self.p._log(
                     f"moved the checkpoints newer than step {step} ({', '.join(moved)}) to "
-                    f"{os.path.join(self.root, layout.ABANDONED)}: kept, never loaded or overwritten"
+                    f"{os.path.join(self.p.root, layout.ABANDONED)}: kept, never loaded or overwritten"
                 )
         return step
 
@@ -93,10 +96,10 @@ class LoadMixin(ManagerParts):
         meta = ckstate.read_metadata(choice.path)
         lines = resolve.compat_errors(
             choice.path,
-            self.model_name,
-            self.flavor,
-            self.model_args,
-            ckstate.model_shapes(self.model),
+            self.p.model_name,
+            self.p.flavor,
+            self.p.model_args,
+            ckstate.model_shapes(self.p.model),
             resume=not choice.model_only,
         )
         if lines:
@@ -104,7 +107,7 @@ class LoadMixin(ManagerParts):
                 resolve.explain(choice.path, choice.step, lines, resume=not choice.model_only)
             )
         saved = layout.read_json(os.path.join(choice.path, "meta.json")) or {}
-        had, have = saved.get("optimizer", RECORDED_BEFORE_NAMES), type(self.optimizer).__name__
+        had, have = saved.get("optimizer", RECORDED_BEFORE_NAMES), type(self.p.optimizer).__name__
         if not choice.model_only and had != have:
             raise ckstate.CheckpointError(
                 f"checkpoint {choice.path} was trained with optimizer.name = {had!r}; {have!r} "
@@ -114,37 +117,40 @@ class LoadMixin(ManagerParts):
             )
         if choice.model_only:
             self._load_model_only(choice.path)
-            self._log(
+            self.p._log(
                 f"warm start: model weights from {choice.path} (optimizer, schedule, data and step "
                 f"start fresh) in {time.perf_counter() - started:.1f} s"
             )
             return None
         self._load_full(choice.path, meta)
-        self.loaded_total_steps = saved.get(
+        self.p.loaded_total_steps = saved.get(
             "total_steps"
         )  # training.steps of the run that saved it
-        ws = self.loaded_world_size = saved.get("world_size")
+        ws = self.p.loaded_world_size = saved.get("world_size")
         moved = (
-            f", saved at {count(ws, 'rank')}, now {self.world_size}"
-            if ws and ws != self.world_size
+            f", saved at {count(ws, 'rank')}, now {self.p.world_size}"
+            if ws and ws != self.p.world_size
             else ""
         )
-        self._log(
+        self.p._log(
             f"resumed from {choice.path} (step {choice.step}{moved}) "
             f"in {time.perf_counter() - started:.1f} s"
         )
         return choice.step
 
     def _load_model_only(self, path: str) -> None:
-        sd = {"model": ckstate.model_state(self.model)}
-        ckstate.dcp_load(sd, path, no_dist=not self._distributed)
-        ckstate.set_model_state(self.model, sd["model"])
+        sd = {"model": ckstate.model_state(self.p.model)}
+        ckstate.dcp_load(sd, path, no_dist=not self.p._distributed)
+        ckstate.set_model_state(self.p.model, sd["model"])
 
     def _load_full(self, path: str, meta: dict[str, Any]) -> None:
         keys = set(meta)
-        opt = ckstate.OptimizerLoad(self.model, self.optimizer, keys, "optimizer.")
-        sd: dict[str, Any] = {"model": ckstate.model_state(self.model), "optimizer": opt.template()}
-        for name, obj in self.states.items():
+        opt = ckstate.OptimizerLoad(self.p.model, self.p.optimizer, keys, "optimizer.")
+        sd: dict[str, Any] = {
+            "model": ckstate.model_state(self.p.model),
+            "optimizer": opt.template(),
+        }
+        for name, obj in self.p.states.items():
             # Keys a newer version added are left at their defaults (load_state_dict handles them).
             tmpl = {
                 k: v
@@ -154,11 +160,13 @@ class LoadMixin(ManagerParts):
             if not tmpl:
                 raise ckstate.CheckpointError(f"checkpoint {path} holds no '{name}' state")
             sd[name] = tmpl
-        sd["rng"] = {k: v for k, v in ckstate.rng_state(self.device).items() if f"rng.{k}" in keys}
-        ckstate.dcp_load(sd, path, no_dist=not self._distributed)
-        ckstate.set_model_state(self.model, sd["model"])
+        sd["rng"] = {
+            k: v for k, v in ckstate.rng_state(self.p.device).items() if f"rng.{k}" in keys
+        }
+        ckstate.dcp_load(sd, path, no_dist=not self.p._distributed)
+        ckstate.set_model_state(self.p.model, sd["model"])
         opt.apply(sd["optimizer"])
-        for name, obj in self.states.items():
+        for name, obj in self.p.states.items():
             try:
                 obj.load_state_dict(sd[name])
             except (
@@ -169,4 +177,4 @@ class LoadMixin(ManagerParts):
                     f"checkpoint {path}: cannot restore '{name}': {exc}"
                 ) from None
         # The trainer loads right before its loop, so nothing after this can advance the stream.
-        ckstate.set_rng_state(sd["rng"], self.device)
+        ckstate.set_rng_state(sd["rng"], self.p.device)

@@ -15,14 +15,15 @@ trajectory today. Every rank seeds torch identically, so the saved RNG is one st
 CPU generator, plus the current CUDA generator on GPUs) restored on every rank; per-rank streams
 are not kept, which is what makes it loadable at another world size.
 
-The class is split by what each part does: saving.py (what is saved, the sync/async write and
-its commit), proof.py (the pure proof policy: PROVE_STEPS healthy steps before a checkpoint may
-prune older ones), pruning.py (the pruning it allows), loading.py (which checkpoint is resumed, the fallback, the restore).
+The manager is a facade over objects that each do one thing, over the state they share
+(manager_parts.ManagerParts): the writer (saving.py: what is saved, the sync/async write and its
+commit), the resumer (loading.py: which checkpoint is resumed, the fallback, the restore), the
+pruner (pruning.py: the pruning a proof allows) and the pure proof policy (proof.py: PROVE_STEPS
+healthy steps before a checkpoint may prune older ones).
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -31,19 +32,18 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_loom.components.checkpoint import layout, resolve
-from torchtitan_loom.components.checkpoint.loading import LoadMixin
-from torchtitan_loom.components.checkpoint.manager_parts import PendingSave
+from torchtitan_loom.components.checkpoint.loading import Resumer
+from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
+from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES
 from torchtitan_loom.components.checkpoint.proof import PROVE_STEPS, ProofPolicy
-from torchtitan_loom.components.checkpoint.pruning import PruneMixin
-from torchtitan_loom.components.checkpoint.saving import SaveMixin, make_stager
+from torchtitan_loom.components.checkpoint.pruning import Pruner
+from torchtitan_loom.components.checkpoint.saving import Writer
 from torchtitan_loom.components.runtime import safe_files
 
 __all__ = ["ASYNC_MODES", "PROVE_STEPS", "CheckpointManager"]
 
-from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES
 
-
-class CheckpointManager(PruneMixin, SaveMixin, LoadMixin):
+class CheckpointManager:
     """Owns the run's checkpoint folder. A disabled manager (``cfg.enable`` false) does nothing.
 
     Args:
@@ -74,50 +74,56 @@ class CheckpointManager(PruneMixin, SaveMixin, LoadMixin):
         world_size: int = 1,
         log: Callable[[str], None] = print,
     ) -> None:
-        self.cfg, self.enabled = cfg, bool(cfg.enable)
-        # Held from here: a folder swapped mid-run (a link to elsewhere) is refused, not written.
-        self.root = safe_files.HeldFolder(
-            resolve.checkpoint_root(dump_folder, cfg.folder),
-            within=dump_folder if isinstance(dump_folder, safe_files.HeldFolder) else None,
+        self.parts = ManagerParts(
+            cfg=cfg,
+            enabled=bool(cfg.enable),
+            # Held from here: a folder swapped mid-run (a link to elsewhere) is refused, not written.
+            root=safe_files.HeldFolder(
+                resolve.checkpoint_root(dump_folder, cfg.folder),
+                within=dump_folder if isinstance(dump_folder, safe_files.HeldFolder) else None,
+            ),
+            model=model,
+            optimizer=optimizer,
+            states=dict(states),
+            model_args=model_args,
+            model_name=model_name,
+            flavor=flavor,
+            config_toml=config_toml,
+            total_steps=total_steps,
+            device=torch.device(device),
+            rank=rank,
+            world_size=world_size,
+            _log=log,
+            _distributed=dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1,
+            proof=ProofPolicy(),  # which checkpoint may prune older ones (pure, proof.py)
         )
-        self.model, self.optimizer, self.states = model, optimizer, dict(states)
-        self.model_args, self.model_name, self.flavor = model_args, model_name, flavor
-        self.config_toml, self.total_steps = config_toml, total_steps
-        self.device, self.rank, self.world_size = torch.device(device), rank, world_size
-        self._log = log
-        self._distributed = (
-            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        )
-        self._pending: PendingSave | None = None
-        self.loaded_total_steps: int | None = None
-        self.loaded_world_size: int | None = None  # the world size that saved the resumed step
-        self._saved: dict[
-            str, int
-        ] = {}  # kind → the step last saved (or in flight) by this process
-        self.proof = ProofPolicy()  # which checkpoint may prune older ones (pure, proof.py)
-        self._pruned_for: int | None = None
-        self._pg = None
-        self._async = self.enabled and cfg.async_mode != "disabled"
-        if self._async and self._distributed:
-            self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
-        self.stager = None  # async_with_pinned_mem: the reused staging buffers
-        if self._async and cfg.async_mode == "async_with_pinned_mem":
-            self.stager = make_stager(self.device)
+        self.writer = Writer(self.parts)
+        self.resumer = Resumer(self.parts)
+        self.pruner = Pruner(self.parts, self.writer)
 
-    # ------------------------------------------------------------------------------------ helpers
-    def _barrier(self) -> None:
-        if self._distributed:
-            dist.barrier()
+    # ------------------------------------------------------------------- what callers read
+    @property
+    def enabled(self) -> bool:
+        return self.parts.enabled
 
-    def _policy(self) -> dict[str, Any]:
-        c = self.cfg
-        return {
-            "interval": c.interval,
-            "keep_latest_k": c.keep_latest_k,
-            "snapshot_interval": c.snapshot_interval,
-            "snapshot_keep": c.snapshot_keep,
-            "async_mode": c.async_mode,
-        }
+    @property
+    def root(self) -> safe_files.HeldFolder:
+        return self.parts.root
+
+    @property
+    def loaded_total_steps(self) -> int | None:
+        return self.parts.loaded_total_steps
+
+    @property
+    def loaded_world_size(self) -> int | None:
+        """The world size that saved the resumed step."""
+        return self.parts.loaded_world_size
+
+    @property
+    def stager(self) -> Any:
+        return self.writer.stager
 
     # ---------------------------------------------------------------------------------- save path
     def after_step(
@@ -136,23 +142,36 @@ class CheckpointManager(PruneMixin, SaveMixin, LoadMixin):
         save, else None."""
         if not self.enabled:
             return None
-        self._note(step, healthy, loss)
-        self._poll()
-        c = self.cfg
+        self.pruner.note(step, healthy, loss)
+        w = self.writer
+        w.poll()
+        c = self.parts.cfg
         # One save per step: a stop that follows this step's save (a signal during it) saves nothing more.
         periodic = (
-            bool(last or stopping or step % c.interval == 0) and self._saved.get("periodic") != step
+            bool(last or stopping or step % c.interval == 0) and w.saved.get("periodic") != step
         )
         snapshot = (
             bool(c.snapshot_interval and step % c.snapshot_interval == 0)
-            and self._saved.get("snapshot") != step
+            and w.saved.get("snapshot") != step
         )
         if periodic or snapshot:
-            self.save(step, periodic=periodic, snapshot=snapshot)
+            w.save(step, periodic=periodic, snapshot=snapshot)
         if not stopping:
             return None
-        self.wait()
+        w.wait()
         return layout.final_dir(self.root, step, "periodic")
+
+    def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
+        """Save step ``step`` now (saving.Writer.save)."""
+        self.writer.save(step, periodic=periodic, snapshot=snapshot)
+
+    def wait(self) -> None:
+        """Block until the in-flight async save (if any) is written and committed."""
+        self.writer.wait()
+
+    def discard(self, *, wait: bool = False) -> int | None:
+        """Never commit the save in flight (saving.Writer.discard); returns its step."""
+        return self.writer.discard(wait=wait)
 
     def newest(self) -> str | None:
         """The newest complete checkpoint on disk (rank 0's view), None when there is none."""
@@ -161,15 +180,11 @@ class CheckpointManager(PruneMixin, SaveMixin, LoadMixin):
 
     def close(self) -> None:
         """Finish any in-flight save."""
-        if self.enabled:
-            self.wait()
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
+        self.writer.close()
 
     # ---------------------------------------------------------------------------------- load path
     def load(self) -> int | None:
         """Resume (or warm-start) as configured; returns the step resumed from, else None."""
         if not self.enabled:
             return None
-        return self._load()
+        return self.resumer.load()

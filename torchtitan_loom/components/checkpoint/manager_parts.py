@@ -1,6 +1,7 @@
-"""What a CheckpointManager is made of, declared once: the attributes manager.py sets and the
-methods each part (saving.py, loading.py, pruning.py) offers the others. The parts derive from
-``ManagerParts``, so each one reads only what is declared here (a type checker holds them to it).
+"""What the parts of a CheckpointManager share, declared once: the run's checkpoint folder, what
+is saved, the rank, the proof policy, and rank 0's outcome agreed on every rank. The manager
+(manager.py) builds one and hands it to its writer (saving.py), resumer (loading.py) and pruner
+(pruning.py), each an object over it; none of them derives from another.
 
 Legend: none (no tensors here).
 """
@@ -12,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.proof import ProofPolicy
 from torchtitan_loom.components.runtime.safe_files import HeldFolder
 
@@ -29,8 +32,9 @@ class PendingSave:
     started: float
 
 
+@dataclass
 class ManagerParts:
-    """The state shared by the save, load and prune paths (set in CheckpointManager.__init__)."""
+    """The state the save, load and prune paths share (built in CheckpointManager.__init__)."""
 
     cfg: Any  # the [checkpoint] config section
     enabled: bool
@@ -48,25 +52,38 @@ class ManagerParts:
     world_size: int
     _log: Callable[[str], None]
     _distributed: bool
-    _pending: PendingSave | None  # the async save in flight
-    loaded_total_steps: int | None
-    loaded_world_size: int | None  # the world size that saved the resumed step
-    _saved: dict[str, int]  # kind -> the step last saved (or in flight) by this process
     proof: ProofPolicy  # which checkpoint may prune older ones
-    _pruned_for: int | None
-    _pg: Any  # the async save's own gloo group, or None
-    _async: bool
-    stager: Any  # async_with_pinned_mem: the reused staging buffers, or None
+    loaded_total_steps: int | None = None
+    loaded_world_size: int | None = None  # the world size that saved the resumed step
 
-    # Offered by one part to the others (manager.py, saving.py).
     def _barrier(self) -> None:
-        raise NotImplementedError
+        if self._distributed:
+            dist.barrier()
 
     def _policy(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def wait(self) -> None:
-        raise NotImplementedError
+        """The keep/interval settings index.json records."""
+        c = self.cfg
+        return {
+            "interval": c.interval,
+            "keep_latest_k": c.keep_latest_k,
+            "snapshot_interval": c.snapshot_interval,
+            "snapshot_keep": c.snapshot_keep,
+            "async_mode": c.async_mode,
+        }
 
     def _agree(self, error: BaseException | None) -> None:
-        raise NotImplementedError
+        """Rank 0's outcome of a part of a save only it does (preparing the directory, the
+        commit, a prune) on every rank, in place of a barrier: the same error is raised
+        everywhere, so no rank is left waiting at the next collective for a rank 0 that stopped."""
+        said = [None if error is None else (type(error).__name__, str(error))]
+        if self._distributed:
+            dist.broadcast_object_list(said, src=0)
+        if error is not None:
+            raise error
+        if said[0] is not None:
+            kind, msg = said[0]
+            raise (
+                ckstate.CheckpointSaveError
+                if kind == "CheckpointSaveError"
+                else ckstate.CheckpointError
+            )(msg if kind.startswith("Checkpoint") else f"rank 0 failed to save: {kind}: {msg}")

@@ -20,6 +20,7 @@ A run that stops discards a save still in flight when it stopped for divergence 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import time
 from concurrent.futures import Future
@@ -69,41 +70,62 @@ def make_stager(device: torch.device):
     )
 
 
-class SaveMixin(ManagerParts):
-    """CheckpointManager's save path (manager.py builds the attributes it uses: cfg, root, model,
-    optimizer, states, rank, world_size, _pending, _saved, proof, _pg, stager, _log, ...)."""
+class Writer:
+    """CheckpointManager's save path over the manager's shared parts ``p``: it owns the save in
+    flight (``pending``), the step last saved per kind, the async save's process group and the
+    pinned-memory stager."""
+
+    def __init__(self, parts: ManagerParts) -> None:
+        self.p = parts
+        self.pending: PendingSave | None = None  # the async save in flight
+        self.saved: dict[str, int] = {}  # kind -> the step last saved (or in flight) here
+        self.is_async = parts.enabled and parts.cfg.async_mode != "disabled"
+        self.pg = None  # the async save's own gloo group (a save on the default group aborts gloo)
+        if self.is_async and parts._distributed:
+            self.pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
+        self.stager = None  # async_with_pinned_mem: the reused staging buffers
+        if self.is_async and parts.cfg.async_mode == "async_with_pinned_mem":
+            self.stager = make_stager(parts.device)
+
+    def close(self) -> None:
+        """Finish any in-flight save; release the stager."""
+        if self.p.enabled:
+            self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     def _collect(self) -> dict[str, Any]:
         """The state to save (tensors alias live ones; DCP or its stager copies them)."""
         sd: dict[str, Any] = {
-            "model": ckstate.model_state(self.model),
-            "optimizer": ckstate.optimizer_state(self.model, self.optimizer),
+            "model": ckstate.model_state(self.p.model),
+            "optimizer": ckstate.optimizer_state(self.p.model, self.p.optimizer),
         }
-        for name, obj in self.states.items():
+        for name, obj in self.p.states.items():
             sd[name] = obj.state_dict()
-        sd["rng"] = ckstate.rng_state(self.device)
+        sd["rng"] = ckstate.rng_state(self.p.device)
         return sd
 
     def _write_sidecars(self, tmp: str, step: int) -> None:
         """Rank 0: the human/tool-readable files next to the DCP data."""
-        safe_files.atomic_write(os.path.join(tmp, "config.toml"), self.config_toml)
+        safe_files.atomic_write(os.path.join(tmp, "config.toml"), self.p.config_toml)
         layout.write_json(
             os.path.join(tmp, resolve.MODEL_ARGS_FILE),
             {
-                "name": self.model_name,
-                "flavor": self.flavor,
-                "args": dataclasses.asdict(self.model_args),
+                "name": self.p.model_name,
+                "flavor": self.p.flavor,
+                "args": dataclasses.asdict(self.p.model_args),
             },
         )
-        ts = self.states.get("train_state")
+        ts = self.p.states.get("train_state")
         layout.write_json(
             os.path.join(tmp, "meta.json"),
             {
                 "step": step,
-                "world_size": self.world_size,
+                "world_size": self.p.world_size,
                 "torch": torch.__version__,
-                "total_steps": self.total_steps,
-                "optimizer": type(self.optimizer).__name__,  # a resume under another is refused
+                "total_steps": self.p.total_steps,
+                "optimizer": type(self.p.optimizer).__name__,  # a resume under another is refused
                 "train_state": ts.state_dict() if ts is not None else None,
             },
         )
@@ -113,35 +135,35 @@ class SaveMixin(ManagerParts):
         with a non-finite weight is never saved (logged instead). A failed write removes the
         temporary directory, keeps every older checkpoint and raises CheckpointSaveError."""
         self.wait()  # one save in flight at most
-        bad = integrity.model_finite(self.model)
+        bad = integrity.model_finite(self.p.model)
         if bad:
-            self._log(f"warning: not saving step {step}: non-finite weights ({', '.join(bad)})")
+            self.p._log(f"warning: not saving step {step}: non-finite weights ({', '.join(bad)})")
             return
         kind = "periodic" if periodic else "snapshot"
-        tmp = layout.temp_dir(self.root, step, kind)
+        tmp = layout.temp_dir(self.p.root, step, kind)
         try:
             self._save(step, kind, tmp, periodic, snapshot)
-            self.proof.saved(step)
-            self._saved.update(
+            self.p.proof.saved(step)
+            self.saved.update(
                 {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
             )
         except (ckstate.CheckpointError, ckstate.CheckpointSaveError):
-            self._pending = None  # already said on every rank (_agree)
+            self.pending = None  # already said on every rank (_agree)
             raise
         except (
             Exception,
             CheckpointException,
         ) as exc:  # any write failure: clean up, say why, keep the rest
-            self._pending = None
+            self.pending = None
             self._failed(step, tmp, exc)
 
     def _needed_bytes(self) -> int:
         """About what a checkpoint takes: the newest one on disk, else this rank's state × ranks."""
-        newest = layout.scan(self.root).newest()
+        newest = layout.scan(self.p.root).newest()
         if newest is not None:
             return layout.dir_bytes(newest.path)
         local = sum(ckstate.local_nbytes(v) for v in self._collect().values())
-        return local * self.world_size
+        return local * self.p.world_size
 
     def _failed(self, step: int, tmp: str, exc: BaseException) -> None:
         """A save failed: remove its temporary directory and raise CheckpointSaveError when the
@@ -159,123 +181,108 @@ class SaveMixin(ManagerParts):
         if isinstance(exc, safe_files.UnsafePathError):
             return ckstate.CheckpointError(
                 f"checkpoint step {step} not saved: {exc}; nothing pruned, the previous "
-                f"checkpoints in {self.root} are untouched"
+                f"checkpoints in {self.p.root} are untouched"
             )
         reason: str | None  # None: not a failure we can explain; the original error is raised
         if isinstance(exc, layout.IncompleteSave):  # its message says what is missing and why
             reason = str(exc)
         else:
             reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
-        if self.rank == 0:
+        if self.p.rank == 0:
             try:
-                safe_files.remove_dir(tmp, self.root)
+                safe_files.remove_dir(tmp, self.p.root)
             except OSError:
                 pass  # a link or an unremovable directory: a .tmp- name is never loaded
         if reason is None:
             return exc
         return ckstate.CheckpointSaveError(
             f"checkpoint step {step} not saved: {reason}; the previous "
-            f"checkpoints in {self.root} are untouched"
+            f"checkpoints in {self.p.root} are untouched"
         )
-
-    def _agree(self, error: BaseException | None) -> None:
-        """Rank 0's outcome of a part of a save only it does (preparing the directory, the
-        commit) on every rank, in place of a barrier: the same error is raised everywhere, so no
-        rank is left waiting at the next collective for a rank 0 that stopped."""
-        said = [None if error is None else (type(error).__name__, str(error))]
-        if self._distributed:
-            dist.broadcast_object_list(said, src=0)
-        if error is not None:
-            raise error
-        if said[0] is not None:
-            kind, msg = said[0]
-            raise (
-                ckstate.CheckpointSaveError
-                if kind == "CheckpointSaveError"
-                else ckstate.CheckpointError
-            )(msg if kind.startswith("Checkpoint") else f"rank 0 failed to save: {kind}: {msg}")
 
     def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
         error = None
-        if self.rank == 0:
+        if self.p.rank == 0:
             try:
-                safe_files.remove_dir(tmp, self.root)  # left by a save of this step that died
-                safe_files.make_dirs(tmp, self.root)  # refuses a link on the way (snapshots/)
+                safe_files.remove_dir(tmp, self.p.root)  # left by a save of this step that died
+                safe_files.make_dirs(tmp, self.p.root)  # refuses a link on the way (snapshots/)
                 self._write_sidecars(tmp, step)
             except (Exception, CheckpointException) as exc:
                 error = self._final_error(step, tmp, exc)
-        self._agree(error)  # the directory exists (and is clean) before any rank writes into it
+        self.p._agree(error)  # the directory exists (and is clean) before any rank writes into it
         started = time.perf_counter()
         sd = self._collect()
-        no_dist = not self._distributed
-        if self._async:
+        no_dist = not self.p._distributed
+        if self.is_async:
             if self.stager is not None and STAGER_SINGLE_USE:
                 self.stager.close()
-                self.stager = make_stager(self.device)
+                self.stager = make_stager(self.p.device)
             with ckstate.single_process_quiet():
                 future = dcp.async_save(
                     sd,
                     checkpoint_id=tmp,
                     storage_writer=SafeWriter(tmp),
-                    process_group=self._pg,
+                    process_group=self.pg,
                     no_dist=no_dist,
                     async_stager=self.stager,
                 )
             if not isinstance(future, Future):  # AsyncSaveResponse: make staging finish now too
                 future.staging_completion.result()
                 future = future.upload_completion
-            self._pending = PendingSave(future, step, kind, periodic and snapshot, started)
+            self.pending = PendingSave(future, step, kind, periodic and snapshot, started)
             return
         with ckstate.single_process_quiet():
             dcp.save(sd, checkpoint_id=tmp, storage_writer=SafeWriter(tmp), no_dist=no_dist)
-        self._barrier()  # every rank finished writing
+        self.p._barrier()  # every rank finished writing
         error = None
-        if self.rank == 0:
+        if self.p.rank == 0:
             try:
                 self._commit(step, kind, periodic and snapshot, started)
             except (Exception, CheckpointException) as exc:
                 error = self._final_error(step, tmp, exc)
-        self._agree(error)  # committed (or failed, on every rank) before anyone goes on
+        self.p._agree(error)  # committed (or failed, on every rank) before anyone goes on
 
     def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
         """Rank 0: marker + rename, the snapshot copy, index (pruning waits for proof: _prune)."""
-        safe_files.check_held(self.root)  # the folder this run started in, not one swapped in since
+        safe_files.check_held(
+            self.p.root
+        )  # the folder this run started in, not one swapped in since
         marker = {
             "step": step,
             "kind": kind,
-            "world_size": self.world_size,
+            "world_size": self.p.world_size,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        final = layout.final_dir(self.root, step, kind)
-        layout.commit(layout.temp_dir(self.root, step, kind), final, marker)
+        final = layout.final_dir(self.p.root, step, kind)
+        layout.commit(layout.temp_dir(self.p.root, step, kind), final, marker)
         where, snap_exc = [final], None
         if snapshot_too:
             snap, snap_tmp = (
-                f(self.root, step, "snapshot") for f in (layout.final_dir, layout.temp_dir)
+                f(self.p.root, step, "snapshot") for f in (layout.final_dir, layout.temp_dir)
             )
             try:
-                safe_files.make_dirs(os.path.dirname(snap), self.root)
+                safe_files.make_dirs(os.path.dirname(snap), self.p.root)
                 layout.clone(final, snap_tmp, snap, dict(marker, kind="snapshot"))
                 where.append(snap)
             except (Exception, CheckpointException) as exc:
                 snap_exc = exc
                 try:
-                    safe_files.remove_dir(snap_tmp, self.root)
+                    safe_files.remove_dir(snap_tmp, self.p.root)
                 except OSError:
                     pass  # a link (refused) or unremovable: a .tmp- name is never loaded
         try:  # pruning is not part of a commit: it waits for proof (_prune)
-            layout.write_index(self.root, self._policy(), final_step=self.total_steps)
+            layout.write_index(self.p.root, self.p._policy(), final_step=self.p.total_steps)
         except (Exception, CheckpointException) as exc:
             raise _CommittedButIncomplete(
                 self._incomplete_message(final, step, "index", exc, snap_exc), exc
             ) from exc
         if snap_exc is not None:
-            self.proof.dropped(step)  # a save that did not finish prunes nothing
+            self.p.proof.dropped(step)  # a save that did not finish prunes nothing
             raise _CommittedButIncomplete(
                 self._incomplete_message(final, step, "done", None, snap_exc), snap_exc
             )
         took = time.perf_counter() - started
-        self._log(f"checkpoint step {step} saved to {', '.join(where)} in {took:.1f} s")
+        self.p._log(f"checkpoint step {step} saved to {', '.join(where)} in {took:.1f} s")
 
     def _incomplete_message(
         self,
@@ -302,19 +309,19 @@ class SaveMixin(ManagerParts):
         ]
         return "; ".join(parts)
 
-    def _poll(self) -> None:
-        if self._pending is not None and self._pending.future.done():
+    def poll(self) -> None:
+        if self.pending is not None and self.pending.future.done():
             self.wait()
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) is written and committed."""
-        p, self._pending = self._pending, None
+        p, self.pending = self.pending, None
         if p is None:
             return
-        tmp = layout.temp_dir(self.root, p.step, p.kind)
+        tmp = layout.temp_dir(self.p.root, p.step, p.kind)
         try:
             p.future.result()  # re-raises a failed save
-            if self.rank == 0:
+            if self.p.rank == 0:
                 self._commit(p.step, p.kind, p.snapshot_too, p.started)
         except (Exception, CheckpointException) as exc:  # as in save()
             self._failed(p.step, tmp, exc)
@@ -323,18 +330,18 @@ class SaveMixin(ManagerParts):
         """Never commit the save in flight (the run stops for divergence or an error); returns its
         step. ``wait``: let its writes end first, then remove its temporary folder (rank 0);
         without, a ``.tmp-`` folder may stay, which is never loaded."""
-        p, self._pending = self._pending, None
+        p, self.pending = self.pending, None
         if p is None:
             return None
-        self.proof.dropped(p.step)
+        self.p.proof.dropped(p.step)
         if wait:
             try:
                 p.future.result()
             except (Exception, CheckpointException):
                 pass  # discarded either way
-            if self.rank == 0:
+            if self.p.rank == 0:
                 try:
-                    safe_files.remove_dir(layout.temp_dir(self.root, p.step, p.kind), self.root)
+                    safe_files.remove_dir(layout.temp_dir(self.p.root, p.step, p.kind), self.p.root)
                 except OSError:
                     pass  # a link or an unremovable folder: a .tmp- name is never loaded
         return p.step
