@@ -27,7 +27,7 @@ from torchtitan_loom.components.runtime import exit_codes
 
 # Nothing here imports torch: the first line is printed before that wait (see run()).
 from torchtitan_loom.components.runtime.messages import shorten_line
-from torchtitan_loom.tools.input_files import LoadError
+from torchtitan_loom.tools.input_files import BEYOND_HELP, LoadError
 
 SLOW_S = 5.0  # a load slower than this is followed by a line saying what comes next
 
@@ -57,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--beyond",
         default=None,
-        help="which router a loop past H uses: last (router H, the default) or cycle "
-        "(routers 1..H again)",
+        help=BEYOND_HELP,
     )
     p.add_argument(
         "--exit",

@@ -18,6 +18,11 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+# The --beyond flag of the tools that run a checkpoint to a depth (generate, lm_eval): one text.
+BEYOND_HELP = (
+    "which router a loop past H uses: last (router H, the default) or cycle (routers 1..H again)"
+)
+
 MAX_METRICS_LINE = 8 << 20  # a row with every diagnostic of a large model is a few hundred KiB
 MAX_TOKENIZER_JSON = 512 << 20  # the largest HF tokenizer.json files are tens of MiB
 

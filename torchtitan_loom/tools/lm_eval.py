@@ -41,6 +41,7 @@ from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
 from torchtitan_loom.tools.holdout import MODES, check
+from torchtitan_loom.tools.input_files import BEYOND_HELP
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
 from torchtitan_loom.tools.progress import Progress
 
@@ -100,8 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--beyond",
         default=None,
-        help="which router a loop past H uses: last (router H, the default) or cycle "
-        "(routers 1..H again)",
+        help=BEYOND_HELP,
     )
     p.add_argument(
         "--param-dtype",
