@@ -68,6 +68,17 @@ def identity(cfg: Any) -> dict[str, Any]:
     }
 
 
+def resolved_config(cfg: Any, model_args: Any) -> dict[str, Any]:
+    """Dotted key -> value of everything a launch ran with: the config's sections (the [model]
+    overrides replaced by the model arguments they resolved to, as ``model_args.<field>``)."""
+    out = {k: v for k, v in _flat(cfg.to_dict()).items() if not k.startswith("model.")}
+    out.update(
+        {"model.name": cfg.model.name, "model.flavor": cfg.model.flavor},
+        **{f"model_args.{k}": v for k, v in dataclasses.asdict(model_args).items()},
+    )
+    return out
+
+
 def _flat(d: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in d.items():
@@ -279,10 +290,13 @@ def record_launch(
     step: int,
     resumed_from: int | None = None,
     model: dict[str, float] | None = None,
+    model_args: Any = None,
 ) -> None:
     """Write run.json: identity, status ("running", or how the launch ended: Trainer._finish), step,
-    launches (each with its start, and its end and seconds once it ended), and ``model`` when given
-    (params, active params and training FLOPs per token, for tools that compare runs)."""
+    launches (each with its start, and its end and seconds once it ended), ``model`` when given
+    (params, active params and training FLOPs per token, for tools that compare runs) and
+    ``resolved``: the configuration this launch really ran (every section, and the model arguments
+    the flavor and the [model] overrides resolved to), so a study can tell what each run changed."""
     dump = cfg.job.dump_folder
     safe_files.check_held(dump)  # a run folder swapped since the launch is neither read nor written
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
@@ -305,6 +319,8 @@ def record_launch(
             launch["seconds"] = round(time.time() - launch["started_unix"], 1)
     if model is not None:
         run["model"] = model
+    if model_args is not None:
+        run["resolved"] = resolved_config(cfg, model_args)
     run.update(run_id=run_id, status=status, step=step)
     path, text = os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True)
     try:
