@@ -8,9 +8,9 @@ from typing import Any
 
 from torchtitan_loom.config.aliases import ALIASES, aliases_of
 from torchtitan_loom.config.errors import ConfigError
+from torchtitan_loom.config.fields import overridden_args
 from torchtitan_loom.config.manager import load_config, section_fields, section_types, type_name
 from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig
-from torchtitan_loom.protocols import model_args_of
 
 
 def help_requested(argv: list[str]) -> tuple[bool, list[str]]:
@@ -95,13 +95,12 @@ class _FlavorValue:
 
 
 def _flavor_values(cfg: JobConfig) -> dict[str, Any]:
-    """The chosen flavor's model arguments (torch-free), or {} for an unknown name or flavor."""
+    """The model arguments the config resolves to (torch-free), or {} for an unknown name or
+    flavor (the problem line names it)."""
     try:
-        flavors, _ = model_args_of(cfg.model.name)
-    except ValueError:
+        return dataclasses.asdict(overridden_args(cfg))
+    except (ValueError, KeyError, TypeError):
         return {}
-    args = flavors.get(cfg.model.flavor)
-    return dataclasses.asdict(args) if args is not None else {}
 
 
 def _alias_note(key: str) -> str:

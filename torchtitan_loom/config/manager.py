@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from typing import Any
@@ -36,6 +37,7 @@ def section_types(cfg: JobConfig | None = None) -> dict[str, type]:
     return {f.name: type(getattr(cfg, f.name)) for f in dataclasses.fields(JobConfig)}
 
 
+@functools.lru_cache(maxsize=64)  # a section class never changes; type hints take ~4 ms each
 def section_fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
@@ -85,7 +87,12 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     inner, optional = _split_optional(tp)
     if isinstance(value, _BareFlag) and inner is not bool:
         raise ConfigError(f"--{key} is given without a value; it takes {type_name(tp)}")
-    bad = ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if optional and not from_cli:  # a file has no none: an unset key is one left out
+        bad = ConfigError(
+            f"{key}: expected {type_name(inner)} (leave it out to unset it), got {value!r}"
+        )
+    else:
+        bad = ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
     if optional and (value is None or (from_cli and _unsets(inner, value))):
         return None
     if inner is bool:

@@ -31,7 +31,7 @@ from typing import Any
 
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.protocols import get_train_spec
+from torchtitan_loom.protocols import get_train_spec, model_args_of
 
 LOCK = "RUN.lock"
 RUN_JSON = "run.json"
@@ -79,6 +79,20 @@ def resolved_config(cfg: Any, model_args: Any) -> dict[str, Any]:
     return out
 
 
+def _as_flavor(flat: dict[str, Any]) -> dict[str, Any]:
+    """An identity's unset [model] keys as the flavor's values: a key set to the flavor's own value
+    (an older preset's ``num_loops = 3``) and the same key left unset train the same model."""
+    try:
+        flavors, _ = model_args_of(str(flat.get("model.name")))
+        args = dataclasses.asdict(flavors[str(flat.get("model.flavor"))])
+    except (ValueError, KeyError):
+        return flat  # an unknown model or flavor: compared as written (the config names it)
+    return {
+        k: args.get(k.split(".", 1)[1]) if k.startswith("model.") and v is None else v
+        for k, v in flat.items()
+    }
+
+
 def _flat(d: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in d.items():
@@ -121,7 +135,7 @@ def relaunch_errors(cfg: Any) -> list[str]:
         return []
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
-    old, new = _flat(run.get("identity", {})), _flat(identity(cfg))
+    old, new = _as_flavor(_flat(run.get("identity", {}))), _as_flavor(_flat(identity(cfg)))
     old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
     old.setdefault("training.sample_depth_min", 0)  # recorded before depth sampling existed
     diff = [
