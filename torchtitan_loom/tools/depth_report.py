@@ -104,7 +104,7 @@ def tables(numbers: dict[str, Any]) -> str:
 
 def _vs(loss: float, curve: float | None) -> str:
     """A point's loss against the fixed curve's there: + above it (worse), - below; — past it."""
-    return "—" if curve is None else f"{loss / curve - 1:+.2%}"
+    return "—" if curve is None else f"{round(loss / curve - 1, 4) + 0.0:+.2%}"  # no "-0.00%"
 
 
 def _task_table(tasks: dict[str, Any] | None, H: int) -> list[str]:
