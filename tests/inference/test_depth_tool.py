@@ -74,7 +74,7 @@ def test_capacity_off_and_fewer_tokens_equal_the_loop_by_loop_pass_and_are_named
     deeper = [r["loss"] for p in ("last", "cycle") for r in numbers["fixed"][p][3:]]
     assert all(x > 0 for x in deeper) and numbers["better_beyond"] in ("last", "cycle")
     assert (
-        "unlike the run's held-out eval: capacity dropping off (the eval drops at factor 1.5); "
+        "unlike the run's held-out eval: capacity dropping off (trained and evaluated at factor 1.5); "
         "--tokens 1200 (eval.tokens = 1500)." in console
     )
 

@@ -121,6 +121,30 @@ def test_the_default_reads_are_the_run_eval_and_every_override_is_named():
     reads = resolve(run_config(), "/p", 1.5, 512, **flags)
     assert reads.tokens == 20_000 and reads.capacity_factor == 0
     assert reads.differs == (
-        "capacity dropping off (the eval drops at factor 1.5)",
+        "capacity dropping off (trained and evaluated at factor 1.5)",
         "--tokens 20000 (eval.tokens = 50000)",
+    )
+
+
+def test_a_validation_pack_is_read_as_the_eval_reads_it_and_a_data_override_is_named():
+    flags = dict(data=None, tokens=None, seq_len=None, batch_rows=None, capacity="trained")
+    cfg = run_config()
+    cfg.data.val_path = "/val"
+    reads = resolve(cfg, "/p", 1.5, 512, **flags)
+    assert reads.val_path == "/val" and reads.source() == "epoch 0 of /val" and not reads.differs
+    reads = resolve(cfg, "/p", 1.5, 512, **{**flags, "data": "/other", "batch_rows": 4})
+    assert reads.val_path is None and reads.source() == "the holdout of /other"
+    assert reads.differs == (
+        "--data /other (the eval reads epoch 0 of /val)",
+        "--batch-rows 4 (training.micro_batch_size = 8)",
+    )
+
+
+def test_without_a_run_config_there_is_no_eval_to_match_and_it_says_so():
+    flags = dict(data=None, tokens=None, seq_len=None, batch_rows=None, capacity="off")
+    reads = resolve(None, "/p", 1.5, 512, **flags)
+    assert (reads.tokens, reads.seq_len, reads.rows, reads.forward_rows) == (20_000, 512, 8, 8)
+    assert reads.describe().endswith(
+        "unlike the run's held-out eval: no config.toml next to the checkpoint, so no eval to "
+        "match; capacity dropping off (trained and evaluated at factor 1.5)"
     )

@@ -188,6 +188,14 @@ def _figure(numbers: dict[str, Any], path: str, owner: str) -> None:
             )
             xs = [a["mean_loops"] if x_key == "loops" else a[x_key] for a in pts]
             ax.plot(xs, [a["loss"] for a in pts], "^-", label=f"adaptive exit ({criterion})")
+        v = numbers["verdict"]
+        ax.axhline(
+            v["target_loss"],
+            color="grey",
+            linestyle="--",
+            linewidth=0.8,
+            label=f"within {v['within']:.0%} of the best fixed depth (fewest loops: {v['depth']})",
+        )
         if x_key == "loops":
             ax.axvline(H, color="grey", linestyle=":", label=f"trained H = {H}")
         ax.set_xlabel(label)

@@ -71,7 +71,9 @@ def resolve(
     factor = trained_capacity if capacity == "trained" else 0.0
     differs: list[str] = []
     if capacity == "off" and trained_capacity:
-        differs.append(f"capacity dropping off (the eval drops at factor {trained_capacity:g})")
+        differs.append(
+            f"capacity dropping off (trained and evaluated at factor {trained_capacity:g})"
+        )
     if run_cfg is None:
         rows = batch_rows or NO_CONFIG_ROWS
         differs.insert(0, "no config.toml next to the checkpoint, so no eval to match")
