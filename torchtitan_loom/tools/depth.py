@@ -12,10 +12,11 @@ axes; each adaptive point is set against the fixed-depth curve at its mean loops
 the verdict credits an exit only with the loops it saves beyond the fewest fixed loops within 1%
 of the best fixed-depth loss (tools/depth_verdict.py). By default it reads and runs what the run's
 held-out eval does (tools/depth_settings.py: the loss after H loops is the logged eval_loss), and
-names every setting that differs from it. A table on the console and in ``depth.md``, the numbers in ``depth.json``, the figure in
-``depth.png``, by default under ``<run folder>/depth/step-<N>/`` (never the current directory;
-an occupied folder needs --force, and only those three files are replaced). CKPT and the
-held-out data as for tools.analyze. Progress lines on stdout. Bad input: one line, exit code 2.
+names every setting that differs from it. A table on the console and in ``depth.md``, the
+numbers in ``depth.json``, the figure in ``depth.png``, by default under
+``<run folder>/depth/step-<N>/`` (never the current directory; an occupied folder needs --force,
+and only those three files are replaced). CKPT and the held-out data as for tools.analyze.
+Progress lines on stdout. Bad input: one line, exit code 2.
 This module is the command line (no torch before its first line); tools/depth_run.py measures,
 tools/depth_report.py writes.
 """

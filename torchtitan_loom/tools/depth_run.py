@@ -2,9 +2,12 @@
 every loop up to 2H under each beyond-H policy, and per-token adaptive exit swept over thresholds,
 with the forward FLOPs per token of each point. tools/depth_report.py writes what this returns.
 
-Fixed depth: loops 1..H run once per batch (the policies agree there), then loops H+1.. from the
-carry of loop H once per policy. Adaptive: one pass per (criterion, threshold) up to the deepest
-adaptive loop (components/evaluation/adaptive_exit.py), its loops past H under the better policy.
+What is read and how (tools/depth_settings.Reads): by default the run's held-out eval slice, each
+batch run in forwards of the eval's micro-batch rows, with capacity dropping as trained
+(as_trained), so the loss after H loops is the eval's. Per forward: loops 1..H once (the
+policies agree there), then loops H+1.. from the carry of loop H once per policy. Adaptive: one
+pass per (criterion, threshold) up to the deepest adaptive loop
+(components/evaluation/adaptive_exit.py), its loops past H under the first --beyond policy.
 
 Forward FLOPs per token (the model's own count, without the backward): a loop's share of the
 trained H loops, plus the head once per loop whose prediction is read (fixed depth reads it once,
