@@ -46,7 +46,8 @@ class Reads:
             else "no capacity dropping"
         )
         what = (
-            f"{self.tokens:,} tokens of {self.source()} in rows of {self.seq_len}, batches of "
+            f"{self.tokens:,} tokens or more (whole batches) of {self.source()} in rows of "
+            f"{self.seq_len}, batches of "
             f"{self.rows} rows run {self.forward_rows} at a time, {capacity}"
         )
         if not self.differs:
