@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 from tests import compat_fixture as fx
+from torchtitan_loom.components.checkpoint.saving import FORMAT_VERSION
+from torchtitan_loom.components.runtime.run_folder import RUN_FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 # Other kernels, emulated here (ATEN_CPU_CAPABILITY=avx2 or default, with MKL_ENABLE_INSTRUCTIONS
@@ -62,6 +64,10 @@ def test_a_run_saved_by_3d15cf9_resumes_with_the_losses_of_an_uninterrupted_run(
     resumed = fx.losses(str(old / "run" / "metrics.jsonl"))
     run = json.loads((old / "run" / "run.json").read_text())
     assert (run["status"], run["step"], len(run["launches"])) == ("finished", fx.STEPS, 2)
+    assert "format_version" not in json.loads((Path(fx.FIXTURE) / "run" / "run.json").read_text())
+    assert run["format_version"] == RUN_FORMAT_VERSION  # the legacy run.json, carried on
+    newest = json.loads((old / "run" / "checkpoint" / f"step-{fx.STEPS}" / "meta.json").read_text())
+    assert newest["format_version"] == FORMAT_VERSION
 
     fresh = tmp_path / "fresh"
     shutil.copytree(Path(fx.FIXTURE) / "pack", fresh / "pack")
