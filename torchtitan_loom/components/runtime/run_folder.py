@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
-from torchtitan_loom.components.runtime import safe_files
+from torchtitan_loom.components.runtime import format_version, safe_files
 from torchtitan_loom.protocols import get_train_spec, model_args_of
 
 LOCK = "RUN.lock"
@@ -133,6 +133,9 @@ def relaunch_errors(cfg: Any) -> list[str]:
         return [f"job.dump_folder = '{cfg.job.dump_folder}': {exc}"]
     if run is None:
         return []
+    version = version_problem(cfg.job.dump_folder, run)
+    if version:
+        return [version]
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
     old, new = _as_flavor(_flat(run.get("identity", {}))), _as_flavor(_flat(identity(cfg)))
@@ -297,6 +300,25 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
     return dest
 
 
+# run.json's format_version, written by record_launch: bump it (and list what this code still reads
+# in RUN_FORMATS_READ, migrating in read_run / relaunch_errors) when a key changes its meaning or
+# leaves; docs/checkpoints.md, "Format versions". Version 1: the first one written (the keys of
+# the legacy file, plus format_version).
+RUN_FORMAT_VERSION = 1
+RUN_FORMATS_READ = (1,)
+
+
+def version_problem(dump_folder: str, run: dict[str, Any]) -> str | None:
+    """One line when run.json is of a format this code does not read (None: it reads it)."""
+    return format_version.problem(
+        os.path.join(dump_folder, RUN_JSON),
+        run,
+        RUN_FORMATS_READ,
+        "continue this run with the torchtitan_loom that wrote it (or a newer one), or start "
+        "another in a new job.dump_folder",
+    )
+
+
 def record_launch(
     cfg: Any,
     run_id: str,
@@ -314,7 +336,11 @@ def record_launch(
     dump = cfg.job.dump_folder
     safe_files.check_held(dump)  # a run folder swapped since the launch is neither read nor written
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
+    version = version_problem(dump, run)
+    if version:  # relaunch_errors refused it up front; this is the writer's own guard
+        raise RunFolderError(version)
     run["identity"] = identity(cfg)
+    run[format_version.KEY] = RUN_FORMAT_VERSION  # a legacy file is rewritten in this format
     if not run["launches"] or run["launches"][-1].get("run_id") != run_id:
         run["launches"].append(
             {
