@@ -50,6 +50,8 @@ def compare(paths: list[str], out: str | None, force: bool, progress: Progress) 
 
     notes: list[str] = []
     refs = find_runs(paths, notes)
+    for note in notes:  # a run left out is said where the user looks, not only in compare.md
+        warn(note)
     if not refs:
         raise CompareError(f"{', '.join(paths)}: no run folder to compare (a study not run yet?)")
     out = out or default_out(paths, refs[0].path)
