@@ -26,6 +26,9 @@ folders, and the wall seconds of the study's launches of each run) for tools.com
 A run that fails stops the study: one line naming its folder, exit 1 (finished runs are kept); one
 stopped by a signal (saved) ends the study too, to be resumed by rerunning it. ``--dry-run`` prints
 the plan (each run's folder, status: finished / partial at step N / new, and its command).
+
+The study folder may be a link; nothing the study creates below it may be (tools/out_files.py): a
+variant or run folder that is a symbolic link is one ``study error:`` line before any launch.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.components.runtime.run_folder import RunFolderError, live_run, read_run
 from torchtitan_loom.config.manager import ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
+from torchtitan_loom.tools.out_files import below
 from torchtitan_loom.tools.study_file import (
     STUDY_JSON,
     PlannedRun,
@@ -278,6 +282,8 @@ def run_study(study: Study, dry_run: bool) -> int:
         flush=True,
     )
     runs, configs = plan(study)
+    for run in runs:  # a run's folder (or its variant's) planted as a link: refused (out_files.py)
+        below(run.folder, study.folder, StudyError)
     command = launcher()
     statuses = check_runs(runs, configs, command, dry_run)
     if dry_run:
@@ -294,6 +300,7 @@ def run_study(study: Study, dry_run: bool) -> int:
             print(f"{head}: {words}, skipped", flush=True)
             continue
         print(f"{head}: {'resuming, ' + words if kind == 'partial' else 'new'} ...", flush=True)
+        safe_files.make_dirs(run.folder, study.folder)  # never through a link planted since
         started = time.monotonic()
         code = launch_run(command + run.args)
         seconds = time.monotonic() - started
