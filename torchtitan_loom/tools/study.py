@@ -215,16 +215,19 @@ def launch_run(command: list[str]) -> int:
     # run_train.sh starts $PYTHON (default python3): this interpreter, whose packages are known
     env = dict(os.environ, PYTHON=os.environ.get("PYTHON", sys.executable))
     proc = subprocess.Popen(command, env=env)
+    got: list[int] = []  # the stop signals the run was sent
 
     def forward(signum: int, _frame: Any) -> None:
+        got.append(signum)
         proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         while True:
             try:
-                return proc.wait()
+                return stop_code(proc.wait(), got)
             except KeyboardInterrupt:
+                got.append(signal.SIGINT)
                 print(
                     "study: interrupted; waiting for the run to save and stop (Ctrl-C again: "
                     "stop without saving)",
@@ -233,6 +236,15 @@ def launch_run(command: list[str]) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def stop_code(code: int, got: list[int]) -> int:
+    """The run's exit code, except for a run ended by a stop signal it was sent before its trainer
+    handles signals (e.g. while it imports torch): stopped as asked, so the code of a handled stop
+    (0; 130 for Ctrl-C), not a failure."""
+    if not any(code in (-s, 128 + s) for s in got):
+        return code
+    return exit_codes.INTERRUPTED if code in (-signal.SIGINT, 130) else exit_codes.OK
 
 
 def print_plan(
@@ -256,9 +268,10 @@ def ended(run: PlannedRun, total: int, code: int, seconds: float) -> int | None:
         print(f"study: run {run.index} of {total} done in {seconds:,.1f} s", flush=True)
         return None
     if code in (exit_codes.OK, exit_codes.INTERRUPTED):  # stopped by a signal, saved
+        state = f"status {rec.get('status')}, step {rec.get('step')}" if rec else "before step 1"
         print(
-            f"{which} stopped after {seconds:,.1f} s (exit code {code}, status "
-            f"{rec.get('status')}, step {rec.get('step')}); rerun the study to resume it",
+            f"{which} stopped after {seconds:,.1f} s (exit code {code}, {state}); rerun the "
+            "study to resume it",
             flush=True,
         )
         return code
