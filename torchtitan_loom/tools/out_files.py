@@ -10,7 +10,8 @@ The one rule for every tool that writes: a folder the user names may be a link; 
 creates below it may be. A default output folder lies below a folder the user named (the run
 folder for depth and analyze, the study folder for compare and study, the checkpoint for lm_eval):
 that folder is the ``owner``, and a link (or a file) anywhere from it down to OUT
-(``<run>/depth -> /elsewhere``) is refused with one line before the tool reads or writes anything.
+(``<run>/depth -> /elsewhere``) is refused with one line, before the tool's slow part and before
+it writes anything.
 No torch import.
 """
 
@@ -30,8 +31,8 @@ def _is_ours(name: str, names: frozenset[str]) -> bool:
 
 
 def below(path: str, owner: str, error: type[Exception]) -> str:
-    """``path`` when no folder from ``owner`` (excluded: the user's, it may be a link) down to
-    ``path`` (included) is a symbolic link or not a folder; ``error`` (one line) naming it else."""
+    """``path`` when nothing from ``owner`` down to ``path`` (``path`` included; ``owner`` not: the
+    user's, it may be a link) is a symbolic link or a file; else ``error``, one line naming it."""
     try:
         safe_files.check_inside(path, owner)
         here = os.path.normpath(owner)
