@@ -29,11 +29,13 @@ from torchtitan_loom.distributed.choices import (  # noqa: F401  (re-exported: t
     RESHARD_AFTER_FORWARD,
 )
 
-# The package's one dtype table (its names in choices.py): config name or the tools' short name
-# -> torch dtype.
-_DTYPE_TABLE = tuple((name, short, getattr(torch, name)) for name, short in DTYPE_NAMES.items())
-DTYPES = {name: dtype for name, _, dtype in _DTYPE_TABLE}
-SHORT_DTYPES = {short: dtype for _, short, dtype in _DTYPE_TABLE}
+# The package's one dtype table, config name or the tools' short name -> torch dtype: each name of
+# choices.DTYPE_NAMES gets its dtype object (not looked up on torch by name, so a typo cannot
+# resolve to another attribute; a name without an object is a KeyError at import).
+DTYPES: dict[str, torch.dtype] = {
+    name: {"bfloat16": torch.bfloat16, "float32": torch.float32}[name] for name in DTYPE_NAMES
+}
+SHORT_DTYPES = {DTYPE_NAMES[name]: dtype for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -244,7 +244,11 @@ def stop_code(code: int, got: list[int]) -> int:
     (0; 130 for Ctrl-C), not a failure."""
     if not any(code in (-s, 128 + s) for s in got):
         return code
-    return exit_codes.INTERRUPTED if code in (-signal.SIGINT, 130) else exit_codes.OK
+    return (
+        exit_codes.INTERRUPTED
+        if code in (-signal.SIGINT, exit_codes.INTERRUPTED)
+        else exit_codes.OK
+    )
 
 
 def print_plan(
