@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # torch is imported by what uses these types; the config read
     import torch
     from torch import nn
 
+    from torchtitan_loom.model_cost import ModelCost
+
 
 def segments(num_loops: int, seg_len: int) -> list[tuple[int, int]]:
     """1-based inclusive loop ranges of the backprop segments; seg_len 0 = one segment."""
@@ -171,6 +173,12 @@ class DecodesIncrementally(Protocol):
         ...
 
 
+BEYOND_POLICIES = ("last", "cycle")
+"""What ``ExitsPerToken.set_beyond_policy`` takes, the default first: which trained router a loop
+past the trained depth reuses (LOOM: models/loom/depth.py). The tools check --beyond against these
+before any model is loaded."""
+
+
 @runtime_checkable
 class ExitsPerToken(Protocol):
     """Optional: a model that runs loops past its trained depth and lets single tokens stop early
@@ -178,8 +186,8 @@ class ExitsPerToken(Protocol):
     the K/V of tokens marked exited are held at their exit loop's)."""
 
     def set_beyond_policy(self, policy: str | None) -> None:
-        """Allow loop_end > num_loops under ``policy`` (LOOM: models/loom/depth.BEYOND_POLICIES);
-        None refuses them again."""
+        """Allow loop_end > num_loops under ``policy`` (one of BEYOND_POLICIES); None refuses them
+        again."""
         ...
 
     def new_exit_hold(self, cache: Any = None) -> Any:
@@ -198,52 +206,6 @@ class Parallelized(NamedTuple):
     before_micro_batch: Callable[[bool], None] = lambda last: None
     """Called before each micro-batch's forward with last=True for a segment's final one: lets the
     wrappers defer their gradient reduction (and keep parameters gathered) to the segment's end."""
-
-
-class FsdpUnit(NamedTuple):
-    """One FSDP2 unit as the parallelize function builds it (for the dry run's cost estimate)."""
-
-    name: str
-    """Module FQN ("" = the root)."""
-    shapes: tuple[tuple[int, ...], ...]
-    """Shapes FSDP shards, per parameter, after any expert-parallel split (its local tensors)."""
-    mesh: str
-    """ParallelDims mesh it is sharded on: "fsdp" (dense) or "efsdp" (routed experts)."""
-    shard_dim: int
-    """Dimension FSDP splits (padded up to a multiple of the shard degree)."""
-
-
-class SegmentCost(NamedTuple):
-    """What one micro-batch costs in one backprop segment (a forward over T loops and its backward)."""
-
-    unit_calls: dict[str, int]
-    """FSDP unit name -> times the forward calls it."""
-    idle_params: int
-    """Parameters without a gradient in this segment (e.g. the routers of other loops)."""
-    all_to_alls: tuple[tuple[str, int, int], ...]
-    """(what, calls, bytes per call) of every all-to-all (expert parallelism) on one rank; bytes a
-    rank receives that depend on the routing are given at their mean over the ranks."""
-    activation_bytes: int
-    """Peak bytes of activations (saved for backward, plus the recompute and backward working set)."""
-    logits_bytes: int
-    """Logits, their softmax and their gradient at the loss."""
-    carry_bytes: int
-    """The state one micro-batch carries to the next segment (kept for every micro-batch)."""
-    flops: float
-    """Model FLOPs (forward + backward) of the segment."""
-    recompute_flops: float
-    """Extra forward FLOPs that activation checkpointing spends."""
-
-
-class ModelCost(NamedTuple):
-    """A model's side of the dry run's estimate (TrainSpec.cost_fn)."""
-
-    units: list[FsdpUnit]
-    segment: Callable[[int, int], SegmentCost]
-    """segment(loop_start, loop_end) -> one micro-batch's cost of that segment."""
-    total_params: int
-    expert_counts: int
-    """Values of the step's expert-count tensor (summed over the ranks once per step)."""
 
 
 GroupedGemm = Callable[..., Any]  # (x_MD, w_EDF, offsets_E) -> y_MF, tensors

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 def plan_maker(ns: argparse.Namespace):
     """ns -> (H -> DepthPlan), every range checked (ValueError: one line)."""
     from torchtitan_loom.components.evaluation.adaptive_exit import threshold_problem
-    from torchtitan_loom.models.loom.depth import BEYOND_POLICIES
+    from torchtitan_loom.protocols import BEYOND_POLICIES
     from torchtitan_loom.tools.depth_run import DepthPlan
 
     policies = tuple(x.strip() for x in ns.beyond.split(",") if x.strip())

@@ -220,8 +220,8 @@ def load(
 
 def check_loops(loops: int | None, model: Any, beyond: str | None = None) -> int:
     """--loops H' (1 <= H' <= 2H); None = H. Past H the model runs under the beyond policy
-    ``beyond`` (None: the model's default; models/loom/depth.py), set here."""
-    from torchtitan_loom.protocols import ExitsPerToken
+    ``beyond`` (None: the default, protocols.BEYOND_POLICIES[0]), set here."""
+    from torchtitan_loom.protocols import BEYOND_POLICIES, ExitsPerToken
 
     num_loops = model.num_loops
     if loops is None:
@@ -234,10 +234,8 @@ def check_loops(loops: int | None, model: Any, beyond: str | None = None) -> int
             f"--loops {loops}: out of range; valid 1..{top} (the model's H={num_loops}){past}"
         )
     if deeper:
-        from torchtitan_loom.models.loom.depth import DEFAULT_BEYOND
-
         try:
-            model.set_beyond_policy(beyond or DEFAULT_BEYOND)
+            model.set_beyond_policy(beyond or BEYOND_POLICIES[0])
         except ValueError as exc:
             raise LoadError(f"--beyond: {exc}") from None
     elif beyond is not None:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-# The beyond-H policies, their implementation below (router_index).
-BEYOND_POLICIES = ("last", "cycle")
-DEFAULT_BEYOND = "last"
+# The beyond-H policies are named in the protocol (every tool offers them); their meaning for LOOM
+# is router_index below.
+from torchtitan_loom.protocols import BEYOND_POLICIES
 
 
 def router_index(t: int, num_loops: int, per_loop: bool, beyond: str | None) -> int:

@@ -85,7 +85,7 @@ class LoomTransformer(nn.Module):
             layer.moe.experts.set_kernel_device(None if target is None else target.device_type)
 
     def set_beyond_policy(self, policy: str | None) -> None:
-        """Allow loops past H with `policy`'s routers (depth.BEYOND_POLICIES); None refuses them."""
+        """Allow loops past H with `policy`'s routers (protocols.BEYOND_POLICIES); None refuses them."""
         check_beyond(policy)
         self.beyond_policy = policy
 

@@ -22,7 +22,7 @@ from torchtitan_loom.protocols import HfExport
 _PKG = Path(__file__).resolve().parents[3]  # the torchtitan_loom package folder
 MODELING_FILE = "modeling_loom.py"
 MODEL_ROOT = "models/loom/model.py"
-PROTOCOL_NAMES = ("ModelOutput", "Routing")
+PROTOCOL_NAMES = ("ModelOutput", "Routing", "BEYOND_POLICIES")
 WRAPPER_SOURCE = "models/loom/infra/hf_wrapper_template.py"
 
 
@@ -94,6 +94,8 @@ def _strip(source: str, keep: tuple[str, ...] | None = None) -> tuple[str, set[s
         if _is_internal(node):
             continue
         name = getattr(node, "name", None)
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id  # a constant, kept by its name like a class
         if (
             keep is not None
             and not isinstance(node, (ast.Import, ast.ImportFrom))
