@@ -31,7 +31,7 @@ LAYERS = (
     ("components",),
     ("models",),
     ("distributed",),
-    ("protocols", "data_contract", "depth_sampling"),
+    ("protocols", "model_cost", "data_contract", "depth_sampling"),
 )
 
 

@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
-from torchtitan_loom.protocols import FsdpUnit, ModelCost, segments
+from torchtitan_loom.model_cost import FsdpUnit, ModelCost
+from torchtitan_loom.protocols import segments
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 

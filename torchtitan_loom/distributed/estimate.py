@@ -29,7 +29,8 @@ from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
-from torchtitan_loom.protocols import ModelCost, get_train_spec, segments
+from torchtitan_loom.model_cost import ModelCost
+from torchtitan_loom.protocols import get_train_spec, segments
 
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)

@@ -23,7 +23,8 @@ import torch
 from torchtitan_loom.components.optim.choices import OPTIMIZERS
 from torchtitan_loom.depth_sampling import flops_per_token as expected_flops
 from torchtitan_loom.depth_sampling import sampler_of
-from torchtitan_loom.protocols import ModelCost, segments
+from torchtitan_loom.model_cost import ModelCost
+from torchtitan_loom.protocols import segments
 
 _GIB = float(1 << 30)
 # Warn on CPU when one step needs more than this share of the RAM, or at least this many seconds.

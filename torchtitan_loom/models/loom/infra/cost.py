@@ -28,6 +28,7 @@ import torch
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
+from torchtitan_loom.model_cost import ModelCost, SegmentCost
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import resolve_attn_backend
 from torchtitan_loom.models.loom.infra.expert_parallel import all_to_alls_per_call
@@ -35,7 +36,6 @@ from torchtitan_loom.models.loom.infra.parallelize import fsdp_units
 from torchtitan_loom.models.loom.model import LoomTransformer
 from torchtitan_loom.models.loom.moe import expert_capacity
 from torchtitan_loom.models.loom.target import flash_attn_available
-from torchtitan_loom.protocols import ModelCost, SegmentCost
 
 _F32, _I64 = 4, 8
 

@@ -44,7 +44,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES, RESHARD_AFTER_FORWARD, reduce_gradients
-from torchtitan_loom.protocols import FsdpUnit, Parallelized
+from torchtitan_loom.model_cost import FsdpUnit
+from torchtitan_loom.protocols import Parallelized
 
 if TYPE_CHECKING:
     from torchtitan_loom.models.loom.block import LoomBlock
