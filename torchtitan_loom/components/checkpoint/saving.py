@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import (
     CheckpointException,
 )  # a BaseException, not an Exception
 
-from torchtitan_loom.components.checkpoint import integrity, layout, resolve
+from torchtitan_loom.components.checkpoint import disk_space, integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts, PendingSave
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
@@ -190,7 +190,7 @@ class Writer:
         """About what a checkpoint takes: the newest one on disk, else this rank's state × ranks."""
         newest = layout.scan(self.p.root).newest()
         if newest is not None:
-            return layout.dir_bytes(newest.path)
+            return disk_space.dir_bytes(newest.path)
         local = sum(ckstate.local_nbytes(v) for v in self._collect().values())
         return local * self.p.world_size
 
@@ -224,7 +224,7 @@ class Writer:
         if isinstance(exc, layout.IncompleteSave):  # its message says what is missing and why
             reason = str(exc)
         else:
-            reason = layout.explain_write_failure(tmp, exc, self._needed_bytes())
+            reason = disk_space.explain_write_failure(tmp, exc, self._needed_bytes())
         if self.p.rank == 0:
             try:
                 safe_files.remove_dir(tmp, self.p.root)
