@@ -44,7 +44,8 @@ def compare(paths: list[str], out: str | None, force: bool, progress: Progress) 
     """Read, group and write; returns the console table. CompareError for bad input."""
     from torchtitan_loom.tools.compare_diff import same_losses
     from torchtitan_loom.tools.compare_report import NAMES, write_outputs
-    from torchtitan_loom.tools.compare_runs import find_runs, group_runs, model_sizes, summarize
+    from torchtitan_loom.tools.compare_runs import find_runs, group_runs, summarize
+    from torchtitan_loom.tools.compare_sizes import model_sizes
     from torchtitan_loom.tools.out_files import check_out, clear_out, make_out
 
     def warn(msg: str) -> None:

@@ -16,16 +16,15 @@ What is read, per run folder (a folder holding run.json and metrics.jsonl):
   study.json (of a study folder): each run's variant and the wall seconds the study's launches took
   (preferred: it includes the launches' start-up).
 - params and active params of a run.json written before they were recorded: the model built on
-  the meta device from config.toml (``model_sizes``, imports torch; the current code's count).
+  the meta device from config.toml (compare_sizes.py, imports torch; the current code's count).
 
 Groups: a study's variants; plain run folders whose config.toml differ only in training.seed and
 job.dump_folder, named by the keys their configs differ in. Only finished runs enter a group's
-numbers; the others are listed with their status. No torch import outside ``model_sizes``.
+numbers; the others are listed with their status. No torch import here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -36,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.config.manager import ConfigError, load_config
+from torchtitan_loom.config.manager import ConfigError
 from torchtitan_loom.config.toml_file import flatten, read_toml
 from torchtitan_loom.tools.input_files import metrics_rows, not_a_run
 from torchtitan_loom.tools.study_file import STUDY_JSON
@@ -263,48 +262,6 @@ def summarize(ref: RunRef, warn: Warn) -> RunSummary:
 
 def _int(value: Any) -> int | None:
     return value if type(value) is int else None
-
-
-def model_sizes(runs: list[RunSummary], warn: Warn) -> None:
-    """params and active_params of each run (and FLOPs per token where the metrics had none):
-    the model its config.toml builds, on the meta device (one build per distinct model)."""
-    import torch
-
-    from torchtitan_loom.config.validate import resolve_model_args
-    from torchtitan_loom.protocols import get_train_spec, segments
-
-    built: dict[str, tuple[int, int, float]] = {}
-    for run in runs:
-        path = os.path.join(run.path, "config.toml")
-        if run.params is not None and run.flops_per_token is not None:
-            continue  # recorded by the trainer in run.json
-        if not run.config:  # flat_config said why
-            continue
-        try:
-            cfg = load_config(["--job.config_file", path])
-            args = resolve_model_args(cfg)
-        except ConfigError as exc:
-            warn(f"{path}: the model cannot be built ({str(exc).splitlines()[0]}); params unknown")
-            continue
-        t = cfg.training
-        shape = {k: v for k, v in dataclasses.asdict(args).items() if k != "init_seed"}
-        key = repr((cfg.model.name, sorted(shape.items()), t.seq_len, t.bp_segment_len))
-        if key not in built:
-            try:
-                with torch.device("meta"):
-                    model: Any = get_train_spec(cfg.model.name).model_cls(args)
-            except (KeyError, ValueError, TypeError) as exc:
-                warn(f"{path}: the model cannot be built ({exc}); params unknown")
-                continue
-            counts = model.param_counts()
-            n_seg = len(segments(model.num_loops, t.bp_segment_len))
-            built[key] = (
-                counts["total"],
-                counts["active"],
-                model.flops_per_token(t.seq_len, n_seg),
-            )
-        run.params, run.active_params, fpt = built[key]
-        run.flops_per_token = run.flops_per_token or fpt
 
 
 def group_runs(runs: list[RunSummary]) -> list[Group]:
