@@ -78,6 +78,9 @@ PRODUCERS: dict[str, Producer] = {
     "depth-training": Producer((depth.DEPTH_SAMPLED,), depth.depth_training),
     "depth-generate": Producer((depth.GENERATE_EXIT,), depth.generate_exit),
     "protocol-surface": Producer(
-        (), fig.protocol_surface, sources=("torchtitan_loom/protocols.py",), check="exact"
+        (),
+        fig.protocol_surface,
+        sources=("torchtitan_loom/protocols.py", "torchtitan_loom/model_cost.py"),
+        check="exact",
     ),
 }

@@ -158,7 +158,9 @@ def debug_routing_shape(ctx: Context) -> str:
     )
 
 
-PROTOCOLS = ROOT / "torchtitan_loom" / "protocols.py"
+# The contract between the trainer and a model: the protocols, and the cost a model reports to the
+# dry run (model_cost.py, split from protocols.py for size).
+CONTRACT_FILES = tuple(ROOT / "torchtitan_loom" / f for f in ("protocols.py", "model_cost.py"))
 
 
 def _first_sentence(doc: str | None) -> str:
@@ -188,11 +190,12 @@ def _members(cls: ast.ClassDef) -> list[tuple[str, str]]:
 
 
 def protocol_surface(ctx: Context) -> str:
-    """Every class and function of protocols.py with its members, each with the first sentence of
-    its docstring: a table of contents of the contract, read from the file (no import)."""
-    tree = ast.parse(PROTOCOLS.read_text(encoding="utf-8"))
+    """Every class and function of protocols.py and model_cost.py with its members, each with the
+    first sentence of its docstring: a table of contents of the contract, read from the files (no
+    import)."""
     out = []
-    for node in tree.body:
+    nodes = [n for f in CONTRACT_FILES for n in ast.parse(f.read_text(encoding="utf-8")).body]
+    for node in nodes:
         if isinstance(node, ast.ClassDef):
             out += [f"**`{node.name}`**: {_first_sentence(ast.get_docstring(node))}.", ""]
             out += [f"- `{m}`" + (f": {d}" if d else "") for m, d in _members(node)]
