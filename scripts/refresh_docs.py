@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from docs_producers import PRODUCERS, Context
-from docs_regions import ROOT, RegionError, all_regions, doc_files, rewrite
+from docs_regions import ROOT, Region, RegionError, all_regions, doc_files, rewrite
 from docs_runner import CommandFailed, Runner, duration
 from docs_stamps import commit, digest, stale
 
@@ -60,7 +60,7 @@ def check(root: Path = ROOT) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=None, help="comma-separated region names (default: all)")
     parser.add_argument(
@@ -79,7 +79,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--list", action="store_true", help="list the regions and their commands; run nothing"
     )
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def _print_list(regions: list[Region]) -> None:
+    """--list: every region, its page, the commands its producer runs and what it describes."""
+    for r in regions:
+        p = PRODUCERS[r.name]
+        print(
+            f"{r.name:<20} {r.path}"
+            + (f"  (needs --{p.needs.replace('_', '-')})" if p.needs else "")
+            + (f"  [CI: {p.check}]" if p.check else "")
+            + f"  describes {', '.join(p.sources)}"
+        )
+        for c in p.commands:
+            print("    $ " + c.replace("\n", "\n      "))
+
+
+def _print_check(regions: list[Region]) -> int:
+    """--check: which regions are older than what they describe; 1 when any, else 0."""
+    old = stale(regions, PRODUCERS)
+    print(
+        f"refresh_docs: {len(regions)} regions in {len(doc_files())} files, all known; "
+        + (f"{len(old)} older than the code they describe:" if old else "all fresh")
+    )
+    for line in old:
+        print("  " + line)
+    if old:
+        names = ",".join(ln.split("region '")[1].split("'")[0] for ln in old)
+        print(f"refresh them: OMP_NUM_THREADS=1 python scripts/refresh_docs.py --only {names}")
+    return 1 if old else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
 
     problems = check()
     if problems:
@@ -90,29 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     regions = all_regions()
     if ns.list:
-        for r in regions:
-            p = PRODUCERS[r.name]
-            print(
-                f"{r.name:<20} {r.path}"
-                + (f"  (needs --{p.needs.replace('_', '-')})" if p.needs else "")
-                + (f"  [CI: {p.check}]" if p.check else "")
-                + f"  describes {', '.join(p.sources)}"
-            )
-            for c in p.commands:
-                print("    $ " + c.replace("\n", "\n      "))
+        _print_list(regions)
         return 0
     if ns.check:
-        old = stale(regions, PRODUCERS)
-        print(
-            f"refresh_docs: {len(regions)} regions in {len(doc_files())} files, all known; "
-            + (f"{len(old)} older than the code they describe:" if old else "all fresh")
-        )
-        for line in old:
-            print("  " + line)
-        if old:
-            names = ",".join(ln.split("region '")[1].split("'")[0] for ln in old)
-            print(f"refresh them: OMP_NUM_THREADS=1 python scripts/refresh_docs.py --only {names}")
-        return 1 if old else 0
+        return _print_check(regions)
     chosen = [r.name for r in regions]
     if ns.only:
         wanted = [n.strip() for n in ns.only.split(",") if n.strip()]
