@@ -37,8 +37,9 @@ EXCEPTIONS = {
         "this function is what it replaces"
     ),
     "torchtitan_loom/launch.py::run": (
-        "one launch's ladder of endings, each mapped to its exit code in one try block; the "
-        "trainer's first-run behaviour is being merged into it this wave"
+        "one launch's refusals in the order it meets them (argv, config, run folder, process "
+        "group, agreement), each with its exit code; the first-run behaviour merged this wave "
+        "edits it"
     ),
     "torchtitan_loom/distributed/comm_plan.py::predict": (
         "one pass over a step's collectives in the order they are issued; most of its lines are "
@@ -50,14 +51,6 @@ EXCEPTIONS = {
     ),
     "torchtitan_loom/tools/pack.py::build_parser": (
         "declarative: one add_argument per flag (20 flags), no branching"
-    ),
-    "torchtitan_loom/tools/analyze_report.py::write_report": (
-        "report.md's sections written in order, one after another; each section is a list of "
-        "lines, not a branch"
-    ),
-    "scripts/refresh_docs.py::main": (
-        "the script's entry: its 7 flags' parser, the --check and --list answers, then the region "
-        "loop; scripts/ producers are being edited this wave"
     ),
 }
 
