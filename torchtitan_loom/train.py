@@ -24,6 +24,7 @@ if __name__ == "__main__":
 
 import contextlib
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -208,9 +209,8 @@ class Trainer(TrainerBuild):
         )
         if abort:
             return self._diverged(abort)
-        loss = out.seg_losses[-1] if out.seg_losses else None
         last = step == self.cfg.training.steps
-        return self._save_or_stop(step, last=last, healthy=out.healthy, loss=loss)
+        return self._save_or_stop(step, last=last, healthy=out.healthy, losses=out.seg_losses)
 
     def _report(self, step: int, out: StepResult, report: StepMetrics) -> None:
         """The step's record and console line, with the held-out eval and downstream scores due."""
@@ -259,15 +259,15 @@ class Trainer(TrainerBuild):
         return Outcome(Status.STOPPED, code, f"stopped before step {step + 1}")
 
     def _save_or_stop(
-        self, step: int, *, last: bool, healthy: bool, loss: float | None = None
+        self, step: int, *, last: bool, healthy: bool, losses: Sequence[float] = ()
     ) -> Outcome | None:
-        """Save what the checkpoint policy asks for (``healthy``, ``loss``: whether this step
+        """Save what the checkpoint policy asks for (``healthy``, ``losses``: whether this step
         proves the checkpoint before it); when the stop signals (or exit_after_step) stop the run
         here, this step is saved and the Outcome's line says so."""
         reason = self.stop_signals.stop_after(step, last=last)
         stopping = reason is not None
         where = self.checkpointer.after_step(
-            step, last=last, stopping=stopping, healthy=healthy, loss=loss
+            step, last=last, stopping=stopping, healthy=healthy, losses=losses
         )
         if reason is None:
             return None

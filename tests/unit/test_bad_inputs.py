@@ -41,6 +41,11 @@ def errors_of(*argv):
         (["--training.max_norm", "nan"], "training.max_norm = nan: must be a finite number"),
         (["--spike_guard.delta", "-1"], "spike_guard.delta = -1.0: must be a finite number ≥ 0"),
         (
+            ["--spike_guard.noise_sigmas", "nan"],
+            "spike_guard.noise_sigmas = nan: must be a finite number ≥ 0",
+        ),
+        (["--spike_guard.noise_ema", "1"], "spike_guard.noise_ema = 1.0: must lie in [0, 1)"),
+        (
             ["--spike_guard.max_consecutive_skips", "-1"],
             "spike_guard.max_consecutive_skips = -1: must be ≥ 0",
         ),

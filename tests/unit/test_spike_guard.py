@@ -60,7 +60,7 @@ def test_rules_in_order():
 
 
 def test_ema_update():
-    g = SpikeGuard(SpikeGuardSection())
+    g = SpikeGuard(SpikeGuardSection(noise_sigmas=0.0))  # the spec's fixed thresholds alone
     g.accept(0, 3.0)
     g.accept(0, 2.0)
     assert g.prev[0] == 2.0
@@ -68,6 +68,8 @@ def test_ema_update():
     # The baseline is the EMA (2.9), not prev (2.0): 2.9 + 0.18 is the adaptive limit.
     assert g.check(0, 3.07, step=5) is None
     assert g.check(0, 3.09, step=5).startswith("adaptive")
+    # The noise is still measured: one change of 1.0 is σ = 1/√2 (its zero start's bias removed).
+    assert g.noise(0) == pytest.approx(0.5**0.5)
 
 
 def test_warmup_skips_nothing_but_still_names_the_breach():
@@ -117,7 +119,7 @@ def test_state_round_trip_gives_identical_decisions():
     g = SpikeGuard(SpikeGuardSection())
     _run(g, first)
     sd = g.state_dict()
-    assert set(sd) == {"prev", "ema"} and all(isinstance(v, list) for v in sd.values())
+    assert set(sd) == {"prev", "ema", "var", "n"} and all(isinstance(v, list) for v in sd.values())
     resumed = SpikeGuard(SpikeGuardSection())
     resumed.load_state_dict(sd)
     assert _run(resumed, second) == ref_decisions[40:]
@@ -134,4 +136,5 @@ def test_dcp_round_trip_into_fresh_guard(tmp_path):
         fresh = SpikeGuard(SpikeGuardSection())
         dcp.load({"spike_guard": fresh}, checkpoint_id=str(tmp_path))
     assert fresh.prev == g.prev and fresh.ema == g.ema
+    assert fresh.var == g.var and fresh.n == g.n and fresh.noise(2) == g.noise(2) > 0
     assert 1 not in fresh.ema

@@ -70,7 +70,8 @@ def number_errors(cfg: JobConfig) -> list[str]:
             f"(warmup and decay would overlap)"
         )
     need("spike_guard.ema", g.ema, 0 <= g.ema < 1, "must lie in [0, 1)")
-    for key in ("delta", "rel", "ratio", "hard"):
+    need("spike_guard.noise_ema", g.noise_ema, 0 <= g.noise_ema < 1, "must lie in [0, 1)")
+    for key in ("delta", "rel", "ratio", "hard", "noise_sigmas"):
         v = getattr(g, key)
         need(
             f"spike_guard.{key}",

@@ -125,6 +125,13 @@ class SpikeGuard:
     ratio: float = opt(0.09, "Skip when loss ≥ EMA·(1 + ratio).")
     hard: float = opt(1.5, "Skip when the rise is at least this, whatever the EMA.")
     ema: float = opt(0.9, "EMA decay of the per-segment baseline.")
+    noise_sigmas: float = opt(
+        4.0,
+        "k: the ratio and adaptive rules skip only a rise of at least k·σ, σ the segment loss's "
+        "own batch-to-batch noise (from the squared change between consecutive accepted "
+        "losses); 0 = the spec's fixed thresholds alone. The hard rule ignores the noise.",
+    )
+    noise_ema: float = opt(0.99, "EMA decay of the squared change that measures σ.")
     warmup_steps: int = opt(
         0,
         "Global steps during which no spike is skipped (a non-finite loss or gradient still "

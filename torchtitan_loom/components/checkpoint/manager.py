@@ -24,7 +24,7 @@ healthy steps before a checkpoint may prune older ones).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -133,16 +133,16 @@ class CheckpointManager:
         last: bool = False,
         stopping: bool = False,
         healthy: bool = False,
-        loss: float | None = None,
+        losses: Sequence[float] = (),
     ) -> str | None:
         """Save what the policy asks for after global step ``step``; ``last``: no step follows in
         this process; ``stopping``: the run stops now (the stop signals decided), so this step is
-        saved and the save finished; ``healthy`` and ``loss`` (the step's global loss): whether
-        the step proves the checkpoints before it (proof.py). Returns the folder of that final
+        saved and the save finished; ``healthy`` and ``losses`` (the step's global segment
+        losses, in order): whether the step proves the checkpoints before it (proof.py). Returns the folder of that final
         save, else None."""
         if not self.enabled:
             return None
-        self.pruner.note(step, healthy, loss)
+        self.pruner.note(step, healthy, losses)
         w = self.writer
         w.poll()
         c = self.parts.cfg

@@ -4,16 +4,22 @@ resumed, or dropped) and how each step went, and prunes up to ``proven`` (prunin
 
 A checkpoint is proven once the PROVE_STEPS steps right after it were healthy
 (StepResult.healthy: every segment stepped, nothing non-finite, no spike rule broken, warm-up
-included) AND their losses stayed within PROOF_LOSS_RATIO of a reference that an explosion cannot
-raise: the loss of the steps that proved the newest proven checkpoint, or, before any proof in
-this launch, the loss of its first step (computed from the weights it started with: the resumed
-checkpoint's, or the init's). The spike guard's running average is no such reference: a finite
-explosion inside its warm-up feeds the average and is judged healthy. The newest proven
-checkpoint and everything after it always stay, so a saved explosion never takes the last good
-checkpoint with it.
+included) AND every segment loss of theirs stayed within PROOF_LOSS_RATIO of a reference that an
+explosion cannot raise: a loss measured before any update it could come from. Before any proof in
+this launch that is the first segment's loss of the launch's first step (computed from the
+weights it started with, the resumed checkpoint's or the init's, before the launch's first
+update); after a proof, the first segment's loss of the step that completed it (computed from
+weights that were just proven). A step's last segment is no such reference: with several
+backprop segments it comes after the step's own updates (an lr-10 resume: segments 3.4 / 362 /
+285). Nor is the spike guard's running average: a finite explosion inside its warm-up feeds it.
+The newest proven checkpoint and everything after it always stay, so a saved explosion never
+takes the last good checkpoint with it.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 PROVE_STEPS = 2
 """Healthy steps that must follow a checkpoint before it may prune older ones: the first one's
@@ -22,9 +28,10 @@ saved optimizer state (its moments). A step beyond them no longer tests what was
 
 
 PROOF_LOSS_RATIO = 1.5
-"""A proving step's loss above this multiple of the reference proves nothing. Training noise at a
-fixed lr moves the loss by a few percent and a warm-up or decay by tens of percent; an explosion
-multiplies it (seen: 3 -> 69). Above the ratio older checkpoints are only kept longer, never lost."""
+"""A proving step whose worst segment loss is above this multiple of the reference proves nothing.
+Batch-to-batch noise moves the loss by a few percent at a large batch and by ~25% at 4 rows of 64
+tokens, a warm-up or decay by tens of percent; an explosion multiplies it (seen: 3 -> 69,
+3.4 -> 362). Above the ratio older checkpoints are only kept longer, never lost."""
 
 
 class ProofPolicy:
@@ -34,7 +41,7 @@ class ProofPolicy:
     def __init__(self) -> None:
         self.unproven: dict[int, int] = {}  # saved step -> healthy steps since (all so far)
         self.proven: int | None = None  # the newest checkpoint proven by PROVE_STEPS steps
-        self.reference_loss: float | None = None  # what a proving step's loss is held against
+        self.reference_loss: float | None = None  # what a proving step's losses are held against
         self.last_noted = 0
 
     def saved(self, step: int) -> None:
@@ -49,15 +56,18 @@ class ProofPolicy:
         """This launch starts from the checkpoint of ``step``: the steps after it prove it."""
         self.unproven[step], self.last_noted = 0, step
 
-    def note(self, step: int, healthy: bool, loss: float | None) -> None:
-        """Count step ``step`` (its global loss ``loss``) for every checkpoint still waiting, each
-        step once; a checkpoint followed by an unhealthy or exploded step never proves."""
+    def note(self, step: int, healthy: bool, losses: Sequence[float]) -> None:
+        """Count step ``step`` for every checkpoint still waiting, each step once; ``losses``: the
+        step's global segment losses in order (the first computed before any update of the step).
+        A checkpoint followed by an unhealthy or exploded step never proves."""
         if step <= self.last_noted:
             return
         self.last_noted = step
-        if self.reference_loss is None and loss is not None:
-            self.reference_loss = loss  # the launch's first step: its starting weights' loss
-        within = loss is not None and loss <= PROOF_LOSS_RATIO * (self.reference_loss or loss)
+        start = losses[0] if losses else None
+        if self.reference_loss is None and start is not None and math.isfinite(start):
+            self.reference_loss = start  # the launch's first step, before the launch's first update
+        ref = self.reference_loss
+        within = bool(losses) and ref is not None and max(losses) <= PROOF_LOSS_RATIO * ref
         for saved in [s for s in self.unproven if s < step]:
             if not (healthy and within):
                 del self.unproven[saved]
@@ -66,4 +76,4 @@ class ProofPolicy:
             if self.unproven[saved] >= PROVE_STEPS:
                 del self.unproven[saved]
                 if saved >= (self.proven or 0):
-                    self.proven, self.reference_loss = saved, loss
+                    self.proven, self.reference_loss = saved, start

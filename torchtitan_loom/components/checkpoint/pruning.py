@@ -6,6 +6,7 @@ rank agrees on the outcome.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from torch.distributed.checkpoint.api import (
     CheckpointException,
@@ -27,10 +28,10 @@ class Pruner:
         self.p, self.writer = parts, writer
         self.pruned_for: int | None = None  # the proven step pruning last ran for
 
-    def note(self, step: int, healthy: bool, loss: float | None = None) -> None:
-        """Step ``step`` went as ``healthy`` and ``loss`` say: tell the proof policy, then prune
-        up to what it has proven."""
-        self.p.proof.note(step, healthy, loss)
+    def note(self, step: int, healthy: bool, losses: Sequence[float] = ()) -> None:
+        """Step ``step`` went as ``healthy`` and ``losses`` (its segment losses) say: tell the
+        proof policy, then prune up to what it has proven."""
+        self.p.proof.note(step, healthy, losses)
         self._prune()
 
     def _prune(self) -> None:
