@@ -49,9 +49,6 @@ EXCEPTIONS = {
         "the tool's one sequence (import lm-eval, load, score, write) with its rank-0 and "
         "error handling; issue 44 item 1 changes how it loads the checkpoint"
     ),
-    "torchtitan_loom/tools/pack.py::build_parser": (
-        "declarative: one add_argument per flag (20 flags), no branching"
-    ),
 }
 
 

@@ -30,13 +30,8 @@ __all__ = ["PackInputError", "build_parser", "main", "run_pack", "verify"]
 CREATED_BY = "torchtitan_loom.tools.pack"  # the pack metadata's created_by: this command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m torchtitan_loom.tools.pack",
-        description="Tokenise a corpus into the packed-document format read by the trainer, "
-        "or check an existing pack with --verify.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def _add_inputs(p: argparse.ArgumentParser) -> None:
+    """The corpus flags, one argument group (their order is --help's)."""
     src = p.add_argument_group("inputs (at least one, unless --verify)")
     src.add_argument(
         "--jsonl",
@@ -98,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="how --text files split into documents: the whole file, paragraphs "
         "separated by blank lines, or single lines",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_loom.tools.pack",
+        description="Tokenise a corpus into the packed-document format read by the trainer, "
+        "or check an existing pack with --verify.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_inputs(p)
     p.add_argument(
         "--tokenizer",
         default="byte",
