@@ -41,10 +41,6 @@ EXCEPTIONS = {
         "group, agreement), each with its exit code; the first-run behaviour merged this wave "
         "edits it"
     ),
-    "torchtitan_loom/distributed/comm_plan.py::predict": (
-        "one pass over a step's collectives in the order they are issued; most of its lines are "
-        "Collective(...) records that ruff's formatter spreads one field per line"
-    ),
     "torchtitan_loom/tools/lm_eval.py::run": (
         "the tool's one sequence (import lm-eval, load, score, write) with its rank-0 and "
         "error handling; issue 44 item 1 changes how it loads the checkpoint"

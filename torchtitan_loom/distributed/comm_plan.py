@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
-from torchtitan_loom.model_cost import FsdpUnit, ModelCost
+from torchtitan_loom.model_cost import FsdpUnit, ModelCost, SegmentCost
 from torchtitan_loom.protocols import segments
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -74,83 +74,95 @@ def replicated_numel(cost: ModelCost, dims: ParallelDims) -> int:
     return cost.total_params - in_units
 
 
-def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> list[Collective]:
-    """The collectives of one step on one rank (empty on one rank)."""
-    if dims.world_size == 1:
-        return []
+def _gradient_collectives(
+    cfg: Any, cost: ModelCost, seg: SegmentCost, dims: ParallelDims, micro: int
+) -> list[Collective]:
+    """One segment's parameter gathers and gradient reductions: per FSDP unit, or one all-reduce
+    of the gradients without FSDP."""
     t, par = cfg.training, cfg.parallelism
     pb, rb = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
-    micro = t.global_batch_size // dims.dp // t.micro_batch_size
     per_segment_sync = par.fsdp_sync == "segment"
     always = par.fsdp_reshard_after_forward == "always"
     world = dims.world_size
     out: list[Collective] = []
-    for a, b in segments(num_loops, t.bp_segment_len):
-        seg = cost.segment(a, b)
-        if dims.fsdp_enabled:
-            for unit in cost.units:
-                n, r = shard_degree(unit, dims), dims.dp_replicate
-                group = "dp_shard" if unit.mesh == "fsdp" else "dp_shard_mod_ep"
-                numel, c = padded_numel(unit, n), seg.unit_calls[unit.name]
-                if per_segment_sync:
-                    gathers = c * micro + 1 if always else 1
-                    reductions = 1
-                else:
-                    gathers, reductions = (c + 1 if always else 1) * micro, micro
-                if n > 1:
-                    out.append(
-                        Collective(
-                            "all_gather", unit.name, group, n, dims.dp_shard, gathers, numel * pb
-                        )
+    if dims.fsdp_enabled:
+        for unit in cost.units:
+            n, r = shard_degree(unit, dims), dims.dp_replicate
+            group = "dp_shard" if unit.mesh == "fsdp" else "dp_shard_mod_ep"
+            numel, c = padded_numel(unit, n), seg.unit_calls[unit.name]
+            if per_segment_sync:
+                gathers = c * micro + 1 if always else 1
+                reductions = 1
+            else:
+                gathers, reductions = (c + 1 if always else 1) * micro, micro
+            if n > 1:
+                out.append(
+                    Collective(
+                        "all_gather", unit.name, group, n, dims.dp_shard, gathers, numel * pb
                     )
-                    out.append(
-                        Collective(
-                            "reduce_scatter",
-                            unit.name,
-                            group,
-                            n,
-                            dims.dp_shard,
-                            reductions,
-                            numel * rb,
-                        )
+                )
+                out.append(
+                    Collective(
+                        "reduce_scatter",
+                        unit.name,
+                        group,
+                        n,
+                        dims.dp_shard,
+                        reductions,
+                        numel * rb,
                     )
-                if r > 1:
-                    out.append(
-                        Collective(
-                            "all_reduce",
-                            unit.name,
-                            "dp_replicate",
-                            r,
-                            world,
-                            reductions,
-                            numel // n * rb,
-                        )
-                    )
-            replicated = replicated_numel(cost, dims) - seg.idle_params
-            if replicated > 0:
+                )
+            if r > 1:
                 out.append(
                     Collective(
                         "all_reduce",
-                        "replicated parameters",
-                        "dp",
+                        unit.name,
+                        "dp_replicate",
+                        r,
                         world,
-                        world,
-                        1,
-                        replicated * rb,
+                        reductions,
+                        numel // n * rb,
                     )
                 )
-        else:
+        replicated = replicated_numel(cost, dims) - seg.idle_params
+        if replicated > 0:
             out.append(
                 Collective(
                     "all_reduce",
-                    "gradients",
+                    "replicated parameters",
                     "dp",
                     world,
                     world,
                     1,
-                    (cost.total_params - seg.idle_params) * rb,
+                    replicated * rb,
                 )
             )
+    else:
+        out.append(
+            Collective(
+                "all_reduce",
+                "gradients",
+                "dp",
+                world,
+                world,
+                1,
+                (cost.total_params - seg.idle_params) * rb,
+            )
+        )
+    return out
+
+
+def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> list[Collective]:
+    """The collectives of one step on one rank (empty on one rank)."""
+    if dims.world_size == 1:
+        return []
+    t = cfg.training
+    micro = t.global_batch_size // dims.dp // t.micro_batch_size
+    world = dims.world_size
+    out: list[Collective] = []
+    for a, b in segments(num_loops, t.bp_segment_len):
+        seg = cost.segment(a, b)
+        out += _gradient_collectives(cfg, cost, seg, dims, micro)
         for what, calls, nbytes in seg.all_to_alls:
             out.append(
                 Collective("all_to_all", what, "ep", dims.ep, dims.ep, calls * micro, nbytes)
