@@ -146,24 +146,10 @@ def layout_errors(spec: Any, args: Any, dims: ParallelDims) -> list[str]:
     return [] if spec.layout_errors_fn is None else spec.layout_errors_fn(args, dims)
 
 
-def resolve(cfg: JobConfig, world_size: int) -> Resolved:
-    """Check everything that can be checked up front; return the model args and the parallel degrees."""
+def _batch_errors(cfg: JobConfig, dims: ParallelDims | None) -> list[str]:
+    """The batch rows against the data-parallel ranks (training and eval)."""
     errors: list[str] = []
     t = cfg.training
-    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
-        if getattr(t, key) < 1 and not (key == "global_batch_size" and t.global_batch_size == -1):
-            errors.append(f"training.{key} = {getattr(t, key)}: must be ≥ 1")
-    if t.bp_segment_len < 0:
-        errors.append(
-            f"training.bp_segment_len = {t.bp_segment_len}: must be ≥ 0 (0 = all loops in one segment)"
-        )
-    args = None
-    try:
-        args = resolve_model_args(cfg)
-    except ConfigError as exc:
-        errors.append(str(exc))
-    errors += depth_sampling_errors(t.sample_depth_min, t.bp_segment_len, args)
-    dims = _parallel_dims(cfg, world_size, args, errors)
     if t.global_batch_size == -1:  # TorchTitan's default: local_batch_size × the DP degree
         meant = "micro_batch_size × data-parallel ranks"
         if dims is not None:
@@ -190,6 +176,12 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                 f"eval.batch_size = {cfg.eval.batch_size}: must be ≥ 0 and its rows ({eval_rows}) "
                 f"divisible by the {dp} data-parallel ranks"
             )
+    return errors
+
+
+def _eval_and_metrics_errors(cfg: JobConfig, world_size: int) -> list[str]:
+    """The [eval] schedule and the [metrics] keys."""
+    errors: list[str] = []
     if cfg.eval.interval < 0 or cfg.eval.tokens < 1:
         errors.append("eval.interval must be ≥ 0 and eval.tokens ≥ 1")
     if cfg.metrics.log_freq < 1:
@@ -202,54 +194,14 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         errors.append(
             f"metrics.expert_load_every = {cfg.metrics.expert_load_every}: must be ≥ 0 (0 = eval steps only)"
         )
-    errors += profiling_errors(cfg)
-    errors += estimate_errors(cfg)
-    errors += number_errors(cfg)
-    if t.device == "cuda":
-        import torch
+    return errors
 
-        if not torch.cuda.is_available():
-            errors.append(
-                "training.device = 'cuda': no CUDA device is visible; use 'cpu' or 'auto'"
-            )
-    if args is not None and t.seq_len > args.max_seq_len:
-        errors.append(
-            f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
-            f"max_seq_len = {args.max_seq_len}"
-        )
-    vocab_problems = vocab_errors(cfg, args) if args is not None else []
-    errors += vocab_problems
-    if not cfg.parallelism.dry_run:  # the dry run lays out ranks; it reads no data
-        for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
-            if path:
-                max_len = pack_max_seq_len(path, key, errors)
-                if max_len is not None and t.seq_len > max_len - 1:
-                    errors.append(
-                        f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
-                        f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1} (a record of N "
-                        f"tokens holds N - 1 inputs and their next-token targets; a pack for "
-                        f"seq_len {t.seq_len} is written with tools.pack --seq-len {t.seq_len + 1})"
-                    )
-                elif (
-                    max_len is not None and args is not None and not vocab_problems
-                ):  # one line per problem
-                    errors += pack_errors(path, key, cfg, args)
-        errors += bundled_errors(cfg)
-        errors += folder_errors(cfg)
-    spec = get_train_spec(cfg.model.name)
-    if (
-        args is not None and spec.config_errors_fn is not None
-    ):  # the model's own rules (its keys, its layout)
-        errors += spec.config_errors_fn(cfg, args, dims)
-    errors += wrapper_errors(cfg, spec)
-    if cfg.metrics.enable_wandb:
-        if importlib.util.find_spec("wandb") is None:
-            errors.append(
-                "metrics.enable_wandb = true: the wandb package is not installed; "
-                "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false"
-            )
-    errors += diagnostics_errors(cfg)
-    errors += gated_problems(cfg)[0]
+
+def _limit_errors(cfg: JobConfig) -> list[str]:
+    """The bounds a value must lie in for the code to hold it: gc interval, timeouts, seed, the
+    tokens of one batch."""
+    errors: list[str] = []
+    t = cfg.training
     if t.gc_freq < 0:
         errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
@@ -272,6 +224,85 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                 f"{key} = {rows}: {rows:,} rows × seq_len {seq_len} tokens is over 2^31 tokens in "
                 f"one batch (32-bit indexing in the attention and embedding kernels)"
             )
+    return errors
+
+
+def _pack_length_errors(cfg: JobConfig, args: Any, vocab_ok: bool) -> list[str]:
+    """Each pack's record length against training.seq_len, then the pack's own checks when the
+    model and its vocabulary are known (one line per problem)."""
+    errors: list[str] = []
+    t = cfg.training
+    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if path:
+            max_len = pack_max_seq_len(path, key, errors)
+            if max_len is not None and t.seq_len > max_len - 1:
+                errors.append(
+                    f"training.seq_len = {t.seq_len}: the pack {key}='{path}' holds records of at "
+                    f"most {max_len} tokens, so seq_len must be ≤ {max_len - 1} (a record of N "
+                    f"tokens holds N - 1 inputs and their next-token targets; a pack for "
+                    f"seq_len {t.seq_len} is written with tools.pack --seq-len {t.seq_len + 1})"
+                )
+            elif max_len is not None and args is not None and vocab_ok:  # one line per problem
+                errors += pack_errors(path, key, cfg, args)
+    return errors
+
+
+def resolve(cfg: JobConfig, world_size: int) -> Resolved:
+    """Check everything that can be checked up front; return the model args and the parallel degrees."""
+    errors: list[str] = []
+    t = cfg.training
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
+        if getattr(t, key) < 1 and not (key == "global_batch_size" and t.global_batch_size == -1):
+            errors.append(f"training.{key} = {getattr(t, key)}: must be ≥ 1")
+    if t.bp_segment_len < 0:
+        errors.append(
+            f"training.bp_segment_len = {t.bp_segment_len}: must be ≥ 0 (0 = all loops in one segment)"
+        )
+    args = None
+    try:
+        args = resolve_model_args(cfg)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    errors += depth_sampling_errors(t.sample_depth_min, t.bp_segment_len, args)
+    dims = _parallel_dims(cfg, world_size, args, errors)
+    errors += _batch_errors(cfg, dims)
+    errors += _eval_and_metrics_errors(cfg, world_size)
+    errors += profiling_errors(cfg)
+    errors += estimate_errors(cfg)
+    errors += number_errors(cfg)
+    if t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            errors.append(
+                "training.device = 'cuda': no CUDA device is visible; use 'cpu' or 'auto'"
+            )
+    if args is not None and t.seq_len > args.max_seq_len:
+        errors.append(
+            f"training.seq_len = {t.seq_len}: the model flavor '{cfg.model.flavor}' supports at most "
+            f"max_seq_len = {args.max_seq_len}"
+        )
+    vocab_problems = vocab_errors(cfg, args) if args is not None else []
+    errors += vocab_problems
+    if not cfg.parallelism.dry_run:  # the dry run lays out ranks; it reads no data
+        errors += _pack_length_errors(cfg, args, vocab_ok=not vocab_problems)
+        errors += bundled_errors(cfg)
+        errors += folder_errors(cfg)
+    spec = get_train_spec(cfg.model.name)
+    if (
+        args is not None and spec.config_errors_fn is not None
+    ):  # the model's own rules (its keys, its layout)
+        errors += spec.config_errors_fn(cfg, args, dims)
+    errors += wrapper_errors(cfg, spec)
+    if cfg.metrics.enable_wandb:
+        if importlib.util.find_spec("wandb") is None:
+            errors.append(
+                "metrics.enable_wandb = true: the wandb package is not installed; "
+                "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false"
+            )
+    errors += diagnostics_errors(cfg)
+    errors += gated_problems(cfg)[0]
+    errors += _limit_errors(cfg)
     errors += parallelism_errors(cfg, dims, args)
     errors += float8_errors(cfg)
     # The run folder only once the config is valid (its refusal is no cause of another problem),
