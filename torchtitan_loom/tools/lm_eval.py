@@ -217,21 +217,8 @@ def write_results(root: str, owner: str, payload: dict[str, Any]) -> str:
     return out
 
 
-def run(ns: argparse.Namespace) -> str | None:
-    """Check, score, write; returns the results folder on rank 0 (None on other ranks)."""
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    progress = Progress("lm_eval", stream=None if rank0 else io.StringIO())  # rank 0 speaks
-    if rank0:  # importing lm-eval and loading the model are slow and silent
-        print(f"lm_eval: loading lm-eval, then the checkpoint {ns.ckpt} ...", flush=True)
-    try:
-        import lm_eval
-    except ImportError:
-        raise LoadError("lm-eval is not installed: pip install 'torchtitan_loom[eval]'") from None
-    from lm_eval import simple_evaluate
-
-    from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM
-    from torchtitan_loom.distributed import utils as dist_utils
-
+def _checked_tasks(ns: argparse.Namespace) -> list[str]:
+    """The arguments checked before anything is loaded; the task names (LoadError: one line)."""
     if ns.batch_size < 1:
         raise LoadError(f"--batch-size {ns.batch_size}: must be >= 1")
     if ns.limit is not None and ns.limit < 1:
@@ -243,6 +230,52 @@ def run(ns: argparse.Namespace) -> str | None:
     tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
     if not tasks:
         raise LoadError("--tasks is empty: name at least one lm-eval task")
+    return tasks
+
+
+def _score(
+    ns: argparse.Namespace, lm: Any, model: Any, tasks: list[str], tm: Any, progress: Progress
+) -> dict[str, Any]:
+    """lm-eval's simple_evaluate over ``tasks``, a progress line per scored batch."""
+    from lm_eval import simple_evaluate
+
+    progress.new_loop()
+    forwards = 0
+
+    def scored(*_) -> None:  # a forward hook (torch's API): counts batches for the progress line
+        nonlocal forwards
+        forwards += 1
+        progress.tick(
+            lambda: f"scoring: {count(forwards, 'batch')} of up to {ns.batch_size} scored"
+        )
+
+    with quiet_scoring(), model.register_forward_hook(scored):  # the handle removes the hook
+        return simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=tm,
+            limit=ns.limit,
+            log_samples=True,
+            bootstrap_iters=1000,
+        )
+
+
+def run(ns: argparse.Namespace) -> str | None:
+    """Check, score, write; returns the results folder on rank 0 (None on other ranks)."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    progress = Progress("lm_eval", stream=None if rank0 else io.StringIO())  # rank 0 speaks
+    if rank0:  # importing lm-eval and loading the model are slow and silent
+        print(f"lm_eval: loading lm-eval, then the checkpoint {ns.ckpt} ...", flush=True)
+    try:
+        import lm_eval
+    except ImportError:
+        raise LoadError("lm-eval is not installed: pip install 'torchtitan_loom[eval]'") from None
+    import lm_eval.evaluator  # its slow import before the model loads (lm_eval defers it)
+
+    from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM
+    from torchtitan_loom.distributed import utils as dist_utils
+
+    tasks = _checked_tasks(ns)
     info = dist_utils.init_distributed(ns.device)
     loaded = load(ns.ckpt, device=str(info.device), tokenizer=ns.tokenizer)
     root = ns.out or os.path.join(loaded.checkpoint, "eval_results")  # checked before the scoring:
@@ -273,25 +306,7 @@ def run(ns: argparse.Namespace) -> str | None:
     lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
     if info.rank == 0:
         print(f"lm_eval: scoring {', '.join(tasks)} (step {loaded.step}) ...", flush=True)
-    progress.new_loop()
-    forwards = 0
-
-    def scored(*_) -> None:  # a forward hook (torch's API): counts batches for the progress line
-        nonlocal forwards
-        forwards += 1
-        progress.tick(
-            lambda: f"scoring: {count(forwards, 'batch')} of up to {ns.batch_size} scored"
-        )
-
-    with quiet_scoring(), model.register_forward_hook(scored):  # the handle removes the hook
-        res = simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            task_manager=tm,
-            limit=ns.limit,
-            log_samples=True,
-            bootstrap_iters=1000,
-        )
+    res = _score(ns, lm, model, tasks, tm, progress)
     if info.rank != 0:
         return None
     payload = {
