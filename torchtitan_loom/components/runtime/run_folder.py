@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.protocols import get_train_spec
@@ -132,7 +133,7 @@ def relaunch_errors(cfg: Any) -> list[str]:
     ):
         return [
             f"{where} holds a finished run (step {run.get('step')} of training.steps = {cfg.training.steps}); "
-            f"raise training.steps to continue it, or {hint}"
+            f"{_continue_advice(cfg)}{hint}"
         ]
     if not cfg.checkpoint.enable:
         return [
@@ -140,6 +141,16 @@ def relaunch_errors(cfg: Any) -> list[str]:
             f"continue (it would start over and mix two histories in metrics.jsonl); {hint}"
         ]
     return []
+
+
+def _continue_advice(cfg: Any) -> str:
+    """How a finished run continues, said only where it can: the launch must resume from a
+    complete checkpoint in the folder (a run that saved none cannot be continued)."""
+    root = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    if os.path.isdir(root) and layout.scan(root).newest() is not None:
+        on = "" if cfg.checkpoint.enable else " with --checkpoint.enable true"
+        return f"raise training.steps{on} to continue it, or "
+    return "it saved no checkpoint, so it cannot be continued: "
 
 
 def live_run(dump_folder: str) -> str | None:
