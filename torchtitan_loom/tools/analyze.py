@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.BAD_INPUT
     progress = Progress("analyze")
     print(
-        f"analyze: loading {ns.ckpt}, then routing {ns.tokens:,} held-out tokens through it ...",
+        f"analyze: loading {ns.ckpt}, then routing {ns.tokens:,} held-out tokens (rounded up to "
+        "whole batches) through it ...",
         flush=True,
     )
     import torch

@@ -99,6 +99,9 @@ def run(ns: argparse.Namespace) -> str:
     )
     if ns.exit_threshold is not None and ns.exit is None:
         raise LoadError("--exit-threshold needs --exit kl or --exit confidence")
+    problems = cfg.problems()
+    if problems:
+        raise LoadError(problems[0])
     if ns.exit is not None and ns.exit_threshold is None:  # 0 would exit no token: a silent no-op
         raise LoadError(
             f"--exit {ns.exit} needs --exit-threshold X: a token stops once the criterion is below "
@@ -109,9 +112,6 @@ def run(ns: argparse.Namespace) -> str:
             "--top-k and --top-p filter what is sampled, and --temperature 0 samples nothing "
             "(greedy): leave them out, or pass --temperature above 0"
         )
-    problems = cfg.problems()
-    if problems:
-        raise LoadError(problems[0])
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
