@@ -1,6 +1,7 @@
 """The answers a command line gets before torch is imported (``python -m torchtitan_loom.train``
 calls ``answer_early`` first): ``--help``, and the config's own problems — unknown keys, types,
-choices, ranges that load_config checks — one line each, exit 2. Importing torch takes seconds on a
+choices, ranges that load_config checks — and a run folder that refuses the launch (a finished or
+different run: run_folder.relaunch_errors reads its run.json), one line each, exit 2. Importing torch takes seconds on a
 cold start (tens on a loaded machine); a typo is answered in a fraction of one. A command line that
 passes goes on to the full checks (the model, the layout, the data, the run folder) after torch.
 """
@@ -12,6 +13,7 @@ import sys
 
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime.run_folder import relaunch_errors
 from torchtitan_loom.config.manager import ConfigError, help_text, load_config
 
 # What a command line without --job.config_file runs, ./run_train.sh's and `python -m
@@ -39,8 +41,12 @@ def answer_early(argv: list[str]) -> None:
         sys.exit(exit_codes.OK)
     rest = [a for a in argv if a != "--check-config" and not a.startswith("--check-config=")]
     try:
-        load_config(rest)
+        cfg = load_config(rest)
     except ConfigError as exc:
-        for line in str(exc).splitlines():
-            print(shorten_line(f"config error: {line}"), file=sys.stderr)
+        lines = str(exc).splitlines()
+    else:  # a finished or different run in the folder: its files say so, no torch needed
+        lines = relaunch_errors(cfg)
+    for line in lines:
+        print(shorten_line(f"config error: {line}"), file=sys.stderr)
+    if lines:
         sys.exit(exit_codes.BAD_INPUT)

@@ -32,7 +32,7 @@ from typing import Any
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.protocols import get_train_spec
+from torchtitan_loom.protocols import relaunch_tunable_of
 
 LOCK = "RUN.lock"
 RUN_JSON = "run.json"
@@ -52,9 +52,7 @@ def new_run_id() -> str:
 def identity(cfg: Any) -> dict[str, Any]:
     """The config values that define what a run trains; two launches with different ones are
     different runs."""
-    tunable = get_train_spec(
-        cfg.model.name
-    ).relaunch_tunable  # may change between launches of one run
+    tunable = relaunch_tunable_of(cfg.model.name)  # may change between launches of one run
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in tunable}
     t = cfg.training
     return {
