@@ -103,3 +103,27 @@ def test_terminal_control_bytes_in_an_echoed_value_are_escaped(tmp_path):
     assert "\x1b" not in proc.stderr and "\x07" not in proc.stderr
     assert "\\x1b[2J\\x07ten" in proc.stderr, proc.stderr
     assert shorten_line("a\rb\x9bc") == "a\\rb\\x9bc"
+
+
+def test_an_unknown_flavor_and_key_typos_are_named_in_one_run_before_torch(tmp_path):
+    """The flavor table is torch-free, so the command line's first answer names the flavor with
+    the typos (it used to come only on the next run, after fixing them)."""
+    toml = tmp_path / "typos.toml"
+    toml.write_text('[model]\nflavor = "debgu"\n[training]\nstepz = 3\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_loom.train", "--job.config_file", str(toml)]
+        + ["--optimizer.lrr", "3"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "importing torch" not in proc.stdout, proc
+    assert [ln.split(";")[0] for ln in proc.stderr.splitlines()] == [
+        "config error: unknown key 'training.stepz'",
+        "config error: unknown key 'optimizer.lrr'",
+        "config error: model.flavor: unknown flavor 'debgu' of 'loom'",
+    ]
+    alone = subprocess.run(
+        [sys.executable, "-m", "torchtitan_loom.train", "--model.flavor", "debgu"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert alone.returncode == 2 and "importing torch" not in alone.stdout, alone
+    assert alone.stderr.startswith("config error: model.flavor: unknown flavor 'debgu'"), alone

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
+from torchtitan_loom.config.fields import flavor_problem
 from torchtitan_loom.config.manager import ConfigError, help_text, load_config
 
 # What a command line without --job.config_file runs, ./run_train.sh's and `python -m
@@ -34,6 +36,13 @@ def with_default_preset(argv: list[str]) -> list[str]:
     return ["--job.config_file", DEFAULT_PRESET, *argv]
 
 
+def _flavor(cfg: Any) -> list[str]:
+    """An unknown model.flavor, checked from the torch-free flavor table ([] when fine or no
+    config was built)."""
+    problem = None if cfg is None else flavor_problem(cfg.model.name, cfg.model.flavor)
+    return [problem] if problem else []
+
+
 def answer_early(argv: list[str]) -> None:
     """Print --help, or the config's problems and exit 2; return when there is nothing to say."""
     if "--help" in argv or "-h" in argv:
@@ -42,10 +51,10 @@ def answer_early(argv: list[str]) -> None:
     rest = [a for a in argv if a != "--check-config" and not a.startswith("--check-config=")]
     try:
         cfg = load_config(rest)
-    except ConfigError as exc:
-        lines = str(exc).splitlines()
-    else:  # a finished or different run in the folder: its files say so, no torch needed
-        lines = relaunch_errors(cfg)
+    except ConfigError as exc:  # the flavor too, so that one run names every problem it can
+        lines = str(exc).splitlines() + _flavor(exc.partial)
+    else:  # and a finished or different run in the folder: its files say so
+        lines = _flavor(cfg) or relaunch_errors(cfg)
     for line in lines:
         print(shorten_line(f"config error: {line}"), file=sys.stderr)
     if lines:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
+from torchtitan_loom.config.fields import flavor_problem
 from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
 from torchtitan_loom.config.manager import INT_MAX, ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
@@ -54,11 +55,8 @@ def resolve_model_args(cfg: JobConfig) -> Any:
         spec = get_train_spec(cfg.model.name)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"model.name: {exc}") from None
-    if cfg.model.flavor not in spec.model_args:
-        raise ConfigError(
-            f"model.flavor: unknown flavor '{cfg.model.flavor}' of '{cfg.model.name}'; "
-            f"valid: {', '.join(spec.model_args)}"
-        )
+    if problem := flavor_problem(cfg.model.name, cfg.model.flavor):
+        raise ConfigError(problem)
     overrides = {
         k: v
         for k, v in dataclasses.asdict(cfg.model).items()
