@@ -1,9 +1,10 @@
 """The answers a command line gets before torch is imported (``python -m torchtitan_loom.train``
 calls ``answer_early`` first): ``--help``, and the config's own problems — unknown keys, types,
-choices, ranges that load_config checks — and a run folder that refuses the launch (a finished or
-different run: run_folder.relaunch_errors reads its run.json), one line each, exit 2. Importing torch takes seconds on a
-cold start (tens on a loaded machine); a typo is answered in a fraction of one. A command line that
-passes goes on to the full checks (the model, the layout, the data, the run folder) after torch.
+choices, ranges that load_config checks, an unknown flavor (the flavor table is torch-free) — and
+a run folder that refuses the launch (a finished or different run: run_folder.relaunch_errors
+reads its run.json), one line each, exit 2. Importing torch takes seconds on a cold start (tens on
+a loaded machine); a typo is answered in a fraction of one. A command line that passes goes on to
+the full checks (the model, the layout, the data, the run folder) after torch.
 """
 
 from __future__ import annotations
