@@ -194,3 +194,7 @@ def test_a_finished_run_is_refused_before_torch_is_imported(tmp_path):
     assert done.stdout.split() == ["2", "False"], done
     assert "holds a finished run (step 4 of training.steps = 4)" in done.stderr
     assert "it saved no checkpoint, so it cannot be continued" in done.stderr  # none on disk
+    # A different run waits for the checks after torch, so that its other problems come with it.
+    from torchtitan_loom.config.early import answer_early
+
+    answer_early([*args, "--training.seed", "1"])  # returns: nothing to say before torch

@@ -1,8 +1,8 @@
 """The answers a command line gets before torch is imported (``python -m torchtitan_loom.train``
 calls ``answer_early`` first): ``--help``, and the config's own problems — unknown keys, types,
 choices, ranges that load_config checks, an unknown flavor (the flavor table is torch-free) — and
-a run folder that refuses the launch (a finished or different run: run_folder.relaunch_errors
-reads its run.json), one line each, exit 2. Importing torch takes seconds on a cold start (tens on
+a run folder that holds this very run, finished (run_folder.relaunch_errors reads its run.json;
+a different run is named with the config's other problems, after torch), one line each, exit 2. Importing torch takes seconds on a cold start (tens on
 a loaded machine); a typo is answered in a fraction of one. A command line that passes goes on to
 the full checks (the model, the layout, the data, the run folder) after torch.
 """
@@ -55,7 +55,7 @@ def answer_early(argv: list[str]) -> None:
     except ConfigError as exc:  # the flavor too, so that one run names every problem it can
         lines = str(exc).splitlines() + _flavor(exc.partial)
     else:  # and a finished or different run in the folder: its files say so
-        lines = _flavor(cfg) or relaunch_errors(cfg)
+        lines = _flavor(cfg) or relaunch_errors(cfg, finished_only=True)
     for line in lines:
         print(shorten_line(f"config error: {line}"), file=sys.stderr)
     if lines:

@@ -97,14 +97,16 @@ def read_run(dump_folder: str) -> dict[str, Any] | None:
     return run
 
 
-def relaunch_errors(cfg: Any) -> list[str]:
-    """Why this launch may not continue the run in job.dump_folder ([] = it may)."""
+def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
+    """Why this launch may not continue the run in job.dump_folder ([] = it may). ``finished_only``
+    (the answer before torch): only the refusal of the same run, finished; a different run is
+    said with the config's other problems, which need torch."""
     if cfg.job.overwrite:
         return []
     try:
         run = read_run(cfg.job.dump_folder)
     except RunFolderError as exc:
-        return [f"job.dump_folder = '{cfg.job.dump_folder}': {exc}"]
+        return [] if finished_only else [f"job.dump_folder = '{cfg.job.dump_folder}': {exc}"]
     if run is None:
         return []
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
@@ -117,6 +119,8 @@ def relaunch_errors(cfg: Any) -> list[str]:
         for k in sorted(old.keys() | new.keys())
         if old.get(k) != new.get(k)
     ]
+    if diff and finished_only:
+        return []
     if diff:
         return [
             f"{where} holds a different run ({'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); {hint}"
@@ -133,6 +137,8 @@ def relaunch_errors(cfg: Any) -> list[str]:
             f"{where} holds a finished run (step {run.get('step')} of training.steps = {cfg.training.steps}); "
             f"{_continue_advice(cfg)}{hint}"
         ]
+    if finished_only:
+        return []
     if not cfg.checkpoint.enable:
         return [
             f"{where} holds a run (status {run.get('status')!r}) that checkpoint.enable = false cannot "
