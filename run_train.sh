@@ -57,11 +57,17 @@ unset WORLD_SIZE RANK
 # An explicit --job.config_file wins over CONFIG_FILE.
 overrides=("$@")
 help=0
-for arg in "$@"; do
-  case "$arg" in
+args=("$@")
+# Options only: the word after an option without '=' is its value (--job.description -h is text).
+for (( i = 0; i < ${#args[@]}; i++ )); do
+  case "${args[i]}" in
     --help|-h) help=1 ;;
     --job.config_file|--job.config_file=*|--job.config-file|--job.config-file=*) CONFIG_FILE="" ;;
   esac
+  if [[ "${args[i]}" == --* && "${args[i]}" != *=* && $(( i + 1 )) -lt ${#args[@]} \
+        && "${args[i+1]}" != --* ]]; then
+    (( i += 1 ))
+  fi
 done
 config_args=()
 [[ -n "${CONFIG_FILE}" ]] && config_args=(--job.config_file "${CONFIG_FILE}")

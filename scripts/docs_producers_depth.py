@@ -20,13 +20,15 @@ STUDY = "python -m torchtitan_loom.tools.study train_configs/studies/depth_debug
 COMPARE = (
     f"python -m torchtitan_loom.tools.compare {STUDY_FOLDER} --out /tmp/loom_depth_compare --force"
 )
+# No --tokens: the report reads what each run's held-out eval read (its eval.tokens), so its loss
+# after H loops is the study's logged eval loss of that run.
 DEPTH_H3 = (
-    f"python -m torchtitan_loom.tools.depth {STUDY_FOLDER}/H3/seed-0 --tokens 50000 "
+    f"python -m torchtitan_loom.tools.depth {STUDY_FOLDER}/H3/seed-0 "
     "--out /tmp/loom_depth_H3 --force"
 )
 DEPTH_SAMPLED = (
     f"python -m torchtitan_loom.tools.depth {STUDY_FOLDER}/H3_depth_sampled/seed-0 "
-    "--tokens 50000 --out /tmp/loom_depth_sampled --force"
+    "--out /tmp/loom_depth_sampled --force"
 )
 GENERATE_EXIT = (
     f'python -m torchtitan_loom.tools.generate {STUDY_FOLDER}/H3/seed-0 --prompt "variables:\n'

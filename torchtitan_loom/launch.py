@@ -32,7 +32,8 @@ from torchtitan_loom.components.runtime.run_folder import (
     replace_old_run,
 )
 from torchtitan_loom.components.runtime.safe_files import UnsafePathError
-from torchtitan_loom.config import ConfigError, help_text, load_config, to_toml
+from torchtitan_loom.config import ConfigError, help_requested, help_text, load_config, to_toml
+from torchtitan_loom.config.gates import gated_problems
 from torchtitan_loom.config.validate import load_and_resolve, resolve
 from torchtitan_loom.distributed import utils as dist_utils
 
@@ -45,8 +46,9 @@ def _errors(kind: str, exc: BaseException) -> int:
 
 def run(argv: list[str], trainer_cls: Any) -> int:
     """Check, launch and train; returns the process exit code."""
-    if "--help" in argv or "-h" in argv:
-        print(help_text([a for a in argv if a not in ("--help", "-h")]))
+    wanted, rest_of_argv = help_requested(argv)
+    if wanted:
+        print(help_text(rest_of_argv))
         return exit_codes.OK
     checks = [a for a in argv if a == "--check-config" or a.startswith("--check-config=")]
     argv = [a for a in argv if a not in checks]
@@ -78,6 +80,8 @@ def run(argv: list[str], trainer_cls: Any) -> int:
     cfg.job.dump_folder = safe_files.HeldFolder(cfg.job.dump_folder)
     if rank0:  # before any process group: one live run per folder
         log = lambda m: print(f"[torchtitan_loom] {m}", flush=True)  # noqa: E731
+        for note in gated_problems(cfg)[1]:  # a preset's keys that this command turned off
+            log(note)
         try:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
             cfg.job.dump_folder.check()  # made just now: held from its creation

@@ -120,7 +120,9 @@ class Trainer(TrainerBuild):
                 "active_params": counts["active"],
                 "flops_per_token": self.flops_per_token,
             }
-            record_launch(cfg, self.run_id, "running", self.state.step, resumed, sizes)
+            record_launch(
+                cfg, self.run_id, "running", self.state.step, resumed, sizes, self.model_args
+            )
             self.launch_recorded = True
 
     def train(self) -> int:

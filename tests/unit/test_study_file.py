@@ -23,7 +23,7 @@ def write_study(tmp_path, body=None, *, seeds="[0, 1]", overrides=TINY, variants
     if body is None:
         variants = (
             variants
-            or '[variants.H3]\n"model.num_loops" = 3\n[variants.H1]\n"model.num_loops" = 1\n'
+            or '[variants.H2]\n"model.num_loops" = 2\n[variants.H1]\n"model.num_loops" = 1\n'
         )
         body = (
             f'[study]\nconfig_file = "{PRESET}"\nseeds = {seeds}\nfolder = "{tmp_path / "out"}"\n'
@@ -145,8 +145,8 @@ def test_the_plan_is_variant_major_with_the_study_s_arguments(tmp_path):
     runs, configs = plan(study)
     out = str(tmp_path / "out")
     assert [(r.index, r.variant, r.seed, r.folder) for r in runs] == [
-        (1, "H3", 0, f"{out}/H3/seed-0"),
-        (2, "H3", 1, f"{out}/H3/seed-1"),
+        (1, "H2", 0, f"{out}/H2/seed-0"),
+        (2, "H2", 1, f"{out}/H2/seed-1"),
         (3, "H1", 0, f"{out}/H1/seed-0"),
         (4, "H1", 1, f"{out}/H1/seed-1"),
     ]
@@ -166,13 +166,13 @@ def test_an_interval_or_enable_the_study_names_is_kept(tmp_path):
         read_study(str(write_study(tmp_path, overrides='{ "checkpoint.interval" = 3 }')))
     )
     assert runs[0].args[6:] == [
-        *("--checkpoint.enable", "true", "--checkpoint.interval", "3", "--model.num_loops", "3")
+        *("--checkpoint.enable", "true", "--checkpoint.interval", "3", "--model.num_loops", "2")
     ]
     assert configs[runs[0].folder].checkpoint.interval == 3
     runs, configs = plan(
         read_study(str(write_study(tmp_path, overrides='{ "checkpoint.enable" = false }')))
     )
-    assert runs[0].args[6:] == ["--checkpoint.enable", "false", "--model.num_loops", "3"]
+    assert runs[0].args[6:] == ["--checkpoint.enable", "false", "--model.num_loops", "2"]
     assert not configs[runs[0].folder].checkpoint.enable
 
 
@@ -202,7 +202,7 @@ def test_finished_runs_are_skipped_and_cut_ones_resumed(tmp_path, launches, caps
     fake_run(Path(cut.folder), configs[cut.folder], "stopped", 2)
     assert study_tool.main([str(path), "--dry-run"]) == exit_codes.OK
     out = capsys.readouterr().out
-    assert f"run 1 of 4: H3 seed 0 -> {done.folder}: finished at step 4" in out
+    assert f"run 1 of 4: H2 seed 0 -> {done.folder}: finished at step 4" in out
     assert f"run 3 of 4: H1 seed 0 -> {cut.folder}: partial at step 2 (status stopped; " in out
     assert "no checkpoint: starts over" in out and f"{runs[1].folder}: new" in out
     assert launches == [] and not (tmp_path / "out" / "study.json").exists()
@@ -215,15 +215,15 @@ def test_finished_runs_are_skipped_and_cut_ones_resumed(tmp_path, launches, caps
         runs[3].folder,
     ]
     assert launches[1][1:] == cut.args  # the same folder and arguments: the trainer resumes it
-    assert f"study: run 1 of 4: H3 seed 0 -> {done.folder}: finished at step 4, skipped" in lines
+    assert f"study: run 1 of 4: H2 seed 0 -> {done.folder}: finished at step 4, skipped" in lines
     assert any(
         ln.startswith(f"study: run 3 of 4: H1 seed 0 -> {cut.folder}: resuming") for ln in lines
     )
     assert sum(ln.startswith("study: run ") and " done in " in ln for ln in lines) == 3
     record = json.loads((tmp_path / "out" / "study.json").read_text())
     assert [(r["variant"], r["seed"], r["folder"]) for r in record["runs"]] == [
-        ("H3", 0, "H3/seed-0"),
-        ("H3", 1, "H3/seed-1"),
+        ("H2", 0, "H2/seed-0"),
+        ("H2", 1, "H2/seed-1"),
         ("H1", 0, "H1/seed-0"),
         ("H1", 1, "H1/seed-1"),
     ]
@@ -251,7 +251,7 @@ def test_a_run_folder_trained_with_another_config_is_refused(tmp_path, launches,
     fake_run(Path(runs[0].folder), other, "finished", 4)
     assert study_tool.main([str(path)]) == exit_codes.BAD_INPUT
     (err,) = capsys.readouterr().err.strip().splitlines()
-    assert err.startswith(f"study error: [variants.H3] seed 0: {runs[0].folder} was trained with")
+    assert err.startswith(f"study error: [variants.H2] seed 0: {runs[0].folder} was trained with")
     assert f"eval.tokens: 999 → {configs[runs[0].folder].eval.tokens}" in err and launches == []
 
 

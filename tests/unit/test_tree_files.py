@@ -23,8 +23,9 @@ ASSET_FOLDERS: dict[str, tuple[tuple[str, ...], str]] = {
         "the figures the docs show, written by scripts/refresh_docs.py from real runs",
     ),
     "tests/fixtures/": (
-        (".distcp", ".pt", ".bin", ".safetensors"),
-        "a small frozen checkpoint, read by the tests that keep old checkpoints loadable",
+        (".distcp", ".metadata", ".npy"),
+        "a small frozen run (DCP shards and metadata, its pack's arrays), read by the tests that "
+        "keep old checkpoints loadable",
     ),
 }
 SNIFF_BYTES = 8192  # a NUL byte or invalid UTF-8 in the first 8 KiB makes a file binary

@@ -17,7 +17,8 @@ from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
 from torchtitan_loom.config.fields import flavor_problem
-from torchtitan_loom.config.manager import ConfigError, help_text, load_config
+from torchtitan_loom.config.help import help_requested, help_text
+from torchtitan_loom.config.manager import ConfigError, load_config
 
 # What a command line without --job.config_file runs, ./run_train.sh's and `python -m
 # torchtitan_loom.train`'s alike: the debug model on the bundled corpus (in a checkout of the
@@ -46,8 +47,9 @@ def _flavor(cfg: Any) -> list[str]:
 
 def answer_early(argv: list[str]) -> None:
     """Print --help, or the config's problems and exit 2; return when there is nothing to say."""
-    if "--help" in argv or "-h" in argv:
-        print(help_text([a for a in argv if a not in ("--help", "-h")]))
+    wanted, rest_of_argv = help_requested(argv)
+    if wanted:
+        print(help_text(rest_of_argv))
         sys.exit(exit_codes.OK)
     rest = [a for a in argv if a != "--check-config" and not a.startswith("--check-config=")]
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import typing
@@ -66,7 +67,22 @@ def model_section(name: str) -> type:
     dataclass (None keeps the flavor's value). Reads the flavors without importing the model
     (protocols.model_args_of): ValueError for an unknown name."""
     flavors, arg_choices = model_args_of(name)
-    args_cls = type(next(iter(flavors.values())))
+    choices = tuple((k, tuple(v)) for k, v in arg_choices.items())
+    args_cls: Any = type(next(iter(flavors.values())))
+    return _model_section(name, args_cls, tuple(flavors), choices)
+
+
+# Memoised on everything the class is made of (a spec registered anew under the same name with
+# other args gives another key): reading the docs parses the source, ~0.1 s a call, and every
+# config load needs the section twice.
+@functools.lru_cache(maxsize=16)
+def _model_section(
+    name: str,
+    args_cls: Any,
+    flavors: tuple[str, ...],
+    choices: tuple[tuple[str, tuple[str, ...]], ...],
+) -> type:
+    arg_choices = dict(choices)
     docs, hints = attribute_docs(args_cls), typing.get_type_hints(args_cls)
     fields = [
         ("name", str, opt(name, "Registered TrainSpec name; the keys below are its model's.")),
@@ -103,3 +119,17 @@ def _same_section(a: Any, b: Any) -> bool:
 def default_model() -> Any:
     """The [model] section of the default model, all keys unset."""
     return model_section(DEFAULT_MODEL)()
+
+
+def overridden_args(cfg: Any) -> Any:
+    """The flavor's model arguments with every set [model] key applied and the run's init seed,
+    torch-free and not yet validated (validate.resolve_model_args checks them). ValueError for an
+    unknown model name, KeyError for an unknown flavor."""
+    flavors, _ = model_args_of(cfg.model.name)
+    overrides = {
+        k: v
+        for k, v in dataclasses.asdict(cfg.model).items()
+        if k not in ("name", "flavor") and v is not None
+    }
+    overrides["init_seed"] = cfg.training.seed
+    return dataclasses.replace(flavors[cfg.model.flavor], **overrides)

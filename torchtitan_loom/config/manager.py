@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from typing import Any
 
-from torchtitan_loom.config.aliases import ALIASES, AliasError, aliases_of, translate
+from torchtitan_loom.config.aliases import ALIASES, AliasError, translate
 from torchtitan_loom.config.errors import ConfigError
-from torchtitan_loom.config.schema import SECTION_DOCS, JobConfig, model_section
+from torchtitan_loom.config.schema import JobConfig, model_section
 from torchtitan_loom.config.toml_file import flatten, read_toml
 
 # Printed problems: the first MAX_PROBLEMS in full (with a suggestion each), then how many more. A
@@ -36,6 +37,7 @@ def section_types(cfg: JobConfig | None = None) -> dict[str, type]:
     return {f.name: type(getattr(cfg, f.name)) for f in dataclasses.fields(JobConfig)}
 
 
+@functools.lru_cache(maxsize=64)  # a section class never changes; type hints take ~4 ms each
 def section_fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
@@ -55,7 +57,11 @@ def type_name(tp: Any) -> str:
     name = getattr(inner, "__name__", str(inner))
     if typing.get_origin(inner) is list:
         name = f"list[{typing.get_args(inner)[0].__name__}] (comma-separated)"
-    return f"{name} or none" if optional else name
+    if not optional:
+        return name
+    if inner is str or typing.get_origin(inner) is list:  # 'none' is text there (_unsets)
+        return f"{name}, or unset by not giving it"
+    return f"{name} or none (none: unset)"
 
 
 def _nearest(name: str, options: list[str], prefix: str = "", suggest: bool = True) -> str:
@@ -67,13 +73,27 @@ def _nearest(name: str, options: list[str], prefix: str = "", suggest: bool = Tr
     return f"; valid: {', '.join(prefix + o for o in options)}"
 
 
+def _unsets(inner: Any, value: Any) -> bool:
+    """Whether a command-line string unsets an optional key: ``none`` / ``null`` do, but only where
+    no value of the key can be spelled so. A text key's ``none`` is that text (``--model.ffn_branch_rms
+    none`` is the choice 'none', never "the flavor's value"); such a key is unset by not giving it."""
+    if inner is str or typing.get_origin(inner) is list:
+        return False
+    return str(value).lower() in ("none", "null")
+
+
 def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     """Convert a TOML value or CLI string to the annotated type, or raise ConfigError."""
     inner, optional = _split_optional(tp)
     if isinstance(value, _BareFlag) and inner is not bool:
         raise ConfigError(f"--{key} is given without a value; it takes {type_name(tp)}")
-    bad = ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
-    if optional and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
+    if optional and not from_cli:  # a file has no none: an unset key is one left out
+        bad = ConfigError(
+            f"{key}: expected {type_name(inner)} (leave it out to unset it), got {value!r}"
+        )
+    else:
+        bad = ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if optional and (value is None or (from_cli and _unsets(inner, value))):
         return None
     if inner is bool:
         if isinstance(value, bool):
@@ -135,8 +155,9 @@ def schema_of(cfg: JobConfig) -> Schema:
 
 def _set(
     cfg: JobConfig, sections: Schema, dotted: str, value: Any, from_cli: bool, suggest: bool = True
-) -> None:
-    """Check and set one key (``suggest``: name the nearest valid key of a wrong one)."""
+) -> str:
+    """Check and set one key (``suggest``: name the nearest valid key of a wrong one); returns the
+    key as the schema spells it."""
     try:  # a TorchTitan spelling becomes ours here, before any check (aliases.py)
         dotted, value, _ = translate(dotted.replace("-", "_"), value)
     except AliasError as exc:
@@ -165,6 +186,7 @@ def _set(
     if choices and value is not None and value not in choices:
         raise ConfigError(f"{sec}.{key}: {value!r} is not one of {', '.join(choices)}")
     setattr(getattr(cfg, sec), key, value)
+    return f"{sec}.{key}"
 
 
 class _BareFlag(str):
@@ -202,6 +224,10 @@ def problems_message(errors: list[str]) -> str:
     return "\n".join(errors[:MAX_PROBLEMS] + [f"... and {more:,} more problems (fix these first)"])
 
 
+def _both_spellings(alias: str, key: str, origin: str) -> str:
+    return f"{alias} and {key} are both given ({origin}): give one of them"
+
+
 def _per_step(written: str, key: str, value: Any, from_cli: bool) -> tuple[str, str, int]:
     """A step count given for a fraction-of-training key (warmup_steps): checked now, divided later."""
     steps = _coerce(written, int, value, from_cli)
@@ -210,26 +236,75 @@ def _per_step(written: str, key: str, value: Any, from_cli: bool) -> tuple[str, 
     return written, key, steps
 
 
-def load_config(argv: list[str]) -> JobConfig:
+# Where a value came from, in JobConfig.given: the command line, or the file's path.
+CLI = "command line"
+
+
+def _file_sources(path: str, errors: list[str]) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, path) of a config file; a table that is not a section, a section that is
+    not the schema's and a config_file inside a file are problems (files do not include files)."""
+    out: list[tuple[str, Any, str]] = []
+    for sec, table in read_toml(path).items():
+        if not isinstance(table, dict):
+            errors.append(
+                f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}"
+            )
+            continue
+        try:
+            pairs = flatten(sec, table)
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
+        for key, value in pairs:
+            if key.replace("-", "_") == "job.config_file":
+                errors.append(
+                    f"job.config_file = {value!r} in {path}: a config file cannot name another; "
+                    f"give --job.config_file on the command line"
+                )
+                continue
+            out.append((key, value, path))
+    return out
+
+
+def _flavor_switch_errors(sources: list[tuple[str, Any, str]], cfg: JobConfig) -> list[str]:
+    """A file's [model] values were written for its flavor: when the command line chooses another
+    model or flavor, each of them must be given again there (else the file's value would silently
+    outrank the new flavor's own, e.g. the debug preset's H under loom_329m)."""
+    file_meta = {
+        k: v for k, v, src in sources if src != CLI and k in ("model.name", "model.flavor")
+    }
+    cli_keys = {k for k, _, src in sources if src == CLI}
+    if not ({"model.name", "model.flavor"} & cli_keys):
+        return []
+    written_for = (file_meta.get("model.name", cfg.model.name), file_meta.get("model.flavor"))
+    if written_for == (cfg.model.name, cfg.model.flavor):
+        return []
+    return [
+        f"{k} = {v!r} ({src}) was written for model {written_for[0]} flavor "
+        f"{written_for[1] or 'default'}; the command line chose {cfg.model.name} flavor "
+        f"{cfg.model.flavor}: give --{k} there too, or use a config file for that flavor"
+        for k, v, src in sources
+        if src != CLI and k.startswith("model.") and k not in file_meta and k not in cli_keys
+    ]
+
+
+def load_config(
+    argv: list[str], file_values: list[tuple[str, Any]] | None = None, where: str = ""
+) -> JobConfig:
     """Build the JobConfig from argv (without the program name). Raises ConfigError naming every
-    bad key and value (one line each; an unreadable argv or TOML file stops at once)."""
+    bad key and value (one line each; an unreadable argv or TOML file stops at once).
+    ``file_values``: typed values read as a TOML file reads them (a study's overrides), applied
+    after the config file and before the command line, their origin named ``where``.
+    The result's ``given`` maps each key a source set to where it came from (CLI or a path)."""
     pairs = parse_cli(argv)
     cfg = JobConfig()
     errors: list[str] = []
-    config_file = next((v for k, v in pairs if k in ("job.config_file", "job.config-file")), "")
-    sources: list[tuple[str, Any, bool]] = []
-    if config_file:
-        for sec, table in read_toml(config_file).items():
-            if not isinstance(table, dict):
-                errors.append(
-                    f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}"
-                )
-                continue
-            try:
-                sources += [(k, v, False) for k, v in flatten(sec, table)]
-            except ConfigError as exc:
-                errors.append(str(exc))
-    sources += [(k, v, True) for k, v in pairs]
+    files = [v for k, v in pairs if k.replace("-", "_") == "job.config_file"]
+    sources: list[tuple[str, Any, str]] = []  # (key as written, value, origin)
+    if files and files[-1]:  # the last one given, as for every key (it is the one recorded)
+        sources += _file_sources(str(files[-1]), errors)
+    sources += [(k, v, where or "the study file") for k, v in file_values or []]
+    sources += [(k, v, CLI) for k, v in pairs]
     # [model]'s keys are the chosen model's: find the name first (the last one given wins).
     names = [v for k, v, _ in sources if k == "model.name"]
     if names:
@@ -240,15 +315,24 @@ def load_config(argv: list[str]) -> JobConfig:
             sources = [src for src in sources if src[0] != "model.name"]
     schema = schema_of(cfg)
     # Step counts for fraction keys wait for the final training.steps; a later canonical write wins.
+    # A later source outranks an earlier one whichever spelling each uses; both spellings in one
+    # source are refused (which one is meant cannot be guessed).
     pending: dict[str, tuple[str, str, int]] = {}
-    for key, value, from_cli in sources:
+    for key, value, origin in sources:
+        from_cli = origin == CLI
         try:
             alias = ALIASES.get(key.replace("-", "_"))
             if alias is not None and alias.per_training_step:
+                if cfg.given.get(alias.key) == origin:
+                    errors.append(_both_spellings(key, alias.key, origin))
                 pending[alias.key] = _per_step(key, alias.key, value, from_cli)
+                cfg.given[alias.key] = origin
                 continue
-            _set(cfg, schema, key, value, from_cli, suggest=len(errors) < MAX_PROBLEMS)
-            pending.pop(key.replace("-", "_"), None)
+            dotted = _set(cfg, schema, key, value, from_cli, suggest=len(errors) < MAX_PROBLEMS)
+            if dotted in pending and cfg.given.get(dotted) == origin:
+                errors.append(_both_spellings(pending[dotted][0], dotted, origin))
+            pending.pop(dotted, None)
+            cfg.given[dotted] = origin
         except ConfigError as exc:
             errors.append(str(exc))
     for written, key, steps in pending.values():
@@ -257,88 +341,7 @@ def load_config(argv: list[str]) -> JobConfig:
             errors.append(f"{written} = {steps}: must lie in [0, training.steps = {total}]")
         else:
             _set(cfg, schema, key, steps / total, from_cli=False)
+    errors += _flavor_switch_errors(sources, cfg)
     if errors:
         raise ConfigError(problems_message(errors), partial=cfg)
     return cfg
-
-
-def help_text(argv: list[str] | None = None) -> str:
-    """Every section and key with its type, value and doc (what --help prints). With ``argv`` (the
-    rest of the command line: a config file, overrides), each value is the one that command would
-    run with, and the header names the file it came from; a problem in it is named, and the
-    schema's defaults shown instead."""
-    values, source, problem = None, "the schema's defaults (no config file)", None
-    if argv:
-        try:
-            values = load_config(argv)
-        except ConfigError as exc:
-            problem = str(exc).splitlines()[0]
-        else:
-            file = values.job.config_file
-            source = f"{file} over the schema's defaults" if file else "the schema's defaults"
-            if any(a.startswith("--") and "config_file" not in a for a in argv):
-                source += ", with the command line's overrides"
-    lines = [
-        "usage: run_train.sh [--job.config_file FILE] [--section.key VALUE ...]",
-        "Precedence: CLI > TOML > defaults. Booleans: --section.flag / --section.flag false.",
-        f"Values shown: {source}."
-        if problem is None
-        else f"Values shown: the schema's defaults "
-        f"(the command's config has a problem: {problem}).",
-        "",
-    ]
-    for sec, cls in section_types().items():
-        lines.append(f"[{sec}]  {SECTION_DOCS.get(sec, '')}")
-        for key, (tp, f) in section_fields(cls).items():
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            else:
-                assert f.default_factory is not dataclasses.MISSING, f"{sec}.{key} has no default"
-                default = f.default_factory()
-            if values is not None and sec != "model":
-                default = getattr(getattr(values, sec), key)
-            extra = (
-                f" (one of: {', '.join(f.metadata['choices'])})"
-                if f.metadata.get("choices")
-                else ""
-            )
-            lines.append(
-                f"  --{sec}.{key}  {type_name(tp)} = {default!r}{extra}{_alias_note(f'{sec}.{key}')}"
-            )
-            lines.append(f"      {f.metadata.get('doc', '')}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _alias_note(key: str) -> str:
-    """' (TorchTitan: --a.b, values x = y)' for a key with TorchTitan spellings or value translations."""
-    notes = [
-        f"--{tt}" + (" (steps, → steps / training.steps)" if ALIASES[tt].per_training_step else "")
-        for tt in aliases_of(key)
-    ]
-    for tt, a in ALIASES.items():
-        if a.key == key and a.values:
-            notes.append(
-                ", ".join(f"{tt.rsplit('.', 1)[1]} {v!r} = {o!r}" for v, o in a.values.items())
-            )
-    return f"  (TorchTitan: {'; '.join(notes)})" if notes else ""
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def to_toml(cfg: JobConfig) -> str:
-    """The resolved config as TOML that load_config reads back (None values are omitted)."""
-    out = []
-    for sec, table in cfg.to_dict().items():
-        out.append(f"[{sec}]")
-        out += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
-        out.append("")
-    return "\n".join(out)

@@ -88,6 +88,12 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
 
+    def __post_init__(self) -> None:
+        # Which keys a source set (dotted key -> the command line or a file's path), filled by
+        # load_config; not a field, so the resolved config and its TOML hold values only. A
+        # value equal to its default still counts as given (e.g. a degree pinned under "auto").
+        self.given: dict[str, str] = {}
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
-from torchtitan_loom.config.fields import flavor_problem
+from torchtitan_loom.config.fields import flavor_problem, overridden_args
+from torchtitan_loom.config.gates import gated_problems
 from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
 from torchtitan_loom.config.manager import INT_MAX, ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
@@ -45,25 +46,16 @@ class Resolved(NamedTuple):
 MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_BATCH_TOKENS = 2**31 - 1
 
-# Model-section keys that are not model-args overrides.
-_MODEL_META_KEYS = ("name", "flavor")
-
 
 def resolve_model_args(cfg: JobConfig) -> Any:
     """The flavor's args with every non-None [model] override applied, validated."""
     try:
-        spec = get_train_spec(cfg.model.name)
+        get_train_spec(cfg.model.name)  # an unknown name is said here, the flavor below
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"model.name: {exc}") from None
     if problem := flavor_problem(cfg.model.name, cfg.model.flavor):
         raise ConfigError(problem)
-    overrides = {
-        k: v
-        for k, v in dataclasses.asdict(cfg.model).items()
-        if k not in _MODEL_META_KEYS and v is not None
-    }
-    overrides["init_seed"] = cfg.training.seed
-    args = dataclasses.replace(spec.model_args[cfg.model.flavor], **overrides)
+    args = overridden_args(cfg)
     try:
         args.validate()
     except ValueError as exc:
@@ -91,8 +83,10 @@ def _parallel_dims(
         return None
 
 
-# A degree at its schema default is free for parallelism.layout = "auto"; any other value is pinned.
-_FREE_DEGREES = {"dp_replicate": 1, "dp_shard": -1, "ep": 1}
+# The degrees "auto" chooses. One given in the config (file or command line) is pinned, whatever
+# its value (a degree given at its default is a choice too); dp_shard = -1 means "the rest" and
+# stays free.
+_FREE_DEGREES = ("dp_replicate", "dp_shard", "ep")
 
 
 def _auto_layout(
@@ -106,8 +100,11 @@ def _auto_layout(
             f"(TrainSpec.cost_fn) to rank layouts with; set parallelism.layout = 'degrees'"
         )
         return None
-    pinned = {k: getattr(cfg.parallelism, k) for k, free in _FREE_DEGREES.items()}
-    pinned = {k: v for k, v in pinned.items() if v != _FREE_DEGREES[k]}
+    pinned = {
+        k: getattr(cfg.parallelism, k)
+        for k in _FREE_DEGREES
+        if f"parallelism.{k}" in cfg.given and getattr(cfg.parallelism, k) != -1
+    }
     no_ep = cfg.float8.enable and cfg.float8.experts  # float8 experts do not run under EP yet
 
     def allowed(dims: ParallelDims) -> bool:
@@ -249,6 +246,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
                 "pip install 'torchtitan_loom[wandb]' or set metrics.enable_wandb = false"
             )
     errors += diagnostics_errors(cfg)
+    errors += gated_problems(cfg)[0]
     if t.gc_freq < 0:
         errors.append(f"training.gc_freq = {t.gc_freq}: must be ≥ 0 (0 = Python's automatic GC)")
     for key in ("init_timeout_seconds", "train_timeout_seconds"):

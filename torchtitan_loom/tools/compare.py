@@ -41,6 +41,7 @@ def default_out(paths: list[str], first_run: str) -> str:
 
 def compare(paths: list[str], out: str | None, force: bool, progress: Progress) -> str:
     """Read, group and write; returns the console table. CompareError for bad input."""
+    from torchtitan_loom.tools.compare_diff import same_losses
     from torchtitan_loom.tools.compare_report import NAMES, write_outputs
     from torchtitan_loom.tools.compare_runs import find_runs, group_runs, model_sizes, summarize
     from torchtitan_loom.tools.out_files import check_out, clear_out, make_out
@@ -59,6 +60,9 @@ def compare(paths: list[str], out: str | None, force: bool, progress: Progress) 
     progress.phase("counting the models' parameters (built on the meta device)")
     model_sizes(runs, warn)
     groups = group_runs(runs)
+    for alike in same_losses(groups):  # a row that differs from another by name only
+        warn(alike)
+        notes.append(alike)
     for g in groups:
         left = [r for r in g.runs if r.status != "finished"]
         notes += [f"{r.path}: {r.status} at step {r.step}, not in {g.name}'s numbers" for r in left]

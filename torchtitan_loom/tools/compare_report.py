@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from torchtitan_loom.tools.compare_diff import changes, changes_table
 from torchtitan_loom.tools.compare_runs import Group, RunSummary, group_numbers, run_numbers
 from torchtitan_loom.tools.out_files import write_figure, write_file
 
@@ -189,6 +190,10 @@ def write_outputs(
     """compare.md, compare.json and the figures into ``out`` (which exists); the console table."""
     numbers = [group_numbers(g) for g in groups]
     table = group_table(numbers)
+    changed = changes_table(groups)
+    table += ["", *changed] if changed else []
+    for g in numbers:
+        g["changes"] = {k: v for k, (v, _) in changes(groups).get(g["name"], {}).items()}
     md = [
         f"# Comparison of {len(runs)} runs in {len(groups)} groups",
         "",

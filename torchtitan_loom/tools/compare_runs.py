@@ -11,7 +11,8 @@ What is read, per run folder (a folder holding run.json and metrics.jsonl):
   resumed from (its first row carries ``launch.resumed_from_step``). A damaged line is skipped
   with one warning (tools/input_files.py).
 - run.json: the status and step, the model's params, active params and FLOPs per token as the
-  trainer counted them, and each ended launch's seconds; config.toml: the seed and the grouping;
+  trainer counted them, each ended launch's seconds and the resolved configuration (what
+  compare_diff reports each group changes); config.toml: the seed and the grouping;
   study.json (of a study folder): each run's variant and the wall seconds the study's launches took
   (preferred: it includes the launches' start-up).
 - params and active params of a run.json written before they were recorded: the model built on
@@ -72,6 +73,8 @@ class RunSummary:
     params: int | None = None
     active_params: int | None = None
     group: str = ""
+    resolved: dict[str, Any] = field(default_factory=dict)  # run.json's, else config.toml's keys
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) as logged
 
     @property
     def seed(self) -> int | None:
@@ -195,12 +198,14 @@ def summarize(ref: RunRef, warn: Warn) -> RunSummary:
         run = json.loads(safe_files.read_text(os.path.join(path, "run.json")))
         status, step = str(run.get("status")), int(run.get("step") or 0)
         recorded = run.get("model") if isinstance(run.get("model"), dict) else {}
+        resolved = run.get("resolved") if isinstance(run.get("resolved"), dict) else config
         secs = [launch.get("seconds") for launch in run.get("launches") or []]
         if secs and all(_number({"s": s}, "s") is not None for s in secs):
             launch_s = float(sum(secs))
     except (OSError, ValueError, AttributeError, TypeError, RecursionError):
         warn(f"{os.path.join(path, 'run.json')}: unreadable; its status is unknown")
         status, step = "unknown", max((r["step"] for r in rows), default=0)
+        resolved = config
     seen = [(r["step"], t) for r in rows if (t := _number(r, "tokens_seen")) is not None]
     xs, ys = [0.0, *(s for s, _ in seen)], [0.0, *(t for _, t in seen)]
     evals = []
@@ -250,6 +255,8 @@ def summarize(ref: RunRef, warn: Warn) -> RunSummary:
         scores=scores,
         params=_int(recorded.get("params")),
         active_params=_int(recorded.get("active_params")),
+        resolved=resolved,
+        losses=[(r["step"], v) for r in rows if (v := _number(r, "loss")) is not None],
     )
 
 

@@ -1,16 +1,22 @@
 """How many loops does a token need: a depth report for any checkpoint.
 
-    python -m torchtitan_loom.tools.depth CKPT [--data PACK] [--tokens N] [--max-loops N]
-        [--beyond last,cycle] [--kl T,T,..] [--confidence T,T,..] [--adaptive-max N] [--out DIR]
+    python -m torchtitan_loom.tools.depth CKPT [--data PACK] [--tokens N] [--capacity off]
+        [--max-loops N] [--beyond last,cycle] [--kl T,T,..] [--confidence T,T,..]
+        [--adaptive-max N] [--out DIR]
 
 Held-out loss (and the run's downstream task scores, ``--tasks``) after each of loops 1..2H (past the trained H the routers follow each --beyond
 policy: ``last`` reuses router H, ``cycle`` runs routers 1..H again), and per-token adaptive exit
 swept over thresholds of two criteria (components/evaluation/adaptive_exit.py): the curve of loss
 against mean loops per token and forward FLOPs per token, with the fixed-depth points on the same
-axes. A table on the console and in ``depth.md``, the numbers in ``depth.json``, the figure in
-``depth.png``, by default under ``<run folder>/depth/step-<N>/`` (never the current directory;
-an occupied folder needs --force, and only those three files are replaced). CKPT and the
-held-out data as for tools.analyze. Progress lines on stdout. Bad input: one line, exit code 2.
+axes; each adaptive point is set against the fixed-depth curve at its mean loops and FLOPs, and
+the verdict credits an exit only with the loops it saves beyond the fewest fixed loops within 1%
+of the best fixed-depth loss (tools/depth_verdict.py). By default it reads and runs what the run's
+held-out eval does (tools/depth_settings.py: the loss after H loops is the logged eval_loss), and
+names every setting that differs from it. A table on the console and in ``depth.md``, the
+numbers in ``depth.json``, the figure in ``depth.png``, by default under
+``<run folder>/depth/step-<N>/`` (never the current directory; an occupied folder needs --force,
+and only those three files are replaced). CKPT and the held-out data as for tools.analyze.
+Progress lines on stdout. Bad input: one line, exit code 2.
 This module is the command line (no torch before its first line); tools/depth_run.py measures,
 tools/depth_report.py writes.
 """
@@ -23,6 +29,7 @@ from typing import Any
 
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.tools.depth_settings import CAPACITY
 from torchtitan_loom.tools.progress import Progress
 
 # The default sweeps: thresholds spaced to span "exits nothing" to "exits most tokens" on the
@@ -44,9 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("ckpt", help="checkpoint directory (step-N), checkpoint folder or run folder")
     p.add_argument("--data", default=None, help="pack whose holdout is read (default: the run's)")
-    p.add_argument("--tokens", type=int, default=20_000, help="held-out tokens (default 20000)")
-    p.add_argument("--seq-len", type=int, default=None, help="row length (default: the run's)")
-    p.add_argument("--batch-rows", type=int, default=8, help="rows per forward (default 8)")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="held-out tokens (default: the run's eval.tokens)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="row length (default: training.seq_len)"
+    )
+    p.add_argument(
+        "--batch-rows",
+        type=int,
+        default=None,
+        help="rows per forward (default: training.micro_batch_size, as the eval runs them)",
+    )
+    p.add_argument(
+        "--capacity",
+        choices=CAPACITY,
+        default="trained",
+        help="MoE capacity dropping: as trained, which the eval measured (default), or off, as "
+        "generate and lm_eval run",
+    )
     p.add_argument("--max-loops", type=int, default=None, help="deepest fixed depth (default 2H)")
     p.add_argument(
         "--beyond", default="last,cycle", help="policies past H to measure (default last,cycle)"
@@ -99,8 +122,8 @@ def plan_maker(ns: argparse.Namespace):
         raise ValueError(
             "--tasks none scores no task: leave out --tasks-dir, --only-tasks-dir, --limit"
         )
-    for key in ("tokens", "batch_rows"):
-        if getattr(ns, key) < 1:
+    for key in ("tokens", "batch_rows", "seq_len"):
+        if getattr(ns, key) is not None and getattr(ns, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} {getattr(ns, key)}: must be ≥ 1")
 
     def plan(H: int) -> DepthPlan:
@@ -160,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise DepthError(str(exc)) from None
 
         with torch.no_grad():
+            flags = {
+                k: getattr(ns, k) for k in ("data", "tokens", "seq_len", "batch_rows", "capacity")
+            }
             path, numbers = run_depth(
                 ns.ckpt,
-                ns.data,
-                ns.tokens,
+                flags,
                 ns.out,
                 ns.force,
-                ns.seq_len,
-                ns.batch_rows,
                 checked_plan,
                 progress,
                 tasks_maker(ns),

@@ -3,25 +3,24 @@
 loss against loops per token and against forward FLOPs per token, fixed depth and adaptive exit
 on the same axes, so the saving at equal loss is read off directly).
 
-The verdict: the fewest mean loops per token of an adaptive point whose loss is within 1% of the
-loss after the trained H loops, or a plain sentence saying that no point reached it.
+Every adaptive point is set against the fixed-depth curve at its mean loops and at its FLOPs, and
+the verdict credits an exit only with the loops it saves beyond the fewest fixed loops within 1% of
+the best fixed-depth loss (tools/depth_verdict.py says how).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
 
 from torchtitan_loom.tools import out_files
+from torchtitan_loom.tools.depth_verdict import WITHIN, against_curve, baseline, verdict
 
-WITHIN = 0.01  # the verdict's loss margin over full depth
 
-
-def report(
-    sums: dict[str, Any], plan: Any, flops: Any, loaded: Any, data: str, seq_len: int
-) -> dict[str, Any]:
-    """depth.json's payload from measure()'s sums."""
+def report(sums: dict[str, Any], plan: Any, flops: Any, loaded: Any, reads: Any) -> dict[str, Any]:
+    """depth.json's payload from measure()'s sums; ``reads`` is depth_settings.Reads."""
     n = sums["tokens"]
     H = loaded.model.num_loops
     fixed = {
@@ -42,49 +41,28 @@ def report(
         }
         for s in sums["sweeps"]
     ]
+    curve = fixed[plan.policies[0]]  # the policy adaptive loops past H run under
+    base = baseline(curve, H)
+    adaptive = [{**a, **against_curve(a, curve, base)} for a in adaptive]
     deeper = {
         p: sum(r["loss"] for r in rows[H:]) / max(len(rows) - H, 1) for p, rows in fixed.items()
     }
     better = min(deeper, key=lambda p: deeper[p]) if plan.max_loops > H else None
-    full = fixed[plan.policies[0]][H - 1]["loss"]
     return {
         "checkpoint": loaded.checkpoint,
         "step": loaded.step,
         "trained_loops": H,
-        "data": data,
-        "seq_len": seq_len,
+        "data": reads.val_path or reads.data,
+        "seq_len": reads.seq_len,
         "tokens": n,
+        "reads": dataclasses.asdict(reads),
+        "reads_text": reads.describe(),
         "adaptive_max_loops": plan.adaptive_max,
         "fixed": fixed,
         "better_beyond": better,
         "adaptive": adaptive,
-        "verdict": verdict(full, H, adaptive),
+        "verdict": verdict(curve, H, adaptive),
     }
-
-
-def verdict(full: float, H: int, adaptive: list[dict[str, Any]]) -> dict[str, Any]:
-    """The cheapest adaptive point within WITHIN of the full-depth loss, and a sentence."""
-    target = full * (1 + WITHIN)
-    ok = [a for a in adaptive if a["loss"] <= target and a["mean_loops"] < H]
-    best = min(ok, key=lambda a: a["mean_loops"]) if ok else None
-    if best is None:
-        closest = min(adaptive, key=lambda a: a["loss"] / full + a["mean_loops"] / H, default=None)
-        text = (
-            f"no adaptive point ran fewer than H={H} loops per token within {WITHIN:.0%} of the "
-            f"full-depth loss {full:.4f}"
-        )
-        if closest is not None:
-            text += (
-                f" (closest: {closest['criterion']} < {closest['threshold']:g}, "
-                f"{closest['mean_loops']:.2f} loops, loss {closest['loss']:.4f})"
-            )
-    else:
-        text = (
-            f"{best['criterion']} exit below {best['threshold']:g}: {best['mean_loops']:.2f} loops "
-            f"per token instead of {H} ({1 - best['mean_loops'] / H:.0%} fewer) at loss "
-            f"{best['loss']:.4f}, within {WITHIN:.0%} of full depth {full:.4f}"
-        )
-    return {"full_depth_loss": full, "target_loss": target, "best": best, "text": text}
 
 
 def tables(numbers: dict[str, Any]) -> str:
@@ -100,24 +78,33 @@ def tables(numbers: dict[str, Any]) -> str:
         mark = " (H)" if row["loops"] == H else ""
         losses = " | ".join(f"{fixed[p][i]['loss']:.4f}" for p in policies)
         lines.append(f"| {row['loops']}{mark} | {losses} | {row['gflops_per_token']:.4f} |")
-    full = numbers["verdict"]["full_depth_loss"]
+    d = numbers["verdict"]["depth"]
     lines += [
         "",
-        "| exit | threshold | mean loops | loss | vs loops 1..H | GFLOP/token |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| exit | threshold | mean loops | loss | vs fixed curve, same loops | "
+        f"vs fixed curve, same FLOPs | loops saved vs depth {d} | GFLOP/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for a in numbers["adaptive"]:
         lines.append(
             f"| {a['criterion']} | {a['threshold']:g} | {a['mean_loops']:.2f} | {a['loss']:.4f} | "
-            f"{a['loss'] / full - 1:+.2%} | {a['gflops_per_token']:.4f} |"
+            f"{_vs(a['loss'], a['curve_loss_at_loops'])} | "
+            f"{_vs(a['loss'], a['curve_loss_at_flops'])} | "
+            f"{a['loops_saved']:.2f} | {a['gflops_per_token']:.4f} |"
         )
     lines += _task_table(numbers.get("task_scores"), H)
     better = numbers["better_beyond"]
     lines.append("")
     if better is not None:
         lines.append(f"Loops past H: the {better} policy gives the lower loss here.")
+    lines.append(f"{numbers['reads_text']}.")
     lines.append(f"Verdict: {numbers['verdict']['text']}.")
     return "\n".join(lines)
+
+
+def _vs(loss: float, curve: float | None) -> str:
+    """A point's loss against the fixed curve's there: + above it (worse), - below; — past it."""
+    return "—" if curve is None else f"{round(loss / curve - 1, 4) + 0.0:+.2%}"  # no "-0.00%"
 
 
 def _task_table(tasks: dict[str, Any] | None, H: int) -> list[str]:
@@ -150,13 +137,19 @@ def write_report(numbers: dict[str, Any], out: str) -> str:
         "",
         f"Checkpoint `{numbers['checkpoint']}` (trained with H = {numbers['trained_loops']} loops); "
         f"held-out loss over {numbers['tokens']:,} tokens of `{numbers['data']}` in rows of "
-        f"{numbers['seq_len']}. Past H the routers follow a policy: `last` reuses router H, "
-        "`cycle` runs routers 1..H again. Adaptive exit stops each token after the first loop "
+        f"{numbers['seq_len']} (the settings line below the tables says where they differ from "
+        "the run's own held-out eval). Past H the routers follow a policy: `last` reuses router "
+        "H, `cycle` runs routers 1..H again. Adaptive exit stops each token after the first loop "
         "where its criterion is below the threshold (kl: KL between successive loops' "
         "predictions; confidence: 1 - top probability), up to "
         f"{numbers['adaptive_max_loops']} loops; an exited token's keys and values in deeper "
         "loops are its exit loop's. Forward FLOPs per token count the head once per prediction "
-        "read (an adaptive token reads one after every loop it runs).",
+        "read (an adaptive token reads one after every loop it runs). Each adaptive point is "
+        "set against the fixed-depth curve (straight lines between the fixed depths) at its mean "
+        "loops and at its FLOPs: + above it (worse than fixed depths), - below. An exit is "
+        "credited only with the loops it saves beyond the fewest fixed loops whose loss is within "
+        f"{WITHIN:.0%} of the best fixed-depth loss at depths 1..H, and only when it is within "
+        f"{WITHIN:.0%} itself and below the curve.",
         "",
         tables(numbers),
         "",
@@ -195,6 +188,14 @@ def _figure(numbers: dict[str, Any], path: str, owner: str) -> None:
             )
             xs = [a["mean_loops"] if x_key == "loops" else a[x_key] for a in pts]
             ax.plot(xs, [a["loss"] for a in pts], "^-", label=f"adaptive exit ({criterion})")
+        v = numbers["verdict"]
+        ax.axhline(
+            v["target_loss"],
+            color="grey",
+            linestyle="--",
+            linewidth=0.8,
+            label=f"within {v['within']:.0%} of the best fixed depth (fewest loops: {v['depth']})",
+        )
         if x_key == "loops":
             ax.axvline(H, color="grey", linestyle=":", label=f"trained H = {H}")
         ax.set_xlabel(label)

@@ -2,9 +2,12 @@
 every loop up to 2H under each beyond-H policy, and per-token adaptive exit swept over thresholds,
 with the forward FLOPs per token of each point. tools/depth_report.py writes what this returns.
 
-Fixed depth: loops 1..H run once per batch (the policies agree there), then loops H+1.. from the
-carry of loop H once per policy. Adaptive: one pass per (criterion, threshold) up to the deepest
-adaptive loop (components/evaluation/adaptive_exit.py), its loops past H under the better policy.
+What is read and how (tools/depth_settings.Reads): by default the run's held-out eval slice, each
+batch run in forwards of the eval's micro-batch rows, with capacity dropping as trained
+(as_trained), so the loss after H loops is the eval's. Per forward: loops 1..H once (the
+policies agree there), then loops H+1.. from the carry of loop H once per policy. Adaptive: one
+pass per (criterion, threshold) up to the deepest adaptive loop
+(components/evaluation/adaptive_exit.py), its loops past H under the first --beyond policy.
 
 Forward FLOPs per token (the model's own count, without the backward): a loop's share of the
 trained H loops, plus the head once per loop whose prediction is read (fixed depth reads it once,
@@ -69,37 +72,51 @@ class FlopCount:
 
 
 @torch.no_grad()
-def measure(model: Any, loader: Any, plan: DepthPlan, progress: Progress) -> dict[str, Any]:
-    """Sums over the loader's batches: {"ce": {policy: [CE sum after each loop]}, "sweeps":
-    [Sweep], "tokens": N}. Adaptive loops past H (only with adaptive_max > H) use the first policy."""
-    H = model.num_loops
+def measure(
+    model: Any, loader: Any, plan: DepthPlan, progress: Progress, forward_rows: int
+) -> dict[str, Any]:
+    """Sums over the loader's batches, each run ``forward_rows`` rows at a time (as the trainer's
+    eval runs its micro-batches): {"ce": {policy: [CE sum after each loop]}, "sweeps": [Sweep],
+    "tokens": N}. Adaptive loops past H (only with adaptive_max > H) use the first policy."""
     ce = {p: [0.0] * plan.max_loops for p in plan.policies}
     sweeps = [Sweep(c, thr) for c in CRITERIA for thr in plan.thresholds.get(c, [])]
     n_tok, n_batches = 0, 0
-    for batch in loader:
-        carry = None
-        for t in range(1, H + 1):  # every policy's loops 1..H are the trained ones
-            out = _loop(model, batch, t, carry)
-            carry, loss = out.carry, float(token_ce_sum(out.logits_BSV, batch["labels"]))
-            for policy in plan.policies:
-                ce[policy][t - 1] += loss
-        for policy in plan.policies:
-            model.set_beyond_policy(policy)
-            deeper = carry
-            for t in range(H + 1, plan.max_loops + 1):
-                out = _loop(model, batch, t, deeper)
-                deeper = out.carry
-                ce[policy][t - 1] += float(token_ce_sum(out.logits_BSV, batch["labels"]))
-        model.set_beyond_policy(plan.policies[0])
-        for sweep in sweeps:
-            sweep.add(
-                *adaptive_pass(model, batch, sweep.criterion, sweep.threshold, plan.adaptive_max)
-            )
-        n_tok += int(count_valid(batch["labels"]))
+    for rows in loader:
+        for lo in range(0, rows["input_ids"].shape[0], forward_rows):
+            batch = {k: v[lo : lo + forward_rows] for k, v in rows.items()}
+            _measure_forward(model, batch, plan, ce, sweeps)
+            n_tok += int(count_valid(batch["labels"]))
         n_batches += 1
         line = f"{n_tok:,} held-out tokens measured ({count(n_batches, 'batch')})"
         progress.tick(line)
     return {"ce": ce, "sweeps": sweeps, "tokens": n_tok}
+
+
+def _measure_forward(
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    plan: DepthPlan,
+    ce: dict[str, list[float]],
+    sweeps: list[Sweep],
+) -> None:
+    """One forward's rows into the sums of measure()."""
+    H = model.num_loops
+    carry = None
+    for t in range(1, H + 1):  # every policy's loops 1..H are the trained ones
+        out = _loop(model, batch, t, carry)
+        carry, loss = out.carry, float(token_ce_sum(out.logits_BSV, batch["labels"]))
+        for policy in plan.policies:
+            ce[policy][t - 1] += loss
+    for policy in plan.policies:
+        model.set_beyond_policy(policy)
+        deeper = carry
+        for t in range(H + 1, plan.max_loops + 1):
+            out = _loop(model, batch, t, deeper)
+            deeper = out.carry
+            ce[policy][t - 1] += float(token_ce_sum(out.logits_BSV, batch["labels"]))
+    model.set_beyond_policy(plan.policies[0])
+    for sweep in sweeps:
+        sweep.add(*adaptive_pass(model, batch, sweep.criterion, sweep.threshold, plan.adaptive_max))
 
 
 def _loop(model: Any, mb: dict[str, torch.Tensor], t: int, carry: Any) -> Any:
@@ -118,35 +135,34 @@ OUT_NAMES = frozenset({"depth.md", "depth.json", "depth.png"})
 
 def run_depth(
     ckpt_arg: str,
-    data: str | None,
-    tokens: int,
+    flags: dict[str, Any],
     out: str | None,
     force: bool,
-    seq_len: int | None,
-    batch_rows: int,
     plan_of: Any,
     progress: Progress,
     tasks_of: Any = None,
 ) -> tuple[str, dict[str, Any]]:
-    """Load, measure and write; returns (depth.md's path, the report's numbers). ``plan_of(H)``
-    builds the DepthPlan once the trained H is known (DepthError for a bad one); ``tasks_of(run
-    config)`` the [eval] section whose downstream_tasks are scored at each depth (None: none)."""
+    """Load, measure and write; returns (depth.md's path, the report's numbers). ``flags``: the
+    keywords of depth_settings.resolve (data, tokens, seq_len, batch_rows, capacity; None: the
+    run's eval's). ``plan_of(H)`` builds the DepthPlan once the trained H is known (DepthError
+    for a bad one); ``tasks_of(run config)`` the [eval] section whose downstream_tasks are scored
+    at each depth (None: none)."""
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError
     from torchtitan_loom.protocols import ExitsPerToken
     from torchtitan_loom.tools import out_files
     from torchtitan_loom.tools.analyze_run import default_out
     from torchtitan_loom.tools.depth_report import report, write_report
+    from torchtitan_loom.tools.depth_settings import resolve
     from torchtitan_loom.tools.loading import LoadError, load
 
     try:
         loaded = load(ckpt_arg, need_tokenizer=False)
     except LoadError as exc:
         raise DepthError(str(exc)) from None
-    model = loaded.model
-    if not isinstance(model, ExitsPerToken):
+    if not isinstance(loaded.model, ExitsPerToken):
         raise DepthError(f"{loaded.checkpoint}: a {loaded.name} model has no per-token exit")
-    plan = plan_of(model.num_loops)
+    plan = plan_of(loaded.model.num_loops)
     run_cfg = loaded.config
     tasks = None if tasks_of is None else tasks_of(run_cfg)
     if tasks is not None:  # before the slow part: an unknown task fails now
@@ -160,31 +176,32 @@ def run_depth(
         dump = {"job": {"dump_folder": run_cfg.job.dump_folder}} if run_cfg is not None else {}
         out, _ = default_out(loaded.checkpoint, dump, loaded.step, DEPTH_DIR)
     out_files.check_out(out, force, OUT_NAMES, DepthError)  # before the slow part
-    if data is None:
-        data = str(loaded.pack_path) if loaded.pack_path else str(bundled_corpus_path(None))
-    seq_len = seq_len or (run_cfg.training.seq_len if run_cfg is not None else 0)
-    seq_len = seq_len or loaded.args.max_seq_len
+    pack = str(loaded.pack_path) if loaded.pack_path else str(bundled_corpus_path(None))
+    capacity = getattr(loaded.args, "capacity_factor", 0.0)
+    reads = resolve(run_cfg, pack, capacity, loaded.args.max_seq_len, **flags)
     try:
         loader = build_eval_loader(
-            data,
-            seq_len=seq_len,
+            reads.data,
+            seq_len=reads.seq_len,
             vocab_size=loaded.args.vocab_size,
-            batch_rows=batch_rows,
+            batch_rows=reads.rows,
             dp_rank=0,
             dp_world=1,
-            max_tokens=tokens,
+            val_path=reads.val_path,
+            max_tokens=reads.tokens,
         )
     except (PackError, ValueError, OSError) as exc:
-        raise DepthError(f"held-out data {data}: {exc}") from None
+        raise DepthError(f"held-out data {reads.val_path or reads.data}: {exc}") from None
+    model = as_trained(loaded) if reads.capacity_factor else loaded.model
     progress.phase(
         f"step {loaded.step} loaded (H={model.num_loops}); loops 1..{plan.max_loops} under "
         f"{' and '.join(plan.policies)}, then "
-        f"{sum(len(v) for v in plan.thresholds.values())} adaptive sweeps, over {data}"
+        f"{sum(len(v) for v in plan.thresholds.values())} adaptive sweeps, over {reads.source()}"
     )
-    sums = measure(model, loader, plan, progress)
+    sums = measure(model, loader, plan, progress, reads.forward_rows)
     if sums["tokens"] == 0:
-        raise DepthError(f"held-out data {data}: no valid tokens; pass --data with a holdout")
-    numbers = report(sums, plan, FlopCount(model, seq_len), loaded, data, seq_len)
+        raise DepthError(f"held-out data {reads.data}: no valid tokens; pass --data with a holdout")
+    numbers = report(sums, plan, FlopCount(model, reads.seq_len), loaded, reads)
     if tasks is not None and tasks.downstream_tasks:
         numbers["task_scores"] = task_scores(loaded, tasks, plan, progress)
     progress.phase(f"writing depth.md, depth.json and depth.png to {out}")
@@ -194,6 +211,18 @@ def run_depth(
         return write_report(numbers, out), numbers
     except OSError as exc:
         raise DepthError(f"{out}: cannot write the report: {exc}") from None
+
+
+def as_trained(loaded: Any) -> Any:
+    """The loaded model with the trained model args (capacity dropping as trained, which the
+    inference loader turns off), sharing its tensors (no copy); in eval mode."""
+    from torchtitan_loom.protocols import get_train_spec, portable_args
+
+    spec = get_train_spec(loaded.name)
+    with torch.device("meta"):
+        model = type(loaded.model)(portable_args(spec, loaded.args, decoding=False))
+    model.load_state_dict(loaded.model.state_dict(), assign=True)
+    return model.eval()
 
 
 def task_scores(loaded: Any, tasks: Any, plan: DepthPlan, progress: Progress) -> dict[str, Any]:

@@ -9,7 +9,9 @@ training pack's (``--tokenizer`` must match it). ``--loops H'`` stops after loop
 trained H is early exit, more runs deeper loops whose routers follow ``--beyond``); ``--exit``
 lets each new token stop at its own loop once the criterion falls below ``--exit-threshold``
 (components/evaluation/adaptive_exit.py: 0 = fixed depth; ``--loops`` is then the deepest), and
-the mean loops per token go to stderr. ``--temperature 0`` is greedy. Capacity dropping is off.
+the mean loops per token go to stderr, set against the fixed depth that the checkpoint's depth
+report (tools.depth, when one was written to its default folder) names: fewer loops than H are
+no saving by themselves. ``--temperature 0`` is greedy. Capacity dropping is off.
 Bad input: one line, exit code 2.
 
 Progress goes to stderr (stdout carries only the text): "generate: loading CKPT ..." is printed
@@ -138,10 +140,21 @@ def run(ns: argparse.Namespace) -> str:
     used = DepthUsed()
     new_BS = generate(loaded.model, prompt_BS, cfg, loops=loops, eos_id=tok.eos_id, depth_used=used)
     if cfg.exit_criterion is not None:
+        from torchtitan_loom.tools.analyze_run import default_out
+        from torchtitan_loom.tools.depth_run import DEPTH_DIR
+        from torchtitan_loom.tools.depth_verdict import decoding_summary, saved_report
+
+        run = {"job": {"dump_folder": loaded.config.job.dump_folder}} if loaded.config else {}
+        folder, _ = default_out(loaded.checkpoint, run, loaded.step, DEPTH_DIR)
         print(
-            f"generate: {used.mean():.2f} loops per token on average (of {loops}; "
-            f"{cfg.exit_criterion} exit below {cfg.exit_threshold:g}; "
-            f"{len(used.loops_per_token)} tokens after the prompt)",
+            decoding_summary(
+                used.mean(),
+                loops,
+                cfg.exit_criterion,
+                cfg.exit_threshold,
+                len(used.loops_per_token),
+                saved_report(folder),
+            ),
             file=sys.stderr,
         )
     new = [t for t in new_BS[0].tolist() if t != tok.eos_id]

@@ -32,6 +32,7 @@ from torchtitan_loom.config.aliases import AliasError, translate
 from torchtitan_loom.config.manager import INT_MAX, ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
 from torchtitan_loom.config.toml_file import flatten, read_toml
+from torchtitan_loom.tools.study_check import alike_problems, round_trip_problems, typed_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -288,17 +289,22 @@ def plan(study: Study) -> tuple[list[PlannedRun], dict[str, JobConfig]]:
     runs: list[PlannedRun] = []
     configs: dict[str, JobConfig] = {}
     per_run: list[tuple[str, int, str]] = []
+    trained: dict[str, tuple[JobConfig, bool]] = {}  # variant -> its first seed's config
     for v, args in per_variant.items():
         for seed in study.seeds:
             folder = os.path.join(study.folder, v, f"seed-{seed}")
             head = [*base, "--job.dump_folder", folder, "--training.seed", str(seed)]
             try:
-                full = head + checkpoint_args(study, v, load_config(head + common + args))
-                full += common + args
-                cfg = load_config(full)
+                ckpt = checkpoint_args(study, v, load_config(head + common + args))
+                cfg = load_config(head + ckpt + common + args)
+                values = {**study.overrides, **study.variants[v]}  # as a TOML file reads them
+                typed = typed_config(head + ckpt, values, "the study file")
             except ConfigError as exc:
                 per_run += [(v, seed, p) for p in str(exc).splitlines()]
                 continue
+            per_run += [(v, seed, p) for p in round_trip_problems(typed, cfg, "the study file")]
+            trained.setdefault(v, (typed, bool(study.variants[v])))
+            full = head + ckpt + common + args
             runs.append(
                 PlannedRun(
                     len(runs) + 1, v, seed, folder, full, cfg.training.steps, cfg.checkpoint.folder
@@ -307,6 +313,10 @@ def plan(study: Study) -> tuple[list[PlannedRun], dict[str, JobConfig]]:
             configs[folder] = cfg
     if per_run:
         raise StudyError("\n".join(by_seeds(per_run)))
+    first = [*base, "--training.seed", str(study.seeds[0])]
+    alike = alike_problems(typed_config(first, study.overrides, "[study] overrides"), trained)
+    if alike:
+        raise StudyError("\n".join(alike))
     return runs, configs
 
 

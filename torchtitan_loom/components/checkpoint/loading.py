@@ -93,6 +93,9 @@ class Resumer:
 
     def _load_choice(self, choice: resolve.LoadChoice) -> int | None:
         started = time.perf_counter()
+        version = resolve.format_problem(choice.path)
+        if version:  # the config check refused it up front; a Trainer built without it is not
+            raise ckstate.CheckpointError(version)
         meta = ckstate.read_metadata(choice.path)
         lines = resolve.compat_errors(
             choice.path,
@@ -106,7 +109,7 @@ class Resumer:
             raise ckstate.CheckpointError(
                 resolve.explain(choice.path, choice.step, lines, resume=not choice.model_only)
             )
-        saved = layout.read_json(os.path.join(choice.path, "meta.json")) or {}
+        saved = layout.read_json(os.path.join(choice.path, resolve.META_FILE)) or {}
         had, have = saved.get("optimizer", RECORDED_BEFORE_NAMES), type(self.p.optimizer).__name__
         if not choice.model_only and had != have:
             raise ckstate.CheckpointError(

@@ -14,9 +14,11 @@ import os
 from typing import Any
 
 from torchtitan_loom.components.checkpoint import integrity, layout
+from torchtitan_loom.components.runtime import format_version
 from torchtitan_loom.protocols import get_train_spec
 
 MODEL_ARGS_FILE = "model_args.json"
+META_FILE = "meta.json"
 _MAX_LINES = 12
 
 
@@ -142,7 +144,7 @@ def checkpoint_problem(path: str, quick: bool = False) -> str | None:
 def warm_start_dir(path: str) -> str:
     """A DCP checkpoint directory, or a checkpoint folder whose newest complete one is used."""
     if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
-        marker_expected = os.path.isfile(os.path.join(path, "meta.json"))
+        marker_expected = os.path.isfile(os.path.join(path, META_FILE))
         if marker_expected and not layout.is_complete(path):
             raise ValueError(
                 f"checkpoint.initial_load_path = '{path}': incomplete checkpoint (no "
@@ -156,6 +158,21 @@ def warm_start_dir(path: str) -> str:
             f".metadata) and no complete step-N checkpoint inside"
         )
     return newest.path
+
+
+def format_problem(path: str) -> str | None:
+    """One line when the checkpoint at ``path`` is of a format this code does not load, by its
+    meta.json's format_version (saving.FORMAT_VERSION); None when it loads it."""
+    from torchtitan_loom.components.checkpoint.saving import FORMATS_READ  # torch-heavy
+
+    meta = layout.read_json(os.path.join(path, META_FILE)) or {}
+    return format_version.problem(
+        os.path.join(path, META_FILE),
+        meta,
+        FORMATS_READ,
+        "resume it with the torchtitan_loom that wrote it (or a newer one), or pick a checkpoint "
+        "of a format this one reads with checkpoint.load_step",
+    )
 
 
 def read_model_args(path: str) -> dict[str, Any] | None:
@@ -239,6 +256,9 @@ def config_errors(cfg: Any, args: Any, expected_shapes_fn) -> list[str]:
         return [str(exc)]
     if choice is None:
         return []
+    version = format_problem(choice.path)
+    if version:
+        return [version]
     try:
         lines = compat_errors(
             choice.path,

@@ -37,7 +37,7 @@ from torchtitan_loom.components.checkpoint import integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts, PendingSave
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
-from torchtitan_loom.components.runtime import safe_files
+from torchtitan_loom.components.runtime import format_version, safe_files
 
 
 class _CommittedButIncomplete(Exception):
@@ -53,6 +53,15 @@ class _CommittedButIncomplete(Exception):
 # stager's copy table: a second save through it fails with KeyError: <class 'type'>. There each
 # save gets a new stager (no buffer reuse); 2.13 reuses one across saves.
 STAGER_SINGLE_USE = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+
+# meta.json's format_version, for the whole checkpoint it describes (the DCP state's keys and
+# what they hold, meta.json, model_args.json): written by Writer._write_sidecars, checked before a
+# load (resolve.format_problem). Bump it when a saved key changes its meaning or leaves, and list
+# in FORMATS_READ what this code still loads (migrating it in loading.py) or leave it out (a
+# refusal); docs/checkpoints.md, "Format versions". Version 1: the first one written, the
+# state of the legacy (unversioned) checkpoints, which are read as it.
+FORMAT_VERSION = 1
+FORMATS_READ = (1,)
 
 
 def make_stager(device: torch.device):
@@ -119,8 +128,9 @@ class Writer:
         )
         ts = self.p.states.get("train_state")
         layout.write_json(
-            os.path.join(tmp, "meta.json"),
+            os.path.join(tmp, resolve.META_FILE),
             {
+                format_version.KEY: FORMAT_VERSION,
                 "step": step,
                 "world_size": self.p.world_size,
                 "torch": torch.__version__,

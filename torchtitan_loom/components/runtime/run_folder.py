@@ -31,8 +31,8 @@ from typing import Any
 
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
-from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.protocols import relaunch_tunable_of
+from torchtitan_loom.components.runtime import format_version, safe_files
+from torchtitan_loom.protocols import model_args_of, relaunch_tunable_of
 
 LOCK = "RUN.lock"
 RUN_JSON = "run.json"
@@ -64,6 +64,31 @@ def identity(cfg: Any) -> dict[str, Any]:
         "training.bp_segment_len": t.bp_segment_len,
         "training.sample_depth_min": t.sample_depth_min,  # which loops each step trains
         "optimizer.name": cfg.optimizer.name,  # another optimizer cannot continue this one's state
+    }
+
+
+def resolved_config(cfg: Any, model_args: Any) -> dict[str, Any]:
+    """Dotted key -> value of everything a launch ran with: the config's sections (the [model]
+    overrides replaced by the model arguments they resolved to, as ``model_args.<field>``)."""
+    out = {k: v for k, v in _flat(cfg.to_dict()).items() if not k.startswith("model.")}
+    out.update(
+        {"model.name": cfg.model.name, "model.flavor": cfg.model.flavor},
+        **{f"model_args.{k}": v for k, v in dataclasses.asdict(model_args).items()},
+    )
+    return out
+
+
+def _as_flavor(flat: dict[str, Any]) -> dict[str, Any]:
+    """An identity's unset [model] keys as the flavor's values: a key set to the flavor's own value
+    (an older preset's ``num_loops = 3``) and the same key left unset train the same model."""
+    try:
+        flavors, _ = model_args_of(str(flat.get("model.name")))
+        args = dataclasses.asdict(flavors[str(flat.get("model.flavor"))])
+    except (ValueError, KeyError):
+        return flat  # an unknown model or flavor: compared as written (the config names it)
+    return {
+        k: args.get(k.split(".", 1)[1]) if k.startswith("model.") and v is None else v
+        for k, v in flat.items()
     }
 
 
@@ -109,9 +134,12 @@ def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
         return [] if finished_only else [f"job.dump_folder = '{cfg.job.dump_folder}': {exc}"]
     if run is None:
         return []
+    version = version_problem(cfg.job.dump_folder, run)
+    if version:
+        return [version]
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
-    old, new = _flat(run.get("identity", {})), _flat(identity(cfg))
+    old, new = _as_flavor(_flat(run.get("identity", {}))), _as_flavor(_flat(identity(cfg)))
     old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
     old.setdefault("training.sample_depth_min", 0)  # recorded before depth sampling existed
     diff = [
@@ -287,6 +315,25 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
     return dest
 
 
+# run.json's format_version, written by record_launch: bump it (and list what this code still reads
+# in RUN_FORMATS_READ, migrating in read_run / relaunch_errors) when a key changes its meaning or
+# leaves; docs/checkpoints.md, "Format versions". Version 1: the first one written (the keys of
+# the legacy file, plus format_version).
+RUN_FORMAT_VERSION = 1
+RUN_FORMATS_READ = (1,)
+
+
+def version_problem(dump_folder: str, run: dict[str, Any]) -> str | None:
+    """One line when run.json is of a format this code does not read (None: it reads it)."""
+    return format_version.problem(
+        os.path.join(dump_folder, RUN_JSON),
+        run,
+        RUN_FORMATS_READ,
+        "continue this run with the torchtitan_loom that wrote it (or a newer one), or start "
+        "another in a new job.dump_folder",
+    )
+
+
 def record_launch(
     cfg: Any,
     run_id: str,
@@ -294,14 +341,21 @@ def record_launch(
     step: int,
     resumed_from: int | None = None,
     model: dict[str, float] | None = None,
+    model_args: Any = None,
 ) -> None:
     """Write run.json: identity, status ("running", or how the launch ended: Trainer._finish), step,
-    launches (each with its start, and its end and seconds once it ended), and ``model`` when given
-    (params, active params and training FLOPs per token, for tools that compare runs)."""
+    launches (each with its start, and its end and seconds once it ended), ``model`` when given
+    (params, active params and training FLOPs per token, for tools that compare runs) and
+    ``resolved``: the configuration this launch really ran (every section, and the model arguments
+    the flavor and the [model] overrides resolved to), so a study can tell what each run changed."""
     dump = cfg.job.dump_folder
     safe_files.check_held(dump)  # a run folder swapped since the launch is neither read nor written
     run = read_run(dump) or {"identity": identity(cfg), "launches": []}
+    version = version_problem(dump, run)
+    if version:  # relaunch_errors refused it up front; this is the writer's own guard
+        raise RunFolderError(version)
     run["identity"] = identity(cfg)
+    run[format_version.KEY] = RUN_FORMAT_VERSION  # a legacy file is rewritten in this format
     if not run["launches"] or run["launches"][-1].get("run_id") != run_id:
         run["launches"].append(
             {
@@ -320,6 +374,8 @@ def record_launch(
             launch["seconds"] = round(time.time() - launch["started_unix"], 1)
     if model is not None:
         run["model"] = model
+    if model_args is not None:
+        run["resolved"] = resolved_config(cfg, model_args)
     run.update(run_id=run_id, status=status, step=step)
     path, text = os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True)
     try:
