@@ -78,9 +78,11 @@ def study_table(ctx: Context) -> str:
         + "\n\n"
         + prose(
             f"Mean ± sample standard deviation over the seeds; losses are the held-out loss after "
-            f"each loop at step 120. The {len(walls)} runs took {duration(sum(walls))} of wall time "
-            f"in all, one after another, on {cpu_kind()} ({machine()}); a rerun of the study "
-            f"command skips them ({duration(study.wall_s)} here)."
+            f"each loop at step 120. The second table is what each variant changes against the "
+            f"first, read from each run's own run.json (the configuration it resolved). The "
+            f"{len(walls)} runs took {duration(sum(walls))} of wall time summed over the runs, on "
+            f"{cpu_kind()} ({machine()}); a rerun of the study command skips them "
+            f"({duration(study.wall_s)} here)."
         )
     )
 

@@ -40,3 +40,12 @@ def launch_cost_s():
     from tests import launch_cost
 
     return launch_cost.measure()
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A checksummed folder outside the run (tests/untouched.py); a fault test plants its links into
+    it and ends with ``outside.check()``."""
+    from tests.untouched import Untouched
+
+    return Untouched(tmp_path / "outside")

@@ -142,6 +142,31 @@ def test_not_a_run_folder_is_one_line(tmp_path, capsys):
     )
 
 
+def test_a_finished_run_whose_files_are_a_fifo_or_a_device_link_is_named_as_left_out(
+    tmp_path, capsys, outside
+):
+    study = tmp_path / "study"
+    for v in ("A", "B", "C"):
+        make_run(study / v / "seed-0", 0, [4.0, 3.9, 3.8])
+    (study / "B" / "seed-0" / "run.json").unlink()
+    os.mkfifo(study / "B" / "seed-0" / "run.json")  # a reader that opened it would wait forever
+    (study / "C" / "seed-0" / "metrics.jsonl").unlink()
+    os.symlink("/dev/zero", study / "C" / "seed-0" / "metrics.jsonl")  # endless, never a file
+    runs = [{"variant": v, "seed": 0, "folder": f"{v}/seed-0"} for v in ("A", "B", "C")]
+    (study / "study.json").write_text(json.dumps({"name": "x", "runs": runs}))
+    assert run_compare(study, "--out", tmp_path / "out") == exit_codes.OK
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"warning: {study / 'B' / 'seed-0'}: its run.json is a FIFO, not a regular file, left out",
+        f"warning: {study / 'C' / 'seed-0'}: its metrics.jsonl is a symbolic link to '/dev/zero' "
+        "(a device), not a regular file, left out",
+    ]
+    notes = read_json(tmp_path / "out")["notes"]
+    assert [n.removeprefix("warning: ") for n in err] == notes  # compare.md says the same
+    assert [g["name"] for g in read_json(tmp_path / "out")["groups"]] == ["A"]
+    outside.check()
+
+
 def test_the_out_folder_is_never_overwritten_unasked_nor_written_through_a_link(tmp_path, capsys):
     run = make_run(tmp_path / "runs" / "r0", 0, [4.0, 3.9, 3.8])
     out = tmp_path / "runs" / "compare"

@@ -3,6 +3,7 @@ a million keys, nesting, a FIFO or a huge file as the config, a NUL byte, termin
 Each answers with bounded one-line problems (exit 2 from the command line), without waiting."""
 
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,9 @@ def test_a_generated_file_of_unknown_keys_prints_the_first_problems_and_a_count(
     [
         ("[training]\nseed = " + "[" * 50_000 + "]" * 50_000 + "\n", "nests values too deeply"),
         ("x = " + "{a=" * 5_000 + "1" + "}" * 5_000 + "\n", "nests values too deeply"),
-        ("[" + ".".join(["a"] * 5_000) + "]\nx = 1\n", "TOML table [a.a.a"),
+        ("[" + ".".join(["a"] * 5_000) + "]\nx = 1\n", "line 1: a key of over 16 dotted parts"),
+        ("[a.b.c.d.e]\nx = 1\n", "bad.toml': TOML table [a.b.c.d.e] is nested 5 deep"),
+        ("[training]\n" + "k" * 300 + " = 1\n", "line 2: a key of 300 characters"),
         (
             "[training]\nsteps = 3\n" + "# padding\n" * 200_000,
             "is over 1 MiB; a config is a few KiB",
@@ -75,11 +78,16 @@ def test_a_file_no_config_could_be_is_one_line(tmp_path, text, message):
     assert message in str(info.value) and len(str(info.value).splitlines()) == 1, str(info.value)
 
 
+def _two_gib() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
 def _train(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "torchtitan_loom.train", *argv],
         cwd=cwd,
+        preexec_fn=_two_gib,  # the parser given the file grows past this (3 GB at 50,000 parts)
         env=env,
         capture_output=True,
         text=True,
@@ -103,6 +111,34 @@ def test_terminal_control_bytes_in_an_echoed_value_are_escaped(tmp_path):
     assert "\x1b" not in proc.stderr and "\x07" not in proc.stderr
     assert "\\x1b[2J\\x07ten" in proc.stderr, proc.stderr
     assert shorten_line("a\rb\x9bc") == "a\\rb\\x9bc"
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [  # as the campaign generated them: one dotted key of 50,000 parts (338 KB, under the size
+        # cap), and 90,000 empty unknown sections; then the single empty unknown one
+        (
+            "parts.toml",
+            ".".join(["a"] * 50_000) + " = 1\n",
+            "line 1: a key of over 16 dotted parts",
+        ),
+        ("empty.toml", "".join(f"[s{i}]\n" for i in range(90_000)), "opens over 256 [tables]"),
+        ("one.toml", "[s0]\n", "unknown section 's0'"),
+        ("nested.toml", "[training]\n[training.s0]\n", "unknown key 'training.s0'"),
+    ],
+    ids=["dotted-key", "empty-sections", "empty-section", "empty-nested"],
+)
+def test_a_generated_config_is_one_line_naming_the_file_and_starts_no_run(
+    tmp_path, outside, name, text, message
+):
+    config = outside.put(name, text)  # the user's folder: read, never written
+    proc = _train(["--job.config_file", str(config)], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines[:3]
+    assert name in lines[0] or "unknown" in lines[0]
+    assert not (tmp_path / "outputs").exists()  # no default run started in the current folder
+    outside.check()
 
 
 def test_an_unknown_flavor_and_key_typos_are_named_in_one_run_before_torch(tmp_path):

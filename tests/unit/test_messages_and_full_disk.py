@@ -9,6 +9,7 @@ import contextlib
 import errno
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +97,27 @@ def test_pack_refuses_a_mount_point_out_before_tokenizing(tmp_path, capsys):
         assert err[0].startswith(f"error: --out {str(mnt)!r} --force: it is a mount point"), err
         assert "Errno" not in err[0] and (mnt / "old.txt").read_text() == "old pack\n"
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".") or "tmp" in n]
+
+
+def test_pack_on_a_nearly_full_disk_is_one_line_and_leaves_nothing(tmp_path, outside):
+    # ~600k byte tokens: the raw stream (1.2 MB) fits the 2 MiB disk, tokens.npy beside it does
+    # not. Written through a memory map, the copy died of SIGBUS (exit 135) and left .pack.tmp-*.
+    text = "\n\n".join(f"document {i}: " + "lorem ipsum dolor sit amet " * 20 for i in range(1100))
+    source = outside.put("a.txt", text)  # the user's corpus, outside the disk: only read
+    with tmpfs(tmp_path / "disk", size="2m") as disk:
+        (disk / "mine.txt").write_text("the user's\n")
+        proc = subprocess.run(
+            [sys.executable, "-m", "torchtitan_loom.tools.pack", "--text", str(source)]
+            + ["--tokenizer", "byte", "--out", str(disk / "pack")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+        err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert len(err) == 1, proc.stderr[-2000:]
+        assert err[0].startswith(f"error: {disk / 'pack'}: no space left on its disk writing "), err
+        assert err[0].endswith("the partial pack removed: free space or choose another --out")
+        assert "Traceback" not in proc.stderr and "Errno" not in proc.stderr
+        assert sorted(os.listdir(disk)) == ["mine.txt"]  # no .pack.tmp-*, no pack
+    outside.check()

@@ -189,6 +189,16 @@ def _set(
     return f"{sec}.{key}"
 
 
+def _unknown_if_empty(sec: str, table: dict[str, Any]) -> list[str]:
+    """An empty [section] sets no key, so ``_set`` never sees its name: an unknown one is an error
+    all the same (the file's table count is bounded before parsing, toml_file.MAX_TABLES). A
+    TorchTitan section of an alias ([debug], [validation]) is known."""
+    sections = section_types()
+    if table or sec in sections or any(k.startswith(sec + ".") for k in ALIASES):
+        return []
+    return [f"unknown section '{sec}'{_nearest(sec, list(sections))}"]
+
+
 class _BareFlag(str):
     """The value of a flag given alone (``--section.flag``): "true" for a bool key, and for any
     other key the sign that its value is missing."""
@@ -250,6 +260,7 @@ def _file_sources(path: str, errors: list[str]) -> list[tuple[str, Any, str]]:
                 f"TOML key '{sec}' must be a [section] table{_nearest(sec, list(section_types()))}"
             )
             continue
+        errors += _unknown_if_empty(sec, table)
         try:
             pairs = flatten(sec, table)
         except ConfigError as exc:

@@ -106,7 +106,11 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     kind: str = opt("wsd", "Schedule: warmup-stable-decay or warmup + cosine.", choices=LR_KINDS)
-    warmup_ratio: float = opt(0.1, "Warmup steps as a fraction of training.steps.")
+    warmup_ratio: float = opt(
+        0.1,
+        "Warmup as a fraction of training.steps: W = max(1, round(steps · ratio)); step s < W runs "
+        "at s / W of the peak (W = 1: no warmup).",
+    )
     decay_ratio: float = opt(0.1, "Final linear-decay steps as a fraction of training.steps (wsd).")
     min_ratio: float = opt(0.1, "Final lr as a fraction of the peak.")
 

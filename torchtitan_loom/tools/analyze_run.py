@@ -17,9 +17,9 @@ from typing import Any, cast
 import torch
 
 from torchtitan_loom.components.evaluation.loop_by_loop import LoopByLoop
-from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.protocols import ModelProtocol
+from torchtitan_loom.tools import out_files
 from torchtitan_loom.tools.analyze_diag import report_section
 from torchtitan_loom.tools.analyze_report import write_report
 from torchtitan_loom.tools.progress import Progress
@@ -131,10 +131,7 @@ def analyze(
     run = _run_config(ckpt)
     info = dict(info, step=(read_json(os.path.join(ckpt, "meta.json")) or {}).get("step"))
     out, owner = (out, out) if out is not None else default_out(ckpt, run, info["step"])
-    try:  # before the slow part: a planted link fails now, not after minutes
-        safe_files.check_inside(out, owner)
-    except safe_files.UnsafePathError as exc:
-        raise AnalyzeError(str(exc)) from None
+    out_files.below(out, owner, AnalyzeError)  # before the slow part: a planted link fails now
     check_out_links(out)
     data = data or run.get("data", {}).get("path") or str(bundled_corpus_path(None))
     a = cast(ModelProtocol, model).args
@@ -174,7 +171,7 @@ def analyze(
         tokenizer = ""  # token labels fall back to ids
     progress.phase(f"writing the report and its figures to {out}")
     try:
-        safe_files.make_dirs(out, owner)
+        out_files.make_out(out, AnalyzeError, owner)
         check_out_links(out)
         diag = report_section(_metrics_path(ckpt, run), out)
         return write_report(result, info, ckpt, data, out, tokenizer, layer, diag)

@@ -14,7 +14,8 @@ Files, in ``--out`` (default ``<study folder>/compare/`` for one study, else
 ``<parent of the first run folder>/compare/``, never the current directory): compare.md (tables
 and figures), compare.json (every number, each run's eval curve), loss_vs_tokens.png and
 loss_vs_flops.png (tools/compare_report.py). An occupied out folder is refused unless
-``--force``, which replaces only those names; a symbolic link at one is refused (out_files.py).
+``--force``, which replaces only those names; a symbolic link at one is refused, and so is a
+default folder that is a link (out_files.py).
 A damaged metrics.jsonl line is skipped with one warning naming the file and line. Errors: one
 ``compare error:`` line, exit 2. Progress: one line per phase (torch is imported only to count
 the parameters, after the first line).
@@ -51,10 +52,14 @@ def compare(paths: list[str], out: str | None, force: bool, progress: Progress) 
 
     notes: list[str] = []
     refs = find_runs(paths, notes)
+    for note in notes:  # a run left out is said where the user looks, not only in compare.md
+        warn(note)
     if not refs:
         raise CompareError(f"{', '.join(paths)}: no run folder to compare (a study not run yet?)")
+    owner = out  # --out is the user's folder: a link there is theirs (out_files.py)
     out = out or default_out(paths, refs[0].path)
-    check_out(out, force, NAMES, CompareError)  # before the reading: an occupied out fails fast
+    owner = owner or os.path.dirname(out)  # the default: below the study or beside the runs
+    check_out(out, force, NAMES, CompareError, owner)  # before the reading: fails fast
     progress.phase(f"reading {count(len(refs), 'run folder')}")
     runs = [summarize(ref, warn) for ref in refs]
     progress.phase("counting the models' parameters (built on the meta device)")
@@ -67,8 +72,8 @@ def compare(paths: list[str], out: str | None, force: bool, progress: Progress) 
         left = [r for r in g.runs if r.status != "finished"]
         notes += [f"{r.path}: {r.status} at step {r.step}, not in {g.name}'s numbers" for r in left]
     progress.phase(f"writing the tables and figures to {out}")
-    clear_out(out, force, NAMES, CompareError)
-    make_out(out, CompareError)
+    clear_out(out, force, NAMES, CompareError, owner)
+    make_out(out, CompareError, owner)
     table = write_outputs(out, paths, groups, runs, notes)
     return table + f"\n\nwritten: {os.path.join(out, 'compare.md')} (and compare.json, figures)"
 

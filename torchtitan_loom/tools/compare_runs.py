@@ -38,7 +38,7 @@ import numpy as np
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.config.manager import ConfigError, load_config
 from torchtitan_loom.config.toml_file import flatten, read_toml
-from torchtitan_loom.tools.input_files import metrics_rows
+from torchtitan_loom.tools.input_files import metrics_rows, not_a_run
 from torchtitan_loom.tools.study_file import STUDY_JSON
 
 GROUPING_IGNORES = ("training.seed", "job.dump_folder")
@@ -114,13 +114,14 @@ def find_runs(paths: list[str], notes: list[str]) -> list[RunRef]:
                 if is_run_folder(folder):
                     found.append(RunRef(folder, path, variant, wall))
                 else:
-                    notes.append(f"{folder}: not run yet (no run.json/metrics.jsonl), left out")
+                    why = not_a_run(folder, "not run yet (no run.json/metrics.jsonl)")
+                    notes.append(f"{folder}: {why}, left out")
         elif is_run_folder(path):
             found.append(RunRef(path, None, None, None))
         else:
+            why = not_a_run(path, "no run.json/metrics.jsonl")
             raise CompareError(
-                f"{path} is not a run folder (no run.json/metrics.jsonl) nor a study folder "
-                f"(no study.json)"
+                f"{path} is not a run folder ({why}) nor a study folder (no study.json)"
             )
     seen: set[str] = set()
     unique = []

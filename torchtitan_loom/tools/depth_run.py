@@ -172,10 +172,11 @@ def run_depth(
         unknown = unknown_tasks(list(tasks.downstream_tasks), dir_, tasks.downstream_only_tasks_dir)
         if unknown:
             raise DepthError(f"--tasks: {unknown[0]}")
+    owner = out  # --out: the user's folder (a link there is theirs)
     if out is None:
         dump = {"job": {"dump_folder": run_cfg.job.dump_folder}} if run_cfg is not None else {}
-        out, _ = default_out(loaded.checkpoint, dump, loaded.step, DEPTH_DIR)
-    out_files.check_out(out, force, OUT_NAMES, DepthError)  # before the slow part
+        out, owner = default_out(loaded.checkpoint, dump, loaded.step, DEPTH_DIR)
+    out_files.check_out(out, force, OUT_NAMES, DepthError, owner)  # before the slow part
     pack = str(loaded.pack_path) if loaded.pack_path else str(bundled_corpus_path(None))
     capacity = getattr(loaded.args, "capacity_factor", 0.0)
     reads = resolve(run_cfg, pack, capacity, loaded.args.max_seq_len, **flags)
@@ -206,8 +207,8 @@ def run_depth(
         numbers["task_scores"] = task_scores(loaded, tasks, plan, progress)
     progress.phase(f"writing depth.md, depth.json and depth.png to {out}")
     try:
-        out_files.clear_out(out, force, OUT_NAMES, DepthError)
-        out_files.make_out(out, DepthError)
+        out_files.clear_out(out, force, OUT_NAMES, DepthError, owner)
+        out_files.make_out(out, DepthError, owner)
         return write_report(numbers, out), numbers
     except OSError as exc:
         raise DepthError(f"{out}: cannot write the report: {exc}") from None

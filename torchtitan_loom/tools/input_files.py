@@ -7,6 +7,9 @@ bad line there is skipped with one warning line for the whole file (its first ba
 many more), never a traceback: a non-JSON line (e.g. cut by a crash), a line that is not an
 object with an integer "step", or a line over MAX_METRICS_LINE bytes (read in bounded pieces,
 never held whole).
+
+A run folder whose run.json or metrics.jsonl is there but is no regular file (a FIFO, a link to
+/dev/zero) is never opened; ``not_a_run`` says which file and what it is.
 """
 
 from __future__ import annotations
@@ -133,3 +136,28 @@ def check_tokenizer_json(path: str) -> None:
             f'tokenizer file {path}: {found}, not a tokenizer (an object with a "model" '
             "object); replace it with the tokenizer.json the pack was written with"
         )
+
+
+def not_a_run(path: str, missing: str) -> str:
+    """Why ``path`` is no run folder: one of its run files is there but is no regular file (a FIFO,
+    a link to a device: never read), else ``missing`` (the words for files not there)."""
+    for name in ("run.json", "metrics.jsonl"):
+        file = os.path.join(path, name)
+        if os.path.lexists(file) and not os.path.isfile(file):
+            kind = file_kind(file)
+            if os.path.islink(file):
+                kind = f"a symbolic link to {os.readlink(file)!r} ({file_kind(file, follow=True)})"
+            return f"its {name} is {kind}, not a regular file"
+    return missing
+
+
+def file_kind(path: str, follow: bool = False) -> str:
+    try:
+        mode = os.stat(path).st_mode if follow else os.lstat(path).st_mode
+    except OSError:
+        return "a dangling link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a folder" if stat.S_ISDIR(mode) else "a socket or other special file"

@@ -9,7 +9,8 @@ Before scoring, the checkpoint's held-out loss is recomputed and compared with t
 run logged at that step (tools/holdout.py); ``on`` refuses to score on a gap above the threshold.
 Scoring runs with capacity dropping off and fp32 parameters by default, so a question's score does
 not depend on its batch. Results go to ``<CKPT>/eval_results/<timestamp>/results.json`` (metrics,
-per-sample scores, step, commit, config, holdout) and ``summary.md``. Needs ``pip install
+per-sample scores, step, commit, config, holdout) and ``summary.md``, never through a link below
+CKPT (or ``--out``; tools/out_files.py). Needs ``pip install
 torchtitan_loom[eval]``. Bad input: one line, exit code 2.
 
 Progress on stdout (rank 0): a line before each slow phase (loading, indexing the tasks, the
@@ -40,6 +41,7 @@ from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
+from torchtitan_loom.tools import out_files
 from torchtitan_loom.tools.holdout import MODES, check
 from torchtitan_loom.tools.input_files import BEYOND_HELP
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
@@ -197,20 +199,21 @@ def _samples(samples: dict[str, list[dict]] | None) -> dict[str, list[dict]]:
     return out
 
 
-def write_results(root: str, payload: dict[str, Any]) -> str:
+def write_results(root: str, owner: str, payload: dict[str, Any]) -> str:
+    """results.json and summary.md in a new ``<root>/<timestamp>``; ``owner`` is the folder the
+    user named (``--out``, else the checkpoint): nothing below it is written through a link."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = os.path.join(root, stamp)
     n = 1
-    while os.path.exists(out):
+    while os.path.lexists(out):
         n += 1
         out = os.path.join(root, f"{stamp}-{n}")
-    os.makedirs(out)
-    with open(os.path.join(out, "results.json"), "w") as fh:
-        json.dump(payload, fh, indent=2, default=str)
-        fh.write("\n")
-    with open(os.path.join(out, "summary.md"), "w") as fh:
-        fh.write(f"# lm-eval of {payload['checkpoint']} (step {payload['step']})\n\n")
-        fh.write(summary_table(payload["results"]) + "\n")
+    out_files.make_out(out, LoadError, owner)
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    out_files.write_file(os.path.join(out, "results.json"), text, owner=out)
+    head = f"# lm-eval of {payload['checkpoint']} (step {payload['step']})\n\n"
+    table = summary_table(payload["results"])
+    out_files.write_file(os.path.join(out, "summary.md"), f"{head}{table}\n", owner=out)
     return out
 
 
@@ -247,6 +250,8 @@ def run(ns: argparse.Namespace) -> str | None:
         raise LoadError("--tasks is empty: name at least one lm-eval task")
     info = dist_utils.init_distributed(ns.device)
     loaded = load(ns.ckpt, device=str(info.device), tokenizer=ns.tokenizer)
+    root = ns.out or os.path.join(loaded.checkpoint, "eval_results")  # checked before the scoring:
+    out_files.below(root, ns.out or loaded.checkpoint, LoadError)  # never written through a link
     loops = check_loops(ns.loops, loaded.model, ns.beyond)
     progress.phase(f"step {loaded.step} loaded; indexing the lm-eval tasks")
     tm = _task_manager(ns, tasks)
@@ -318,7 +323,7 @@ def run(ns: argparse.Namespace) -> str | None:
         "results": res["results"],
         "samples": _samples(res.get("samples")),
     }
-    out = write_results(ns.out or os.path.join(loaded.checkpoint, "eval_results"), payload)
+    out = write_results(root, ns.out or loaded.checkpoint, payload)
     print(summary_table(res["results"]))
     print(f"results: {os.path.join(out, 'results.json')}")
     return out

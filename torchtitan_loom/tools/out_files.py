@@ -5,6 +5,13 @@ An output folder is the user's: only the names a tool writes are ever replaced o
 and a symbolic link at such a name (``OUT/config.json -> ~/.bashrc``) is refused with one line
 naming it, before anything is written or removed; the file it points to keeps its bytes. OUT itself
 may be a link the user made to another disk, except where ``--force`` would clear it.
+
+The one rule for every tool that writes: a folder the user names may be a link; nothing the tool
+creates below it may be. A default output folder lies below a folder the user named (the run
+folder for depth and analyze, the study folder for compare and study, the checkpoint for lm_eval):
+that folder is the ``owner``, and a link (or a file) anywhere from it down to OUT
+(``<run>/depth -> /elsewhere``) is refused with one line, before the tool's slow part and before
+it writes anything.
 No torch import.
 """
 
@@ -23,10 +30,34 @@ def _is_ours(name: str, names: frozenset[str]) -> bool:
     return name in names or (name.endswith(PARTIAL) and name[: -len(PARTIAL)] in names)
 
 
-def check_out(out: str, force: bool, names: frozenset[str], error: type[Exception]) -> list[str]:
+def below(path: str, owner: str, error: type[Exception]) -> str:
+    """``path`` when nothing from ``owner`` down to ``path`` (``path`` included; ``owner`` not: the
+    user's, it may be a link) is a symbolic link or a file; else ``error``, one line naming it."""
+    try:
+        safe_files.check_inside(path, owner)
+        here = os.path.normpath(owner)
+        for part in os.path.relpath(os.path.normpath(path), here).split(os.sep):
+            here = os.path.join(here, part)
+            if part != os.curdir and os.path.lexists(here) and not os.path.isdir(here):
+                raise safe_files.UnsafePathError(f"{here} is not a folder; refusing to write in it")
+    except safe_files.UnsafePathError as exc:
+        raise error(f"{exc} ({path} lies below it)") from None
+    return path
+
+
+def check_out(
+    out: str,
+    force: bool,
+    names: frozenset[str],
+    error: type[Exception],
+    owner: str | None = None,
+) -> list[str]:
     """The entries of ``out`` that ``force`` would remove (the tool's own names); ``error`` (one
-    line) when ``out`` cannot receive the output: not a folder, occupied without ``force``, or one of
-    those names a link or not a regular file. Removes nothing."""
+    line) when ``out`` cannot receive the output: a link or a file on the way from ``owner`` (the
+    folder the user named, default ``out`` itself), not a folder, occupied without ``force``, or one
+    of those names a link or not a regular file. Removes nothing."""
+    if owner is not None:
+        below(out, owner, error)
     if os.path.lexists(out) and not os.path.isdir(out):
         raise error(f"{out}: exists and is not a directory; choose an output folder")
     present = sorted(os.listdir(out)) if os.path.isdir(out) else []
@@ -54,17 +85,29 @@ def check_out(out: str, force: bool, names: frozenset[str], error: type[Exceptio
     return ours
 
 
-def clear_out(out: str, force: bool, names: frozenset[str], error: type[Exception]) -> None:
+def clear_out(
+    out: str,
+    force: bool,
+    names: frozenset[str],
+    error: type[Exception],
+    owner: str | None = None,
+) -> None:
     """Check ``out`` again (a link may have appeared meanwhile), then remove the tool's own
     regular files in it; anything else in the folder is left as it is."""
-    for name in check_out(out, force, names, error):
+    for name in check_out(out, force, names, error, owner):
         os.unlink(os.path.join(out, name))  # lstat said regular file: unlink never follows
 
 
-def make_out(out: str, error: type[Exception]) -> None:
-    """Create ``out`` (and missing parents); a link at ``out`` is the user's, so allowed here."""
+def make_out(out: str, error: type[Exception], owner: str | None = None) -> None:
+    """Create ``out`` (and missing parents). Without ``owner`` the user named ``out``, so a link
+    there is allowed; with it, the folders from ``owner`` down are created never through a link."""
     try:
-        os.makedirs(out, exist_ok=True)
+        if owner is None:
+            os.makedirs(out, exist_ok=True)
+        else:
+            safe_files.make_dirs(below(out, owner, error), owner)
+    except safe_files.UnsafePathError as exc:  # a link planted since below() looked
+        raise error(str(exc)) from None
     except OSError as exc:
         raise error(f"{out}: cannot create the output folder ({exc.strerror or exc})") from None
 

@@ -26,6 +26,9 @@ folders, and the wall seconds of the study's launches of each run) for tools.com
 A run that fails stops the study: one line naming its folder, exit 1 (finished runs are kept); one
 stopped by a signal (saved) ends the study too, to be resumed by rerunning it. ``--dry-run`` prints
 the plan (each run's folder, status: finished / partial at step N / new, and its command).
+
+The study folder may be a link; nothing the study creates below it may be (tools/out_files.py): a
+variant or run folder that is a symbolic link is one ``study error:`` line before any launch.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.components.runtime.run_folder import RunFolderError, live_run, read_run
 from torchtitan_loom.config.manager import ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
+from torchtitan_loom.tools.out_files import below
 from torchtitan_loom.tools.study_file import (
     STUDY_JSON,
     PlannedRun,
@@ -211,16 +215,19 @@ def launch_run(command: list[str]) -> int:
     # run_train.sh starts $PYTHON (default python3): this interpreter, whose packages are known
     env = dict(os.environ, PYTHON=os.environ.get("PYTHON", sys.executable))
     proc = subprocess.Popen(command, env=env)
+    got: list[int] = []  # the stop signals the run was sent
 
     def forward(signum: int, _frame: Any) -> None:
+        got.append(signum)
         proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         while True:
             try:
-                return proc.wait()
+                return stop_code(proc.wait(), got)
             except KeyboardInterrupt:
+                got.append(signal.SIGINT)
                 print(
                     "study: interrupted; waiting for the run to save and stop (Ctrl-C again: "
                     "stop without saving)",
@@ -229,6 +236,15 @@ def launch_run(command: list[str]) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def stop_code(code: int, got: list[int]) -> int:
+    """The run's exit code, except for a run ended by a stop signal it was sent before its trainer
+    handles signals (e.g. while it imports torch): stopped as asked, so the code of a handled stop
+    (0; 130 for Ctrl-C), not a failure."""
+    if not any(code in (-s, 128 + s) for s in got):
+        return code
+    return exit_codes.INTERRUPTED if code in (-signal.SIGINT, 130) else exit_codes.OK
 
 
 def print_plan(
@@ -252,9 +268,10 @@ def ended(run: PlannedRun, total: int, code: int, seconds: float) -> int | None:
         print(f"study: run {run.index} of {total} done in {seconds:,.1f} s", flush=True)
         return None
     if code in (exit_codes.OK, exit_codes.INTERRUPTED):  # stopped by a signal, saved
+        state = f"status {rec.get('status')}, step {rec.get('step')}" if rec else "before step 1"
         print(
-            f"{which} stopped after {seconds:,.1f} s (exit code {code}, status "
-            f"{rec.get('status')}, step {rec.get('step')}); rerun the study to resume it",
+            f"{which} stopped after {seconds:,.1f} s (exit code {code}, {state}); rerun the "
+            "study to resume it",
             flush=True,
         )
         return code
@@ -278,6 +295,8 @@ def run_study(study: Study, dry_run: bool) -> int:
         flush=True,
     )
     runs, configs = plan(study)
+    for run in runs:  # a run's folder (or its variant's) planted as a link: refused (out_files.py)
+        below(run.folder, study.folder, StudyError)
     command = launcher()
     statuses = check_runs(runs, configs, command, dry_run)
     if dry_run:
@@ -294,6 +313,7 @@ def run_study(study: Study, dry_run: bool) -> int:
             print(f"{head}: {words}, skipped", flush=True)
             continue
         print(f"{head}: {'resuming, ' + words if kind == 'partial' else 'new'} ...", flush=True)
+        safe_files.make_dirs(run.folder, study.folder)  # never through a link planted since
         started = time.monotonic()
         code = launch_run(command + run.args)
         seconds = time.monotonic() - started

@@ -18,6 +18,8 @@ from typing import cast
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
+from torchtitan_loom.components.runtime.safe_files import UnsafePathError
+
 _NEW = os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -30,9 +32,9 @@ class _NewFilesOnly(FileSystem):
             return
         try:
             fd = os.open(path, os.O_WRONLY | _NEW, 0o644)
-        except FileExistsError:
+        except FileExistsError:  # UnsafePathError: saving.py makes it one `checkpoint error:` line
             what = "a symbolic link" if os.path.islink(path) else "something"
-            raise FileExistsError(
+            raise UnsafePathError(
                 f"{path}: {what} was placed there during the save; refusing to write through it"
             ) from None
         with os.fdopen(fd, mode) as stream:

@@ -24,7 +24,7 @@ import datetime
 import os
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,25 @@ from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts, PendingSave
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
 from torchtitan_loom.components.runtime import format_version, safe_files
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def found_in(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The first ``kind`` among ``exc``, its causes and contexts, and the failures DCP's
+    CheckpointException carries (each rank's exception, which it wraps, never chains)."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, kind):
+            return e
+        if isinstance(e, CheckpointException):
+            todo += [f[0] for f in e.failures.values() if isinstance(f, tuple) and f]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
 
 
 class _CommittedButIncomplete(Exception):
@@ -188,6 +207,14 @@ class Writer:
         if isinstance(exc, _CommittedButIncomplete):
             refused = isinstance(exc.cause, safe_files.UnsafePathError)
             return (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(exc.what)
+        if found_in(exc, KeyboardInterrupt) is not None:  # Ctrl-C again mid-write: as promised,
+            if self.p.rank == 0:  # stop without saving (launch.outcome_of: exit 130, stopped)
+                try:
+                    safe_files.remove_dir(tmp, self.p.root)
+                except OSError:
+                    pass  # a link or an unremovable directory: a .tmp- name is never loaded
+            return KeyboardInterrupt()
+        exc = found_in(exc, safe_files.UnsafePathError) or exc  # a link refused inside DCP's write
         if isinstance(exc, safe_files.UnsafePathError):
             return ckstate.CheckpointError(
                 f"checkpoint step {step} not saved: {exc}; nothing pruned, the previous "

@@ -5,15 +5,19 @@ Documents stream in one at a time; each gets EOS appended and is cut into record
 Tokens go to a raw file as they arrive, so memory holds only the record lengths. `finish()`
 chooses the holdout (the last records of the corpus, by token count, at most 10% of records),
 draws the training orderings, writes everything into a temporary directory beside the output
-and renames it into place, so an interrupted pack never looks complete.
+and renames it into place, so an interrupted pack never looks complete. A full disk is one line
+(an OSError naming the output), with the temporary directory removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +78,26 @@ class PackWriter:
 
     def add_document(self, ids: np.ndarray) -> None:
         """Append one document's token ids (without EOS; it is added here)."""
+        with self._disk("the tokens"):
+            self._add(ids)
+
+    @contextlib.contextmanager
+    def _disk(self, what: str) -> Iterator[None]:
+        """A full disk (or quota) while writing ``what``: the temporary folder removed, then one
+        line naming the output (an OSError without an errno prints as its message alone)."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.abort()
+            raise OSError(
+                f"{self.out}: no space left on its disk writing {what} ({self.total_tokens:,} "
+                f"tokens so far); nothing written, the partial pack removed: free space or "
+                f"choose another --out"
+            ) from None
+
+    def _add(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids)
         vocab = int(self.tokenizer_info["vocab_size"])
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
@@ -106,6 +130,10 @@ class PackWriter:
         """
         if epochs < 1:
             raise ValueError(f"epochs {epochs}: need at least 1 training ordering")
+        with self._disk("the pack's files"):
+            return self._finish(epochs, holdout_tokens, seed, replace)
+
+    def _finish(self, epochs: int, holdout_tokens: int, seed: int, replace: bool) -> Path:
         self._raw.close()
         lens = np.concatenate(self._lens) if self._lens else np.zeros(0, np.int64)
         n = len(lens)
@@ -149,18 +177,20 @@ class PackWriter:
         return self._publish(replace)
 
     def _write_tokens(self) -> None:
+        """tokens.npy: the .npy header, then the raw stream copied in blocks by write() — never
+        through a memory map, whose page faults on a full disk kill the process (SIGBUS) where a
+        write() says ENOSPC."""
         raw = self.tmp / "tokens.bin"
-        out = np.lib.format.open_memmap(
-            self.tmp / "tokens.npy", mode="w+", dtype=self.dtype, shape=(self.total_tokens,)
-        )
-        with open(raw, "rb") as f:
-            for lo in range(0, self.total_tokens, _COPY_BLOCK):
-                block = np.fromfile(
-                    f, dtype=self.dtype, count=min(_COPY_BLOCK, self.total_tokens - lo)
-                )
-                out[lo : lo + len(block)] = block
-        out.flush()
-        del out
+        header = {
+            "descr": np.lib.format.dtype_to_descr(self.dtype),
+            "fortran_order": False,
+            "shape": (self.total_tokens,),
+        }
+        with open(self.tmp / "tokens.npy", "wb") as out, open(raw, "rb") as f:
+            np.lib.format.write_array_header_1_0(out, header)
+            shutil.copyfileobj(f, out, _COPY_BLOCK * self.dtype.itemsize)
+            out.flush()
+            os.fsync(out.fileno())
         raw.unlink()
 
     def _publish(self, replace: bool) -> Path:
