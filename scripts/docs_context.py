@@ -41,7 +41,10 @@ LM_EVAL = (
 )
 HF_EXPORT = "python -m torchtitan_loom.tools.export /tmp/loom_debug /tmp/loom_debug_hf --format hf"
 HF_SNIPPET = "python - <<'PY'"
-HF_SNIPPET_BODY = """from transformers import PreTrainedTokenizerFast, pipeline
+HF_SNIPPET_BODY = """import logging
+for noisy in ("torchao", "torch.utils._pytree"):  # import-time notices of a library transformers loads
+    logging.getLogger(noisy).setLevel(logging.ERROR)  # (see below); every other warning still shows
+from transformers import PreTrainedTokenizerFast, pipeline
 tok = PreTrainedTokenizerFast.from_pretrained("/tmp/loom_debug_hf")  # the exported tokenizer.json
 print(tok("q=9;")["input_ids"], tok.eos_token, tok.eos_token_id)     # byte tokenizer: ids = bytes
 generate = pipeline("text-generation", model="/tmp/loom_debug_hf", trust_remote_code=True)

@@ -217,7 +217,7 @@ def main(argv: list[str]) -> int:
     regions = {r.name: r for r in all_regions()}
     excerpt = regions["default-run-console"].body
     (command,) = displayed_commands(excerpt)
-    threads = re.search(r"\((\d+) CPU threads", excerpt)[1]
+    threads = re.search(r"\((\d+) CPU threads?", excerpt)[1]
     os.environ["OMP_NUM_THREADS"] = threads
     kind = cpu_kind()
     print(f"recording the tour's figures for {kind}: {command} (OMP_NUM_THREADS={threads}) ...")

@@ -355,6 +355,17 @@ def get_train_spec(name: str) -> TrainSpec:
     return _REGISTRY[name]
 
 
+def relaunch_tunable_of(name: str) -> tuple[str, ...]:
+    """The spec `name`'s relaunch_tunable without importing its model: a registered spec's own, or
+    a bundled model's ``args`` module's RELAUNCH_TUNABLE (torch-free, like model_args_of)."""
+    if name in _REGISTRY:
+        return _REGISTRY[name].relaunch_tunable
+    bundled = importlib.import_module(_MODELS_PACKAGE).BUNDLED
+    if name in bundled:
+        return tuple(getattr(importlib.import_module(bundled[name][0]), "RELAUNCH_TUNABLE", ()))
+    return get_train_spec(name).relaunch_tunable  # raises naming the registered specs
+
+
 def model_args_of(name: str) -> tuple[Mapping[str, Any], Mapping[str, tuple[str, ...]]]:
     """(flavors, arg_choices) of the spec `name` without importing its model: a registered spec's
     own, or a bundled model's ``args`` module (torch-free), so the config can check its [model]

@@ -279,6 +279,7 @@ class TrainerBuild:
             rank=info.rank,
             world_size=info.world_size,
             log=self.log,
+            log_every=cfg.metrics.log_freq,
         )
 
     def _build_step(self) -> SegmentedStep:

@@ -194,7 +194,8 @@ def test_analyze_writes_report(run, tmp_path, tiny_pack, capsys):
         == 0
     )
     assert capsys.readouterr().out.startswith(  # said before the slow part
-        f"analyze: loading {dump}, then routing 400 held-out tokens through it ...\n"
+        f"analyze: loading {dump}, then routing 400 held-out tokens (rounded up to whole batches) "
+        "through it ...\n"
     )
     report = (out / "report.md").read_text()
     for name in (

@@ -139,3 +139,27 @@ def test_a_generated_config_is_one_line_naming_the_file_and_starts_no_run(
     assert name in lines[0] or "unknown" in lines[0]
     assert not (tmp_path / "outputs").exists()  # no default run started in the current folder
     outside.check()
+
+
+def test_an_unknown_flavor_and_key_typos_are_named_in_one_run_before_torch(tmp_path):
+    """The flavor table is torch-free, so the command line's first answer names the flavor with
+    the typos (it used to come only on the next run, after fixing them)."""
+    toml = tmp_path / "typos.toml"
+    toml.write_text('[model]\nflavor = "debgu"\n[training]\nstepz = 3\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_loom.train", "--job.config_file", str(toml)]
+        + ["--optimizer.lrr", "3"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "importing torch" not in proc.stdout, proc
+    assert [ln.split(";")[0] for ln in proc.stderr.splitlines()] == [
+        "config error: unknown key 'training.stepz'",
+        "config error: unknown key 'optimizer.lrr'",
+        "config error: model.flavor: unknown flavor 'debgu' of 'loom'",
+    ]
+    alone = subprocess.run(
+        [sys.executable, "-m", "torchtitan_loom.train", "--model.flavor", "debgu"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert alone.returncode == 2 and "importing torch" not in alone.stdout, alone
+    assert alone.stderr.startswith("config error: model.flavor: unknown flavor 'debgu'"), alone

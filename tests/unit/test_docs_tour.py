@@ -108,7 +108,7 @@ def tour(tmp_path_factory):
     threads, the context that ran it)."""
     region = next(r for r in all_regions() if r.name == REGION)
     (command,) = displayed_commands(region.body)
-    threads = re.search(r"\((\d+) CPU threads", region.body)
+    threads = re.search(r"\((\d+) CPU threads?", region.body)
     assert threads, "README.md: the tour excerpt's first line no longer names its thread count"
     ctx = Context(Runner(tmp_path_factory.mktemp("tour"), log=lambda msg: None))
     with pytest.MonkeyPatch.context() as mp:

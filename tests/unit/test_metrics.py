@@ -186,3 +186,38 @@ def test_step_metrics_eta_and_compile_lines():
         report.step_done(step)
     assert report.eta_seconds(4) == pytest.approx((112.0 - 100.0) / 3 * 6)
     assert report.eta_seconds(10) is None and len(logged) == 2
+
+
+@pytest.mark.parametrize(
+    "log_freq, first_step, total, expected",
+    [
+        (10, 0, 180, "training from step 1 to 180: a step line every 10 steps (metrics.log_freq), "
+         "the first after step 10 ..."),
+        (10, 180, 240, "training from step 181 to 240: a step line every 10 steps "
+         "(metrics.log_freq), the first after step 190 ..."),
+        (1, 0, 4, "training from step 1 to 4: a step line every 1 step (metrics.log_freq), the "
+         "first after step 1 ..."),
+        (50, 0, 4, "training from step 1 to 4: a step line every 50 steps (metrics.log_freq), the "
+         "first after step 4 ..."),
+    ],
+)  # fmt: skip
+def test_an_uncompiled_run_says_what_comes_before_its_first_step_line(
+    log_freq, first_step, total, expected
+):
+    """The seconds before the first step line (up to log_freq steps) are announced: where the
+    training starts, and after which step the first line comes (the last step's when sooner)."""
+    from torchtitan_loom.components.observability import step_metrics
+
+    logged: list[str] = []
+    step_metrics.StepMetrics(
+        Metrics(log_freq=log_freq),
+        None,
+        tokens_per_step=1,
+        flops_per_token=1.0,
+        peak_flops=None,
+        device=torch.device("cpu"),
+        first_step=first_step,
+        log=logged.append,
+        total_steps=total,
+    )
+    assert logged == [expected]

@@ -177,3 +177,25 @@ def test_a_live_run_is_named_first_whatever_else_the_relaunch_gets_wrong(
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_finished_run_is_refused_before_torch_is_imported(tmp_path):
+    """The run folder's refusal needs only its run.json: it comes in the time a typo's does."""
+    from torchtitan_loom.config.manager import load_config
+
+    args = ["--job.dump_folder", str(tmp_path), "--training.steps", "4"]
+    finished = {"identity": run_folder.identity(load_config(args)), "status": "finished", "step": 4}
+    (tmp_path / run_folder.RUN_JSON).write_text(json.dumps(finished))
+    code = (
+        "import sys\nfrom torchtitan_loom.config.early import answer_early\n"
+        f"try:\n    answer_early({args!r})\nexcept SystemExit as e:\n"
+        "    print(e.code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done
+    assert "holds a finished run (step 4 of training.steps = 4)" in done.stderr
+    assert "it saved no checkpoint, so it cannot be continued" in done.stderr  # none on disk
+    # A different run waits for the checks after torch, so that its other problems come with it.
+    from torchtitan_loom.config.early import answer_early
+
+    answer_early([*args, "--training.seed", "1"])  # returns: nothing to say before torch

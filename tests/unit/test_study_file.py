@@ -151,7 +151,7 @@ def test_the_plan_is_variant_major_with_the_study_s_arguments(tmp_path):
         (4, "H1", 1, f"{out}/H1/seed-1"),
     ]
     head = ["--job.config_file", str(PRESET), "--job.dump_folder", f"{out}/H1/seed-1"]
-    # The debug preset leaves checkpoints off: on, every ceil(4 / 10) = 1 step, before overrides.
+    # The debug preset saves only its last step: every ceil(4 / 10) = 1 step, before overrides.
     assert runs[3].args == [
         *head,
         *("--training.seed", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "1"),

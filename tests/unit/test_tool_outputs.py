@@ -54,12 +54,17 @@ def test_analyze_says_where_it_is_between_loading_and_the_report(dump, tmp_path,
     assert analyze_tool.main([str(dump), "--out", str(tmp_path / "r"), *analyze_args()]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"analyze: loading {dump}, then routing 200 held-out tokens")
-    assert lines[1].startswith("analyze: step 2 loaded; routing held-out tokens of ")
-    assert lines[1].endswith(" ...")
+    # The count it routes is said once loaded: --tokens rounded up to whole batches, and the
+    # progress and the report count the same tokens.
+    m = re.match(r"analyze: step 2 loaded; routing ([\d,]+) held-out tokens of ", lines[1])
+    assert m and "rows, --tokens 200 rounded up to whole batches" in lines[1], lines[1]
+    reads = int(m[1].replace(",", ""))
+    assert reads >= 200
     assert any(
-        ln.startswith("analyze: ") and " of 200 held-out tokens routed (1 batch)" in ln
+        ln.startswith("analyze: ") and f" of {reads:,} held-out tokens routed (1 batch)" in ln
         for ln in lines[2:-2]
-    ), lines  # after the first batch
+    ), lines
+    assert f"{reads:,} tokens with a target" in (tmp_path / "r" / "report.md").read_text()
     assert lines[-2].startswith(f"analyze: writing the report and its figures to {tmp_path / 'r'}")
     assert lines[-1] == f"report written: {tmp_path / 'r' / 'report.md'}"
 

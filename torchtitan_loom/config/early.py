@@ -1,17 +1,22 @@
 """The answers a command line gets before torch is imported (``python -m torchtitan_loom.train``
 calls ``answer_early`` first): ``--help``, and the config's own problems — unknown keys, types,
-choices, ranges that load_config checks — one line each, exit 2. Importing torch takes seconds on a
-cold start (tens on a loaded machine); a typo is answered in a fraction of one. A command line that
-passes goes on to the full checks (the model, the layout, the data, the run folder) after torch.
+choices, ranges that load_config checks, an unknown flavor (the flavor table is torch-free) — and
+a run folder that holds this very run, finished (run_folder.relaunch_errors reads its run.json;
+a different run is named with the config's other problems, after torch), one line each, exit 2. Importing torch takes seconds on a cold start (tens on
+a loaded machine); a typo is answered in a fraction of one. A command line that passes goes on to
+the full checks (the model, the layout, the data, the run folder) after torch.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.components.runtime.run_folder import relaunch_errors
+from torchtitan_loom.config.fields import flavor_problem
 from torchtitan_loom.config.help import help_requested, help_text
 from torchtitan_loom.config.manager import ConfigError, load_config
 
@@ -33,6 +38,13 @@ def with_default_preset(argv: list[str]) -> list[str]:
     return ["--job.config_file", DEFAULT_PRESET, *argv]
 
 
+def _flavor(cfg: Any) -> list[str]:
+    """An unknown model.flavor, checked from the torch-free flavor table ([] when fine or no
+    config was built)."""
+    problem = None if cfg is None else flavor_problem(cfg.model.name, cfg.model.flavor)
+    return [problem] if problem else []
+
+
 def answer_early(argv: list[str]) -> None:
     """Print --help, or the config's problems and exit 2; return when there is nothing to say."""
     wanted, rest_of_argv = help_requested(argv)
@@ -41,8 +53,12 @@ def answer_early(argv: list[str]) -> None:
         sys.exit(exit_codes.OK)
     rest = [a for a in argv if a != "--check-config" and not a.startswith("--check-config=")]
     try:
-        load_config(rest)
-    except ConfigError as exc:
-        for line in str(exc).splitlines():
-            print(shorten_line(f"config error: {line}"), file=sys.stderr)
+        cfg = load_config(rest)
+    except ConfigError as exc:  # the flavor too, so that one run names every problem it can
+        lines = str(exc).splitlines() + _flavor(exc.partial)
+    else:  # and a finished or different run in the folder: its files say so
+        lines = _flavor(cfg) or relaunch_errors(cfg, finished_only=True)
+    for line in lines:
+        print(shorten_line(f"config error: {line}"), file=sys.stderr)
+    if lines:
         sys.exit(exit_codes.BAD_INPUT)

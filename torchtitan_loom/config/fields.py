@@ -50,6 +50,18 @@ _NOT_MODEL_KEYS = ("init_seed",)
 DEFAULT_MODEL = "loom"
 
 
+def flavor_problem(name: str, flavor: str) -> str | None:
+    """The line an unknown flavor of the spec ``name`` gets; None for a known one, or for an
+    unknown name (model.name's own problem). Torch-free: early.py asks it before torch."""
+    try:
+        flavors, _ = model_args_of(name)
+    except ValueError:
+        return None
+    if flavor in flavors:
+        return None
+    return f"model.flavor: unknown flavor '{flavor}' of '{name}'; valid: {', '.join(flavors)}"
+
+
 def model_section(name: str) -> type:
     """[model] of the spec ``name``: name, flavor, then one optional override per field of its args
     dataclass (None keeps the flavor's value). Reads the flavors without importing the model

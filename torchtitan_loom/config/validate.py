@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
-from torchtitan_loom.config.fields import overridden_args
+from torchtitan_loom.config.fields import flavor_problem, overridden_args
 from torchtitan_loom.config.gates import gated_problems
 from torchtitan_loom.config.io_checks import bundled_errors, folder_errors, pack_errors
 from torchtitan_loom.config.manager import INT_MAX, ConfigError, load_config
@@ -50,14 +50,11 @@ MAX_BATCH_TOKENS = 2**31 - 1
 def resolve_model_args(cfg: JobConfig) -> Any:
     """The flavor's args with every non-None [model] override applied, validated."""
     try:
-        spec = get_train_spec(cfg.model.name)
+        get_train_spec(cfg.model.name)  # an unknown name is said here, the flavor below
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"model.name: {exc}") from None
-    if cfg.model.flavor not in spec.model_args:
-        raise ConfigError(
-            f"model.flavor: unknown flavor '{cfg.model.flavor}' of '{cfg.model.name}'; "
-            f"valid: {', '.join(spec.model_args)}"
-        )
+    if problem := flavor_problem(cfg.model.name, cfg.model.flavor):
+        raise ConfigError(problem)
     args = overridden_args(cfg)
     try:
         args.validate()

@@ -37,6 +37,9 @@ from torchtitan_loom.tools.progress import Progress
 DEFAULT_OUT = "<run folder>/analysis/step-<N>"
 
 
+SAMPLE_TOKENS = 40  # tokens of each document picture
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0, or 2 with one ``analyze error:`` line."""
     parser = argparse.ArgumentParser(
@@ -63,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         "--samples", type=int, default=3, help="documents with a routing picture (default 3)"
     )
     parser.add_argument(
-        "--sample-tokens", type=int, default=40, help="tokens shown per document (default 40)"
+        "--sample-tokens",
+        type=int,
+        default=SAMPLE_TOKENS,
+        help=f"tokens shown per document (default {SAMPLE_TOKENS})",
     )
     parser.add_argument(
         "--layer", type=int, default=None, help="layer of the document pictures (default L // 2)"
@@ -76,9 +82,17 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return exit_codes.BAD_INPUT
+    if ns.samples < 1 and (ns.layer is not None or ns.sample_tokens != SAMPLE_TOKENS):
+        print(
+            "analyze error: --layer and --sample-tokens shape the document pictures, and "
+            f"--samples {ns.samples} draws none: leave them out, or pass --samples 1 or more",
+            file=sys.stderr,
+        )
+        return exit_codes.BAD_INPUT
     progress = Progress("analyze")
     print(
-        f"analyze: loading {ns.ckpt}, then routing {ns.tokens:,} held-out tokens through it ...",
+        f"analyze: loading {ns.ckpt}, then routing {ns.tokens:,} held-out tokens (rounded up to "
+        "whole batches) through it ...",
         flush=True,
     )
     import torch

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
+from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.tools.out_files import write_figure, write_file
 
 
@@ -172,7 +173,7 @@ def write_report(
         "# LOOM routing and loop analysis",
         "",
         f"- checkpoint: `{ckpt}`" + (f" (step {step})" if step is not None else ""),
-        f"- model: {info.get('name')}/{info.get('flavor')}: L = {routing.L} layers, H = {H} loops, "
+        f"- model: {info.get('name')}/{info.get('flavor')}: L = {routing.L} layers, H = {count(H, 'loop')}, "
         f"E = {E} routed experts, top-k = {routing.K}",
         f"- held-out data: `{data}`, {result['tokens']:,} tokens with a target",
         "",

@@ -155,11 +155,12 @@ def analyze(
         )
     except (PackError, ValueError, OSError) as exc:
         raise AnalyzeError(f"--data {data}: {exc}") from None
+    reads = loader.num_label_tokens  # whole batches: --tokens rounded up (the held-out eval's way)
     progress.phase(
-        f"step {info['step']} loaded; routing held-out tokens of {data} in batches of "
-        f"{batch_rows} rows"
+        f"step {info['step']} loaded; routing {reads:,} held-out tokens of {data} in batches of "
+        f"{batch_rows} rows, --tokens {tokens:,} rounded up to whole batches"
     )
-    result = evaluate(model, loader, torch.device("cpu"), samples, sample_tokens, progress, tokens)
+    result = evaluate(model, loader, torch.device("cpu"), samples, sample_tokens, progress, reads)
     from pathlib import Path
 
     from torchtitan_loom.tools.loading import LoadError, recorded_tokenizer

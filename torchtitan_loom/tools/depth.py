@@ -118,6 +118,10 @@ def plan_maker(ns: argparse.Namespace):
                 raise ValueError(f"--{criterion}: {problem}")
     if ns.limit is not None and ns.limit < 1:
         raise ValueError(f"--limit {ns.limit}: must be ≥ 1")
+    if ns.tasks == "none" and (ns.tasks_dir or ns.only_tasks_dir or ns.limit is not None):
+        raise ValueError(
+            "--tasks none scores no task: leave out --tasks-dir, --only-tasks-dir, --limit"
+        )
     for key in ("tokens", "batch_rows", "seq_len"):
         if getattr(ns, key) is not None and getattr(ns, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} {getattr(ns, key)}: must be ≥ 1")

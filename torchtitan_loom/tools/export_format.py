@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import shlex
 import sys
 from typing import Any
 
@@ -13,6 +14,8 @@ import torch
 
 from torchtitan_loom.components.checkpoint import integrity, layout
 from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, checkpoint_problem
+from torchtitan_loom.config.errors import ConfigError
+from torchtitan_loom.config.toml_file import read_toml
 from torchtitan_loom.protocols import get_train_spec
 
 
@@ -41,7 +44,31 @@ def find_checkpoint(path: str, step: int | None = None) -> str:
     )
     raise ExportError(
         f"{path}: not a checkpoint directory (no .metadata) and {which} "
-        f"under it or under {os.path.join(path, 'checkpoint')}"
+        f"under it or under {os.path.join(path, 'checkpoint')}{why_no_checkpoint(path)}"
+    )
+
+
+def why_no_checkpoint(path: str) -> str:
+    """What a run folder without a checkpoint says about it, and the command that gives it one
+    ("" for a folder that is no run): its config.toml shows checkpoints off, or the run has not
+    reached a save yet."""
+    try:
+        ckpt = read_toml(os.path.join(path, "config.toml"))["checkpoint"]
+        enabled, interval = bool(ckpt["enable"]), int(ckpt["interval"])
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return ""
+    run = layout.read_json(os.path.join(path, "run.json")) or {}
+    if not enabled:
+        folder, config = (shlex.quote(p) for p in (path, os.path.join(path, "config.toml")))
+        return (
+            f"; that run trained with checkpoint.enable = false, so it saved no weights: train it "
+            f"again with them (its old files move to replaced-<run_id>/): ./run_train.sh "
+            f"--job.config_file {config} --job.dump_folder {folder} --job.overwrite true "
+            "--checkpoint.enable true"
+        )
+    return (
+        f"; that run (status {run.get('status', 'unknown')!r} at step {run.get('step', '?')}) has "
+        f"not saved yet: it saves every {interval} steps and at its last step"
     )
 
 

@@ -104,6 +104,16 @@ def run(ns: argparse.Namespace) -> str:
     problems = cfg.problems()
     if problems:
         raise LoadError(problems[0])
+    if ns.exit is not None and ns.exit_threshold is None:  # 0 would exit no token: a silent no-op
+        raise LoadError(
+            f"--exit {ns.exit} needs --exit-threshold X: a token stops once the criterion is below "
+            f"X (kl ≥ 0, e.g. 0.1; confidence in [0, 1], e.g. 0.2; 0 = every token runs --loops)"
+        )
+    if ns.temperature == 0 and (ns.top_k, ns.top_p) != (0, 1.0):
+        raise LoadError(
+            "--top-k and --top-p filter what is sampled, and --temperature 0 samples nothing "
+            "(greedy): leave them out, or pass --temperature above 0"
+        )
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)

@@ -225,6 +225,11 @@ def _checked_tasks(ns: argparse.Namespace) -> list[str]:
         raise LoadError(f"--limit {ns.limit}: must be >= 1")
     if ns.holdout_threshold < 0:
         raise LoadError(f"--holdout-threshold {ns.holdout_threshold}: must be >= 0")
+    if ns.holdout_check == "off" and ns.holdout_threshold != DEFAULT_THRESHOLD:
+        raise LoadError(
+            "--holdout-threshold is the gap --holdout-check on refuses, and --holdout-check off "
+            "runs no check: leave the threshold out, or pass --holdout-check on"
+        )
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
     tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]

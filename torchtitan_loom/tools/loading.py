@@ -238,6 +238,11 @@ def check_loops(loops: int | None, model: Any, beyond: str | None = None) -> int
             model.set_beyond_policy(beyond or BEYOND_POLICIES[0])
         except ValueError as exc:
             raise LoadError(f"--beyond: {exc}") from None
+        if beyond is not None and loops <= num_loops:  # it would do nothing
+            raise LoadError(
+                f"--beyond {beyond}: applies to loops past the trained H={num_loops} only, and "
+                f"--loops is {loops}: pass --loops {num_loops + 1}..{top}, or leave --beyond out"
+            )
     elif beyond is not None:
         raise LoadError("--beyond: this model cannot run loops past its trained depth")
     return loops

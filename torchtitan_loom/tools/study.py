@@ -16,9 +16,9 @@ the study now asks (a changed study would mix two configs in one comparison). Ea
 ``study error:`` line on stderr, exit 2; nothing is launched or written.
 
 A rerun of the study skips finished runs (run.json status "finished" at training.steps) and
-resumes cut ones: relaunching into the same folder resumes from its newest checkpoint. The debug
-preset (and the schema's default) leave checkpoints off, so the study turns ``checkpoint.enable``
-on for its runs, with ``checkpoint.interval`` = ceil(training.steps / 10) unless the config file or
+resumes cut ones: relaunching into the same folder resumes from its newest checkpoint. The schema's
+default leaves checkpoints off and the debug preset saves only the last step, so the study turns
+``checkpoint.enable`` on for its runs, with ``checkpoint.interval`` = ceil(training.steps / 10) unless the config file or
 the study's overrides set one: a cut run loses at most a tenth of its steps. A study override of
 ``checkpoint.enable`` wins. ``<folder>/study.json`` records the study (its variants, seeds and run
 folders, and the wall seconds of the study's launches of each run) for tools.compare.

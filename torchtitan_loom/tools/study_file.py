@@ -248,11 +248,11 @@ def _problems(argv: list[str]) -> list[str]:
 
 
 def checkpoint_args(study: Study, variant: str, cfg: JobConfig) -> list[str]:
-    """What the study adds so that a cut run resumes: checkpoint.enable = true when the run would
-    have it off (unless the study's overrides set it), and then checkpoint.interval =
-    ceil(training.steps / SAVES_PER_RUN) unless the config file or the overrides set one."""
+    """What the study adds so that a cut run resumes: checkpoint.enable = true (unless the study's
+    overrides set it), and checkpoint.interval = ceil(training.steps / SAVES_PER_RUN) unless the
+    config file or the overrides set one (the debug preset's enable alone saves the last step)."""
     named = {k.replace("-", "_") for k in (*study.overrides, *study.variants[variant])}
-    if cfg.checkpoint.enable or "checkpoint.enable" in named:
+    if "checkpoint.enable" in named:
         return []
     in_file = {
         k.replace("-", "_")

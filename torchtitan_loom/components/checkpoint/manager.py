@@ -73,6 +73,7 @@ class CheckpointManager:
         rank: int = 0,
         world_size: int = 1,
         log: Callable[[str], None] = print,
+        log_every: int = 1,
     ) -> None:
         self.parts = ManagerParts(
             cfg=cfg,
@@ -97,6 +98,7 @@ class CheckpointManager:
             _distributed=dist.is_available()
             and dist.is_initialized()
             and dist.get_world_size() > 1,
+            log_every=log_every,
             proof=ProofPolicy(),  # which checkpoint may prune older ones (pure, proof.py)
         )
         self.writer = Writer(self.parts)

@@ -54,7 +54,17 @@ class ManagerParts:
     _distributed: bool
     proof: ProofPolicy  # which checkpoint may prune older ones
     loaded_total_steps: int | None = None
+    log_every: int = 1  # metrics.log_freq: the steps whose routine save and prune lines are said
     loaded_world_size: int | None = None  # the world size that saved the resumed step
+
+    def _log_routine(self, step: int, line: str) -> None:
+        """A periodic save or a prune that went as planned: said when saves are no more frequent
+        than the step lines, else only at a step the console logs and the last step (a short study
+        saving every 2 steps would bury its step lines); index.json lists every save."""
+        every = self.log_every
+        periodic = step % max(self.cfg.interval, 1) == 0 and step != self.total_steps
+        if not periodic or every <= self.cfg.interval or step % every == 0:
+            self._log(line)
 
     def _barrier(self) -> None:
         if self._distributed:

@@ -70,4 +70,6 @@ class Pruner:
                 f"{layout.INDEX} and {layout.LAYOUT_MD} not rewritten after that ({exc}): they "
                 f"still list {rel}; a resume reads the folder, not the index"
             ) from None
-        self.p._log(f"checkpoint step {p} proven by {PROVE_STEPS} healthy steps: pruned {rel}")
+        self.p._log_routine(
+            p, f"checkpoint step {p} proven by {PROVE_STEPS} healthy steps: pruned {rel}"
+        )

@@ -319,7 +319,9 @@ class Writer:
                 self._incomplete_message(final, step, "done", None, snap_exc), snap_exc
             )
         took = time.perf_counter() - started
-        self.p._log(f"checkpoint step {step} saved to {', '.join(where)} in {took:.1f} s")
+        self.p._log_routine(
+            step, f"checkpoint step {step} saved to {', '.join(where)} in {took:.1f} s"
+        )
 
     def _incomplete_message(
         self,

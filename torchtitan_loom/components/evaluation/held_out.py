@@ -16,6 +16,7 @@ import torch
 from torchtitan_loom.components.data import build_eval_loader
 from torchtitan_loom.components.evaluation.loop_by_loop import LoopByLoop
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
+from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.distributed import utils as dist_utils
 
 
@@ -93,7 +94,9 @@ class HeldOutEval:
             if read < self.cfg.tokens
             else ""
         )
-        self.log(f"eval at step {step}: {read:,} holdout tokens{short}, {num_loops} loops ...")
+        self.log(
+            f"eval at step {step}: {read:,} holdout tokens{short}, {count(num_loops, 'loop')} ..."
+        )
         model.eval()
         try:
             sums = self._run(model, num_loops, loader)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from torchtitan_loom.components.optim.choices import OPTIMIZERS
+from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.depth_sampling import flops_per_token as expected_flops
 from torchtitan_loom.depth_sampling import sampler_of
 from torchtitan_loom.model_cost import ModelCost
@@ -111,7 +112,7 @@ def start_lines(cfg: Any, est: StepEstimate, device: torch.device, rate_tflops: 
     mem = device_memory_gib(device)
     seconds = est.step_tflop / max(rate_tflops, 1e-9)
     where = (
-        f"{torch.get_num_threads()} CPU threads, {mem:.0f} GiB RAM"
+        f"{count(torch.get_num_threads(), 'CPU thread')}, {mem:.0f} GiB RAM"
         if device.type == "cpu"
         else f"{torch.cuda.get_device_name(device)}, {mem:.0f} GiB"
     )

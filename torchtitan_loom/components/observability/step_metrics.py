@@ -75,6 +75,20 @@ class StepMetrics:
         self._done: collections.deque[tuple[int, float]] = collections.deque(maxlen=ETA_WINDOW + 1)
         if compiling:
             self.log(f"compiling {count(compiling, 'module')} (first step) ...")
+        else:  # the first step line may be a minute away: say what the silence is
+            self.log(self._first_line(first_step))
+
+    def _first_line(self, done: int) -> str:
+        """What runs until the first step line, after ``done`` steps."""
+        every = self.cfg.log_freq
+        first_log = (done // every + 1) * every
+        if self.total_steps is not None:
+            first_log = min(first_log, max(self.total_steps, done + 1))
+        upto = "" if self.total_steps is None else f" to {self.total_steps}"
+        return (
+            f"training from step {done + 1}{upto}: a step line every "
+            f"{count(every, 'step')} (metrics.log_freq), the first after step {first_log} ..."
+        )
 
     def step_done(self, step: int) -> None:
         """The training part of ``step`` finished (called before its eval and save)."""

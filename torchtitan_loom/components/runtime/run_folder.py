@@ -29,9 +29,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import format_version, safe_files
-from torchtitan_loom.protocols import get_train_spec, model_args_of
+from torchtitan_loom.protocols import model_args_of, relaunch_tunable_of
 
 LOCK = "RUN.lock"
 RUN_JSON = "run.json"
@@ -51,9 +52,7 @@ def new_run_id() -> str:
 def identity(cfg: Any) -> dict[str, Any]:
     """The config values that define what a run trains; two launches with different ones are
     different runs."""
-    tunable = get_train_spec(
-        cfg.model.name
-    ).relaunch_tunable  # may change between launches of one run
+    tunable = relaunch_tunable_of(cfg.model.name)  # may change between launches of one run
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in tunable}
     t = cfg.training
     return {
@@ -123,14 +122,16 @@ def read_run(dump_folder: str) -> dict[str, Any] | None:
     return run
 
 
-def relaunch_errors(cfg: Any) -> list[str]:
-    """Why this launch may not continue the run in job.dump_folder ([] = it may)."""
+def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
+    """Why this launch may not continue the run in job.dump_folder ([] = it may). ``finished_only``
+    (the answer before torch): only the refusal of the same run, finished; a different run is
+    said with the config's other problems, which need torch."""
     if cfg.job.overwrite:
         return []
     try:
         run = read_run(cfg.job.dump_folder)
     except RunFolderError as exc:
-        return [f"job.dump_folder = '{cfg.job.dump_folder}': {exc}"]
+        return [] if finished_only else [f"job.dump_folder = '{cfg.job.dump_folder}': {exc}"]
     if run is None:
         return []
     version = version_problem(cfg.job.dump_folder, run)
@@ -146,6 +147,8 @@ def relaunch_errors(cfg: Any) -> list[str]:
         for k in sorted(old.keys() | new.keys())
         if old.get(k) != new.get(k)
     ]
+    if diff and finished_only:
+        return []
     if diff:
         return [
             f"{where} holds a different run ({'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); {hint}"
@@ -160,14 +163,26 @@ def relaunch_errors(cfg: Any) -> list[str]:
     ):
         return [
             f"{where} holds a finished run (step {run.get('step')} of training.steps = {cfg.training.steps}); "
-            f"raise training.steps to continue it, or {hint}"
+            f"{_continue_advice(cfg)}{hint}"
         ]
+    if finished_only:
+        return []
     if not cfg.checkpoint.enable:
         return [
             f"{where} holds a run (status {run.get('status')!r}) that checkpoint.enable = false cannot "
             f"continue (it would start over and mix two histories in metrics.jsonl); {hint}"
         ]
     return []
+
+
+def _continue_advice(cfg: Any) -> str:
+    """How a finished run continues, said only where it can: the launch must resume from a
+    complete checkpoint in the folder (a run that saved none cannot be continued)."""
+    root = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    if os.path.isdir(root) and layout.scan(root).newest() is not None:
+        on = "" if cfg.checkpoint.enable else " with --checkpoint.enable true"
+        return f"raise training.steps{on} to continue it, or "
+    return "it saved no checkpoint, so it cannot be continued: "
 
 
 def live_run(dump_folder: str) -> str | None:

@@ -22,6 +22,15 @@ FIELD_CHOICES = {
     "attn_backend": ATTN_BACKENDS,
     "moe_impl": MOE_IMPLS,
 }
+# Same math, or tunables a user may adjust mid-run: they may change between launches of one run
+# (the spec's relaunch_tunable; the run folder reads them before torch is imported).
+RELAUNCH_TUNABLE = (
+    "attn_backend",
+    "moe_impl",
+    "capacity_factor",
+    "load_balance_bias_lr",
+    "router_z_loss_coef",
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,12 @@ from typing import cast
 import torch
 from torch import nn
 
-from torchtitan_loom.models.loom.args import FIELD_CHOICES, LoomModelArgs, loom_flavors
+from torchtitan_loom.models.loom.args import (
+    FIELD_CHOICES,
+    RELAUNCH_TUNABLE,
+    LoomModelArgs,
+    loom_flavors,
+)
 from torchtitan_loom.models.loom.attention import resolve_attn_backend
 from torchtitan_loom.models.loom.float8_experts import convert_float8_experts
 from torchtitan_loom.models.loom.infra.checks import config_errors, layout_errors
@@ -52,14 +57,7 @@ register_train_spec(
         compile_units_fn=lambda model: list(cast(nn.ModuleList, model.layers)),
         kernel_report_fn=kernel_report,
         arg_choices=FIELD_CHOICES,
-        # Same math, or tunables a user may adjust mid-run.
-        relaunch_tunable=(
-            "attn_backend",
-            "moe_impl",
-            "capacity_factor",
-            "load_balance_bias_lr",
-            "router_z_loss_coef",
-        ),
+        relaunch_tunable=RELAUNCH_TUNABLE,
         config_errors_fn=config_errors,
         layout_errors_fn=layout_errors,
         num_experts_fn=lambda args: args.num_routed_experts,
