@@ -38,7 +38,9 @@ def test_default_report_equals_the_trainer_eval_of_the_same_step(report, trained
     for policy in ("last", "cycle"):
         got = [r["loss"] for r in numbers["fixed"][policy][:3]]
         assert got == pytest.approx([logged[f"eval_loss_loop_{t}"] for t in (1, 2, 3)], rel=1e-6)
-    assert numbers["reads"]["differs"] == [] and numbers["reads"]["capacity_factor"] > 0
+    assert numbers["reads"]["differs"] == [] and numbers["reads"]["as_trained"].startswith(
+        "capacity_factor = "
+    )
     assert "Read as the run's held-out eval reads: " in (out / "depth.md").read_text()
 
 
@@ -74,8 +76,8 @@ def test_capacity_off_and_fewer_tokens_equal_the_loop_by_loop_pass_and_are_named
     deeper = [r["loss"] for p in ("last", "cycle") for r in numbers["fixed"][p][3:]]
     assert all(x > 0 for x in deeper) and numbers["better_beyond"] in ("last", "cycle")
     assert (
-        "unlike the run's held-out eval: capacity dropping off (trained and evaluated at factor 1.5); "
-        "--tokens 1200 (eval.tokens = 1500)." in console
+        "unlike the run's held-out eval: --capacity off: the model as decoding runs it (trained "
+        "with capacity_factor = 1.5); --tokens 1200 (eval.tokens = 1500)." in console
     )
 
 

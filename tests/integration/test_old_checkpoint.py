@@ -24,7 +24,7 @@ import torch
 
 from tests import compat_fixture as fx
 from torchtitan_loom.components.checkpoint import load_full
-from torchtitan_loom.components.checkpoint.saving import FORMAT_VERSION
+from torchtitan_loom.components.checkpoint.resolve import FORMAT_VERSION
 from torchtitan_loom.components.runtime.run_folder import RUN_FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]

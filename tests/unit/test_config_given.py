@@ -115,7 +115,7 @@ def test_a_flavor_switch_on_the_command_line_is_not_outranked_by_the_file(tmp_pa
 def test_a_key_whose_feature_is_off_is_refused(argv, switch):
     key = argv[0][2:]
     with pytest.raises(ConfigError, match=rf"{key} is given but has no effect: it needs {switch}"):
-        resolve(load_config([*DEBUG, *argv, "--parallelism.dry_run"]), 1)
+        resolve(load_config([*argv, "--parallelism.dry_run"]), 1)  # the schema's switches
 
 
 def test_from_a_file_or_with_the_switch_turned_off_it_is_named_not_refused(tmp_path):
@@ -161,3 +161,14 @@ def test_a_description_that_looks_like_an_option_or_holds_a_newline(tiny_pack, t
     assert load_config(["--job.config_file", str(tmp_path / "c.toml")]).job.description == (
         "two\nlines"
     )
+
+
+def test_a_run_folder_s_own_config_toml_with_its_config_file_record_loads(tmp_path):
+    """Runs written before config_file became a comment record it as a key: a record, not an
+    include (run.json beside it marks the trainer's own file)."""
+    (tmp_path / "config.toml").write_text('[job]\nconfig_file = "train_configs/x.toml"\n')
+    with pytest.raises(ConfigError, match="a config file cannot name another"):
+        load_config(["--job.config_file", str(tmp_path / "config.toml")])
+    (tmp_path / "run.json").write_text("{}")
+    cfg = load_config(["--job.config_file", str(tmp_path / "config.toml")])
+    assert cfg.job.config_file == str(tmp_path / "config.toml")

@@ -113,15 +113,15 @@ def run_config(**eval_kw):
 
 def test_the_default_reads_are_the_run_eval_and_every_override_is_named():
     flags = dict(data=None, tokens=None, seq_len=None, batch_rows=None, capacity="trained")
-    reads = resolve(run_config(), "/p", 1.5, 512, **flags)
+    reads = resolve(run_config(), "/p", "capacity_factor = 1.5", 512, **flags)
     assert (reads.tokens, reads.seq_len, reads.rows, reads.forward_rows) == (50_000, 256, 16, 8)
-    assert reads.capacity_factor == 1.5 and reads.differs == ()
+    assert reads.as_trained == "capacity_factor = 1.5" and reads.differs == ()
     assert reads.describe().startswith("Read as the run's held-out eval reads: 50,000 tokens")
     flags.update(tokens=20_000, capacity="off")
-    reads = resolve(run_config(), "/p", 1.5, 512, **flags)
-    assert reads.tokens == 20_000 and reads.capacity_factor == 0
+    reads = resolve(run_config(), "/p", "capacity_factor = 1.5", 512, **flags)
+    assert reads.tokens == 20_000 and reads.as_trained == ""
     assert reads.differs == (
-        "capacity dropping off (trained and evaluated at factor 1.5)",
+        "--capacity off: the model as decoding runs it (trained with capacity_factor = 1.5)",
         "--tokens 20000 (eval.tokens = 50000)",
     )
 
@@ -130,9 +130,11 @@ def test_a_validation_pack_is_read_as_the_eval_reads_it_and_a_data_override_is_n
     flags = dict(data=None, tokens=None, seq_len=None, batch_rows=None, capacity="trained")
     cfg = run_config()
     cfg.data.val_path = "/val"
-    reads = resolve(cfg, "/p", 1.5, 512, **flags)
+    reads = resolve(cfg, "/p", "capacity_factor = 1.5", 512, **flags)
     assert reads.val_path == "/val" and reads.source() == "epoch 0 of /val" and not reads.differs
-    reads = resolve(cfg, "/p", 1.5, 512, **{**flags, "data": "/other", "batch_rows": 4})
+    reads = resolve(
+        cfg, "/p", "capacity_factor = 1.5", 512, **{**flags, "data": "/other", "batch_rows": 4}
+    )
     assert reads.val_path is None and reads.source() == "the holdout of /other"
     assert reads.differs == (
         "--data /other (the eval reads epoch 0 of /val)",
@@ -142,9 +144,9 @@ def test_a_validation_pack_is_read_as_the_eval_reads_it_and_a_data_override_is_n
 
 def test_without_a_run_config_there_is_no_eval_to_match_and_it_says_so():
     flags = dict(data=None, tokens=None, seq_len=None, batch_rows=None, capacity="off")
-    reads = resolve(None, "/p", 1.5, 512, **flags)
+    reads = resolve(None, "/p", "capacity_factor = 1.5", 512, **flags)
     assert (reads.tokens, reads.seq_len, reads.rows, reads.forward_rows) == (20_000, 512, 8, 8)
     assert reads.describe().endswith(
         "unlike the run's held-out eval: no config.toml next to the checkpoint, so no eval to "
-        "match; capacity dropping off (trained and evaluated at factor 1.5)"
+        "match; --capacity off: the model as decoding runs it (trained with capacity_factor = 1.5)"
     )

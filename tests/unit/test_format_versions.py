@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchtitan_loom.components.checkpoint import CheckpointError, integrity
-from torchtitan_loom.components.checkpoint.saving import FORMAT_VERSION, FORMATS_READ
+from torchtitan_loom.components.checkpoint.resolve import FORMAT_VERSION, FORMATS_READ
 from torchtitan_loom.components.runtime import run_folder
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 import types
 import typing
 from typing import Any
@@ -267,6 +268,8 @@ def _file_sources(path: str, errors: list[str]) -> list[tuple[str, Any, str]]:
             errors.append(str(exc))
             continue
         for key, value in pairs:
+            if key.replace("-", "_") == "job.config_file" and _run_record(path):
+                continue  # a run's config.toml written before it became a comment: a record
             if key.replace("-", "_") == "job.config_file":
                 errors.append(
                     f"job.config_file = {value!r} in {path}: a config file cannot name another; "
@@ -275,6 +278,15 @@ def _file_sources(path: str, errors: list[str]) -> list[tuple[str, Any, str]]:
                 continue
             out.append((key, value, path))
     return out
+
+
+def _run_record(path: str) -> bool:
+    """Whether ``path`` is a run folder's own config.toml (run.json beside it): its config_file
+    line records where the run's values came from, it names no file to read."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return os.path.basename(path) == "config.toml" and os.path.isfile(
+        os.path.join(folder, "run.json")
+    )
 
 
 def _flavor_switch_errors(sources: list[tuple[str, Any, str]], cfg: JobConfig) -> list[str]:

@@ -178,8 +178,7 @@ def run_depth(
         out, owner = default_out(loaded.checkpoint, dump, loaded.step, DEPTH_DIR)
     out_files.check_out(out, force, OUT_NAMES, DepthError, owner)  # before the slow part
     pack = str(loaded.pack_path) if loaded.pack_path else str(bundled_corpus_path(None))
-    capacity = getattr(loaded.args, "capacity_factor", 0.0)
-    reads = resolve(run_cfg, pack, capacity, loaded.args.max_seq_len, **flags)
+    reads = resolve(run_cfg, pack, trained_only(loaded), loaded.args.max_seq_len, **flags)
     try:
         loader = build_eval_loader(
             reads.data,
@@ -193,7 +192,7 @@ def run_depth(
         )
     except (PackError, ValueError, OSError) as exc:
         raise DepthError(f"held-out data {reads.val_path or reads.data}: {exc}") from None
-    model = as_trained(loaded) if reads.capacity_factor else loaded.model
+    model = as_trained(loaded) if reads.as_trained else loaded.model
     progress.phase(
         f"step {loaded.step} loaded (H={model.num_loops}); loops 1..{plan.max_loops} under "
         f"{' and '.join(plan.policies)}, then "
@@ -212,6 +211,17 @@ def run_depth(
         return write_report(numbers, out), numbers
     except OSError as exc:
         raise DepthError(f"{out}: cannot write the report: {exc}") from None
+
+
+def trained_only(loaded: Any) -> str:
+    """How the trained model arguments differ from the decoding ones the loader built (the spec's
+    portable_args: e.g. MoE capacity dropping), as "key = value, ..."; "" when they do not."""
+    from torchtitan_loom.protocols import get_train_spec, portable_args
+
+    spec = get_train_spec(loaded.name)
+    trained = dataclasses.asdict(portable_args(spec, loaded.args, decoding=False))
+    decoding = dataclasses.asdict(portable_args(spec, loaded.args, decoding=True))
+    return ", ".join(f"{k} = {v}" for k, v in trained.items() if decoding.get(k) != v)
 
 
 def as_trained(loaded: Any) -> Any:

@@ -24,7 +24,9 @@ NO_CONFIG_ROWS = 8
 class Reads:
     """The held-out read: ``data`` (a pack; its holdout epoch) or ``val_path`` (epoch 0 of that
     pack), up to ``tokens`` valid labels in batches of ``rows`` rows of ``seq_len``, run in
-    forwards of ``forward_rows``, capacity dropping at ``capacity_factor`` (0: none)."""
+    forwards of ``forward_rows``, by the model as trained when ``as_trained`` names how its
+    arguments differ from the decoding model's (the spec's portable_args; "" = the decoding
+    model)."""
 
     data: str
     val_path: str | None
@@ -32,7 +34,7 @@ class Reads:
     seq_len: int
     rows: int
     forward_rows: int
-    capacity_factor: float
+    as_trained: str
     differs: tuple[str, ...]
 
     def source(self) -> str:
@@ -41,9 +43,9 @@ class Reads:
     def describe(self) -> str:
         """One sentence: what was read, and where it differs from the run's eval."""
         capacity = (
-            f"capacity dropping at factor {self.capacity_factor:g}"
-            if self.capacity_factor
-            else "no capacity dropping"
+            f"the model as trained ({self.as_trained})"
+            if self.as_trained
+            else "the model as decoding runs it"
         )
         what = (
             f"{self.tokens:,} tokens or more (whole batches) of {self.source()} in rows of "
@@ -58,7 +60,7 @@ class Reads:
 def resolve(
     run_cfg: Any,
     pack: str,
-    trained_capacity: float,
+    trained: str,
     max_seq_len: int,
     *,
     data: str | None,
@@ -68,13 +70,12 @@ def resolve(
     capacity: str,
 ) -> Reads:
     """The Reads of the command's flags (None: the eval's value) for a checkpoint whose run config
-    is ``run_cfg`` (None: no config.toml), training pack ``pack`` and trained capacity factor."""
-    factor = trained_capacity if capacity == "trained" else 0.0
+    is ``run_cfg`` (None: no config.toml), training pack ``pack`` and ``trained``: how the trained
+    model's arguments differ from the decoding model's ("" when they do not)."""
+    factor = trained if capacity == "trained" else ""
     differs: list[str] = []
-    if capacity == "off" and trained_capacity:
-        differs.append(
-            f"capacity dropping off (trained and evaluated at factor {trained_capacity:g})"
-        )
+    if capacity == "off" and trained:
+        differs.append(f"--capacity off: the model as decoding runs it (trained with {trained})")
     if run_cfg is None:
         rows = batch_rows or NO_CONFIG_ROWS
         differs.insert(0, "no config.toml next to the checkpoint, so no eval to match")
@@ -97,7 +98,7 @@ def resolve(
         t.seq_len,
         ev.batch_size or t.global_batch_size,
         t.micro_batch_size,
-        trained_capacity,
+        trained,
         (),
     )
     if data is not None and (
@@ -119,6 +120,6 @@ def resolve(
         tokens=tokens or ev.tokens,
         seq_len=seq_len or t.seq_len,
         forward_rows=batch_rows or t.micro_batch_size,
-        capacity_factor=factor,
+        as_trained=factor,
         differs=tuple(differs),
     )

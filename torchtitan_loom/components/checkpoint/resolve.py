@@ -160,11 +160,19 @@ def warm_start_dir(path: str) -> str:
     return newest.path
 
 
+# meta.json's format_version, for the whole checkpoint it describes (the DCP state's keys and
+# what they hold, meta.json, model_args.json): written by saving.Writer._write_sidecars, checked
+# before a load (format_problem). Bump it when a saved key changes its meaning or leaves, and list
+# in FORMATS_READ what this code still loads (migrating it in loading.py) or leave it out (a
+# refusal); docs/checkpoints.md, "Format versions". Version 1: the first one written, the
+# state of the legacy (unversioned) checkpoints, which are read as it.
+FORMAT_VERSION = 1
+FORMATS_READ = (1,)
+
+
 def format_problem(path: str) -> str | None:
     """One line when the checkpoint at ``path`` is of a format this code does not load, by its
-    meta.json's format_version (saving.FORMAT_VERSION); None when it loads it."""
-    from torchtitan_loom.components.checkpoint.saving import FORMATS_READ  # torch-heavy
-
+    meta.json's format_version (FORMAT_VERSION); None when it loads it."""
     meta = layout.read_json(os.path.join(path, META_FILE)) or {}
     return format_version.problem(
         os.path.join(path, META_FILE),

@@ -73,15 +73,6 @@ class _CommittedButIncomplete(Exception):
 # save gets a new stager (no buffer reuse); 2.13 reuses one across saves.
 STAGER_SINGLE_USE = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 
-# meta.json's format_version, for the whole checkpoint it describes (the DCP state's keys and
-# what they hold, meta.json, model_args.json): written by Writer._write_sidecars, checked before a
-# load (resolve.format_problem). Bump it when a saved key changes its meaning or leaves, and list
-# in FORMATS_READ what this code still loads (migrating it in loading.py) or leave it out (a
-# refusal); docs/checkpoints.md, "Format versions". Version 1: the first one written, the
-# state of the legacy (unversioned) checkpoints, which are read as it.
-FORMAT_VERSION = 1
-FORMATS_READ = (1,)
-
 
 def make_stager(device: torch.device):
     """The DCP stager of async_with_pinned_mem: page-locked, non-blocking copies on CUDA."""
@@ -149,7 +140,7 @@ class Writer:
         layout.write_json(
             os.path.join(tmp, resolve.META_FILE),
             {
-                format_version.KEY: FORMAT_VERSION,
+                format_version.KEY: resolve.FORMAT_VERSION,
                 "step": step,
                 "world_size": self.p.world_size,
                 "torch": torch.__version__,

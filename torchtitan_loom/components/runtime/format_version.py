@@ -1,5 +1,5 @@
 """The format version of a file a run writes and reads back: run.json (run_folder.RUN_FORMAT_VERSION)
-and a checkpoint's meta.json (checkpoint/saving.FORMAT_VERSION, for the checkpoint it describes).
+and a checkpoint's meta.json (checkpoint/resolve.FORMAT_VERSION, for the checkpoint it describes).
 
 Each writer stores its constant under ``KEY``. A reader accepts a file without one (the legacy
 format, written before versions were: tests/fixtures/ckpt_3d15cf9 proves it still loads) and the
