@@ -219,7 +219,7 @@ def test_killing_torchrun_with_checkpoints_off_stops_every_rank_cleanly(
     # the other on a gloo "Connection reset by peer" traceback inside its next collective.
     dump = tmp_path / "unsaved"
     args = common(tiny_pack, steps=100000) + ["--job.dump_folder", str(dump)]
-    args.remove("--checkpoint.enable")  # off by default
+    args[args.index("--checkpoint.enable")] = "--checkpoint.enable=false"  # the preset saves
     # torchrun keeps each rank's output in a folder under TMPDIR (--tee): read it after its death.
     env = dict(os.environ, NGPU="2", TMPDIR=str(tmp_path), **ENV)
     proc = subprocess.Popen(
