@@ -30,7 +30,6 @@ folder = "study"
 "metrics.enable_tensorboard" = false
 
 [variants.H3]
-"model.num_loops" = 3
 [variants.H1]
 "model.num_loops" = 1
 """

@@ -65,7 +65,7 @@ def test_other_num_loops_is_one_config_error_listing_fields_and_shapes(
     trained, tiny_pack, tmp_path
 ):
     dump, _ = trained
-    with pytest.raises(ConfigError, match=r"holds a different run \(model.num_loops: None → 4\)"):
+    with pytest.raises(ConfigError, match=r"holds a different run \(model.num_loops: 3 → 4\)"):
         resolve(
             load_config(cli(tiny_pack, dump, "--model.num_loops", "4")), 1
         )  # the run record refuses first
