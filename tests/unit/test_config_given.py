@@ -172,3 +172,23 @@ def test_a_run_folder_s_own_config_toml_with_its_config_file_record_loads(tmp_pa
     (tmp_path / "run.json").write_text("{}")
     cfg = load_config(["--job.config_file", str(tmp_path / "config.toml")])
     assert cfg.job.config_file == str(tmp_path / "config.toml")
+
+
+def test_a_key_whose_feature_is_off_is_answered_before_torch(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_loom.train", "--metrics.diag_grad", "true"]
+        + ["--job.dump_folder", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "config error: metrics.diag_grad is given but has no effect: it needs "
+        "metrics.diag_interval > 0"
+    ]
+    assert "importing torch" not in proc.stdout

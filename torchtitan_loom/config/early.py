@@ -17,6 +17,7 @@ from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.components.runtime.run_folder import relaunch_errors
 from torchtitan_loom.config.fields import flavor_problem
+from torchtitan_loom.config.gates import gated_problems
 from torchtitan_loom.config.help import help_requested, help_text
 from torchtitan_loom.config.manager import ConfigError, load_config
 
@@ -45,6 +46,11 @@ def _flavor(cfg: Any) -> list[str]:
     return [problem] if problem else []
 
 
+def _gated(cfg: Any) -> list[str]:
+    """Keys given with their feature off (gates.py; [] when no config was built)."""
+    return [] if cfg is None else gated_problems(cfg)[0]
+
+
 def answer_early(argv: list[str]) -> None:
     """Print --help, or the config's problems and exit 2; return when there is nothing to say."""
     wanted, rest_of_argv = help_requested(argv)
@@ -55,9 +61,9 @@ def answer_early(argv: list[str]) -> None:
     try:
         cfg = load_config(rest)
     except ConfigError as exc:  # the flavor too, so that one run names every problem it can
-        lines = str(exc).splitlines() + _flavor(exc.partial)
-    else:  # and a finished or different run in the folder: its files say so
-        lines = _flavor(cfg) or relaunch_errors(cfg, finished_only=True)
+        lines = str(exc).splitlines() + _flavor(exc.partial) + _gated(exc.partial)
+    else:  # keys whose feature is off; a finished or different run in the folder: its files say so
+        lines = (_flavor(cfg) + _gated(cfg)) or relaunch_errors(cfg, finished_only=True)
     for line in lines:
         print(shorten_line(f"config error: {line}"), file=sys.stderr)
     if lines:
