@@ -24,11 +24,6 @@ MAX_FUNCTION_LINES = 80
 # Every exception to the two limits, in one place: "file" or "file::Qualified.name" -> why it is
 # allowed for now. A key that no longer breaks its limit fails the test (remove it then).
 EXCEPTIONS = {
-    "torchtitan_loom/components/runtime/run_folder.py": (
-        "issue 45's merge (5b8ea88) took it from 395 to 410 lines while this test was written; its "
-        "lock (LOCK, live_run, RunLock) is the seam, but launch, the study and the tests import "
-        "those and RunFolderError from here, so the move waits for issue 45's follow-ups"
-    ),
     "torchtitan_loom/models/loom/model.py::LoomTransformer.forward": (
         "issue 44 item 3 rewrites it (its four optional modes become one typed request); a split "
         "now would be undone by that rewrite"

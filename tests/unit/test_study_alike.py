@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from torchtitan_loom.components.runtime import exit_codes
-from torchtitan_loom.components.runtime.run_folder import resolved_config
+from torchtitan_loom.components.runtime.resolved import resolved_config
 from torchtitan_loom.config import load_config, to_toml
 from torchtitan_loom.config.fields import overridden_args
 from torchtitan_loom.tools import compare as compare_tool

@@ -9,39 +9,34 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any
 
+from torchtitan_loom.components.runtime.resolved import training_part
 from torchtitan_loom.tools.compare_runs import Group
 
-# Keys that say where and how a run was kept or watched, not what it trained.
-_NOT_TRAINING = ("job.", "checkpoint.", "metrics.", "profiling.", "comm.", "estimate.")
-_PER_RUN = ("training.seed", "model_args.init_seed")  # each seed differs by design
 MAX_SHOWN = 6  # keys named per group; more are counted
 
 
-def _trains(key: str) -> bool:
-    return not key.startswith(_NOT_TRAINING) and key not in _PER_RUN
-
-
-def _resolved(g: Group) -> dict[str, Any] | None:
+def _trained(g: Group) -> dict[str, Any] | None:
+    """What the group's (first) run trained: its resolved record less the keys of where and how
+    it was kept or watched (components/runtime/resolved.training_part)."""
     runs = g.used or g.runs
-    return runs[0].resolved if runs else None
+    return training_part(runs[0].resolved) if runs else None
 
 
 def changes(groups: list[Group]) -> dict[str, dict[str, tuple[Any, Any]]]:
     """Group name -> {key: (its value, the reference group's)} for every group but the first."""
-    if not groups or _resolved(groups[0]) is None:
+    if not groups or _trained(groups[0]) is None:
         return {}
-    ref = _resolved(groups[0]) or {}
+    ref = _trained(groups[0]) or {}
     out: dict[str, dict[str, tuple[Any, Any]]] = {}
     for g in groups[1:]:
-        cfg = _resolved(g) or {}
-        keys = sorted(k for k in {*ref, *cfg} if _trains(k) and cfg.get(k) != ref.get(k))
+        cfg = _trained(g) or {}
+        keys = sorted(k for k in {*ref, *cfg} if cfg.get(k) != ref.get(k))
         out[g.name] = {k: (cfg.get(k), ref.get(k)) for k in keys}
     return out
 
 
-def changes_table(groups: list[Group]) -> list[str]:
-    """| group | what it changes against the first group | (markdown)."""
-    diff = changes(groups)
+def changes_table(groups: list[Group], diff: dict[str, dict[str, tuple[Any, Any]]]) -> list[str]:
+    """| group | what it changes against the first group | (markdown), of ``changes(groups)``."""
     if not diff:
         return []
     rows = []

@@ -190,10 +190,11 @@ def write_outputs(
     """compare.md, compare.json and the figures into ``out`` (which exists); the console table."""
     numbers = [group_numbers(g) for g in groups]
     table = group_table(numbers)
-    changed = changes_table(groups)
+    diff = changes(groups)  # once: each group against the first
+    changed = changes_table(groups, diff)
     table += ["", *changed] if changed else []
     for g in numbers:
-        g["changes"] = {k: v for k, (v, _) in changes(groups).get(g["name"], {}).items()}
+        g["changes"] = {k: v for k, (v, _) in diff.get(g["name"], {}).items()}
     md = [
         f"# Comparison of {len(runs)} runs in {len(groups)} groups",
         "",

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan_loom.components.runtime.run_folder import resolved_config
+from torchtitan_loom.components.runtime.resolved import (
+    flat_sections,
+    resolved_config,
+    training_part,
+)
 from torchtitan_loom.config.fields import overridden_args
 from torchtitan_loom.config.manager import ConfigError, load_config
 from torchtitan_loom.config.schema import JobConfig
-
-# Keys a study sets per run, or that say where a run lives and how it is kept or watched.
-_NOT_TRAINING = ("job.", "checkpoint.", "metrics.", "profiling.", "comm.")
-_PER_RUN = ("training.seed", "model_args.init_seed")
 
 
 def typed_config(args: list[str], values: dict[str, Any], where: str) -> JobConfig:
@@ -34,13 +34,9 @@ def typed_config(args: list[str], values: dict[str, Any], where: str) -> JobConf
         raise ConfigError("\n".join(f"{where}: {line}" for line in str(exc).splitlines())) from None
 
 
-def _flat(cfg: JobConfig) -> dict[str, Any]:
-    return {f"{sec}.{k}": v for sec, t in cfg.to_dict().items() for k, v in t.items()}
-
-
 def round_trip_problems(typed: JobConfig, launched: JobConfig, where: str) -> list[str]:
     """Keys whose value the launched command line does not reproduce (one line each)."""
-    a, b = _flat(typed), _flat(launched)
+    a, b = flat_sections(typed.to_dict()), flat_sections(launched.to_dict())
     return [
         f"{where}: {k} = {a.get(k)!r} reads back as {b.get(k)!r} from the command line the run "
         f"is launched with; write it so that it survives (e.g. a list item without a comma)"
@@ -52,12 +48,9 @@ def round_trip_problems(typed: JobConfig, launched: JobConfig, where: str) -> li
 def training_config(cfg: JobConfig) -> dict[str, Any] | None:
     """What the run trains (None when its model does not resolve: the config check says why)."""
     try:
-        resolved = resolved_config(cfg, overridden_args(cfg))
+        return training_part(resolved_config(cfg, overridden_args(cfg)))
     except (ValueError, KeyError, TypeError):
         return None
-    return {
-        k: v for k, v in resolved.items() if not k.startswith(_NOT_TRAINING) and k not in _PER_RUN
-    }
 
 
 def alike_problems(base: JobConfig, variants: dict[str, tuple[JobConfig, bool]]) -> list[str]:

@@ -32,6 +32,7 @@ from typing import Any
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import format_version, safe_files
+from torchtitan_loom.components.runtime.resolved import flat_sections, resolved_config
 from torchtitan_loom.protocols import model_args_of, relaunch_tunable_of
 
 LOCK = "RUN.lock"
@@ -67,17 +68,6 @@ def identity(cfg: Any) -> dict[str, Any]:
     }
 
 
-def resolved_config(cfg: Any, model_args: Any) -> dict[str, Any]:
-    """Dotted key -> value of everything a launch ran with: the config's sections (the [model]
-    overrides replaced by the model arguments they resolved to, as ``model_args.<field>``)."""
-    out = {k: v for k, v in _flat(cfg.to_dict()).items() if not k.startswith("model.")}
-    out.update(
-        {"model.name": cfg.model.name, "model.flavor": cfg.model.flavor},
-        **{f"model_args.{k}": v for k, v in dataclasses.asdict(model_args).items()},
-    )
-    return out
-
-
 def _as_flavor(flat: dict[str, Any]) -> dict[str, Any]:
     """An identity's unset [model] keys as the flavor's values: a key set to the flavor's own value
     (an older preset's ``num_loops = 3``) and the same key left unset train the same model."""
@@ -90,16 +80,6 @@ def _as_flavor(flat: dict[str, Any]) -> dict[str, Any]:
         k: args.get(k.split(".", 1)[1]) if k.startswith("model.") and v is None else v
         for k, v in flat.items()
     }
-
-
-def _flat(d: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-        else:
-            out[k] = v
-    return out
 
 
 def read_run(dump_folder: str) -> dict[str, Any] | None:
@@ -139,7 +119,10 @@ def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
         return [version]
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
-    old, new = _as_flavor(_flat(run.get("identity", {}))), _as_flavor(_flat(identity(cfg)))
+    old, new = (
+        _as_flavor(flat_sections(run.get("identity", {}))),
+        _as_flavor(flat_sections(identity(cfg))),
+    )
     old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
     old.setdefault("training.sample_depth_min", 0)  # recorded before depth sampling existed
     diff = [
