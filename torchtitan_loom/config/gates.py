@@ -8,8 +8,8 @@ stops, so a preset that sets them with checkpoints off is a mistake."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torchtitan_loom.config.manager import CLI, section_fields, section_types
 from torchtitan_loom.config.schema import JobConfig
@@ -17,10 +17,8 @@ from torchtitan_loom.config.schema import JobConfig
 
 @dataclass(frozen=True)
 class Gate:
-    switch: str
-    """The switch as the message says it (``compile.enable = true``); its first words are the
-    switch's keys (``profiling.enable_profiling or enable_memory_snapshot``: both)."""
-    on: Callable[[JobConfig], bool]
+    switches: tuple[str, ...]
+    """The dotted keys that turn the feature on: any one of them true (a flag) or > 0 (a count)."""
     keys: tuple[str, ...] = ()
     """Dotted keys it gates; with ``section``, every key of the section but ``keep``."""
     section: str = ""
@@ -32,56 +30,45 @@ class Gate:
         fields = section_fields(section_types(cfg)[self.section])
         return tuple(f"{self.section}.{k}" for k in fields if k not in self.keep)
 
-    def switch_keys(self) -> tuple[str, ...]:
-        first = self.switch.split(" = ")[0].split(" > ")[0]
-        sec = first.split(".")[0]
-        return tuple(k if "." in k else f"{sec}.{k}" for k in first.split(" or "))
+    def on(self, cfg: JobConfig) -> bool:
+        return any(_value(cfg, k) for k in self.switches)  # True, or a count > 0
+
+    def switch(self, cfg: JobConfig) -> str:
+        """The switch as a message says it: ``compile.enable = true``, ``metrics.diag_interval >
+        0``, ``profiling.enable_profiling or enable_memory_snapshot = true``."""
+        first, *more = self.switches
+        names = " or ".join([first, *(k.split(".", 1)[1] for k in more)])
+        return f"{names} = true" if isinstance(_value(cfg, first), bool) else f"{names} > 0"
 
 
-def _profiles(cfg: JobConfig) -> bool:
-    return cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot
+def _value(cfg: JobConfig, dotted: str) -> Any:
+    sec, key = dotted.split(".", 1)
+    return getattr(getattr(cfg, sec), key)
 
 
 GATES = (
     Gate(
-        "checkpoint.enable = true",
-        lambda c: c.checkpoint.enable,
+        ("checkpoint.enable",),
         section="checkpoint",
         # save_on_signal also says how a signal stops a run without checkpoints; the other three
         # are refused by value (the module docstring).
         keep=("enable", "save_on_signal", "load_step", "initial_load_path", "exit_after_step"),
     ),
-    Gate("compile.enable = true", lambda c: c.compile.enable, section="compile", keep=("enable",)),
-    Gate("float8.enable = true", lambda c: c.float8.enable, section="float8", keep=("enable",)),
+    Gate(("compile.enable",), section="compile", keep=("enable",)),
+    Gate(("float8.enable",), section="float8", keep=("enable",)),
+    Gate(("spike_guard.enable",), section="spike_guard", keep=("enable",)),
     Gate(
-        "spike_guard.enable = true",
-        lambda c: c.spike_guard.enable,
-        section="spike_guard",
-        keep=("enable",),
-    ),
-    Gate(
-        "profiling.enable_profiling or enable_memory_snapshot = true",
-        _profiles,
+        ("profiling.enable_profiling", "profiling.enable_memory_snapshot"),
         ("profiling.profile_freq", "profiling.profiler_warmup", "profiling.profiler_active"),
     ),
+    Gate(("profiling.enable_profiling",), ("profiling.save_traces_folder",)),
+    Gate(("profiling.enable_memory_snapshot",), ("profiling.save_memory_snapshot_folder",)),
     Gate(
-        "profiling.enable_profiling = true",
-        lambda c: c.profiling.enable_profiling,
-        ("profiling.save_traces_folder",),
-    ),
-    Gate(
-        "profiling.enable_memory_snapshot = true",
-        lambda c: c.profiling.enable_memory_snapshot,
-        ("profiling.save_memory_snapshot_folder",),
-    ),
-    Gate(
-        "metrics.diag_interval > 0",
-        lambda c: c.metrics.diag_interval > 0,
+        ("metrics.diag_interval",),
         ("metrics.diag_activations", "metrics.diag_rank", "metrics.diag_grad"),
     ),
     Gate(
-        "eval.downstream_interval > 0",
-        lambda c: c.eval.downstream_interval > 0,
+        ("eval.downstream_interval",),
         (
             "eval.downstream_tasks",
             "eval.downstream_tasks_dir",
@@ -90,11 +77,7 @@ GATES = (
             "eval.downstream_batch_size",
         ),
     ),
-    Gate(
-        "metrics.enable_tensorboard = true",
-        lambda c: c.metrics.enable_tensorboard,
-        ("metrics.tb_folder", "metrics.routing_images"),
-    ),
+    Gate(("metrics.enable_tensorboard",), ("metrics.tb_folder", "metrics.routing_images")),
 )
 
 
@@ -106,13 +89,14 @@ def gated_problems(cfg: JobConfig) -> tuple[list[str], list[str]]:
     for gate in GATES:
         if gate.on(cfg):
             continue
-        turned_off = any(cfg.given.get(k) == CLI for k in gate.switch_keys())
+        turned_off = any(cfg.given.get(k) == CLI for k in gate.switches)
+        switch = gate.switch(cfg)
         for key in gate.gated(cfg):
             origin = cfg.given.get(key)
             if origin == CLI and not turned_off:
-                errors.append(f"{key} is given but has no effect: it needs {gate.switch}")
+                errors.append(f"{key} is given but has no effect: it needs {switch}")
             elif origin is not None:
-                notes.setdefault((gate.switch, origin), []).append(key)
+                notes.setdefault((switch, origin), []).append(key)
     return errors, [
         f"without effect ({switch} is not set): {', '.join(keys)} from {origin}"
         for (switch, origin), keys in notes.items()
