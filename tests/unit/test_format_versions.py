@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from tests.unit.test_resume_config import argv as resume_argv
 from torchtitan_loom.components.checkpoint import CheckpointError, integrity
 from torchtitan_loom.components.checkpoint.resolve import FORMAT_VERSION, FORMATS_READ
 from torchtitan_loom.components.runtime import run_folder
@@ -22,31 +23,8 @@ CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def argv(pack, dump, steps):
-    return [
-        "--data.path",
-        str(pack),
-        "--job.dump_folder",
-        str(dump),
-        "--training.seq_len",
-        "32",
-        "--training.global_batch_size",
-        "2",
-        "--training.micro_batch_size",
-        "2",
-        "--model.num_loops",
-        "2",
-        "--training.mixed_precision_param",
-        "float32",
-        "--training.steps",
-        str(steps),
-        "--eval.interval",
-        "0",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "2",
-    ]
+    """test_resume_config's small run, ``steps`` long (checkpoints every 2 steps)."""
+    return resume_argv(pack, dump, "--training.steps", str(steps))
 
 
 def edit_json(path, change):
