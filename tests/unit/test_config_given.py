@@ -88,7 +88,8 @@ def test_a_file_naming_another_config_file_is_refused(tmp_path):
 
 
 def test_a_flavor_switch_on_the_command_line_is_not_outranked_by_the_file(tmp_path):
-    cfg = load_config([*DEBUG, "--model.flavor", "loom_329m", "--parallelism.dry_run"])
+    dump = ["--job.dump_folder", str(tmp_path / "run")]  # not ./outputs/debug: it may hold a run
+    cfg = load_config([*DEBUG, *dump, "--model.flavor", "loom_329m", "--parallelism.dry_run"])
     args = resolve(cfg, 1).model_args
     assert (args.num_loops, args.dim) == (9, 512)  # the flavor's own H, not the debug preset's
     preset = tmp_path / "p.toml"
