@@ -244,7 +244,9 @@ run_stage() {  # name cap function args...: run it under the time left, record i
       timed_out=1
       kill -TERM -- "-${pid}" 2>/dev/null
       local grace_end=$(( SECONDS + KILL_GRACE_S ))
-      while kill -0 "${pid}" 2>/dev/null && (( SECONDS < grace_end )); do sleep 1; done
+      # Wait on the whole group, not its shell: the shell dies of SIGTERM at once, while the cell
+      # still writes its record (under load that took longer than an immediate SIGKILL allowed).
+      while kill -0 -- "-${pid}" 2>/dev/null && (( SECONDS < grace_end )); do sleep 0.2; done
     fi
     kill -KILL -- "-${pid}" 2>/dev/null  # whatever the stage left running, whoever exited first
     wait "${pid}"
