@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from torchtitan_loom import launch
+from torchtitan_loom.components.checkpoint import names
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.observability.metrics import peak_flops
 from torchtitan_loom.components.observability.profiling import MemorySnapshotter, maybe_profile
@@ -114,7 +115,7 @@ class Trainer(TrainerBuild):
             self.info.rank == 0
         ):  # after the resume succeeded: a refused one leaves the run as it was
             dump = cfg.job.dump_folder
-            safe_files.atomic_write(os.path.join(dump, "config.toml"), to_toml(cfg), dump)
+            safe_files.atomic_write(os.path.join(dump, names.CONFIG_TOML), to_toml(cfg), dump)
             counts = self.model.param_counts()
             sizes = {
                 "params": counts["total"],

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import torch
 
+from torchtitan_loom.components.checkpoint import names
 from torchtitan_loom.components.evaluation.loop_by_loop import LoopByLoop
 from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.protocols import ModelProtocol
@@ -32,7 +33,7 @@ class AnalyzeError(ValueError):
 
 
 def _run_config(ckpt: str) -> dict[str, Any]:
-    path = os.path.join(ckpt, "config.toml")
+    path = os.path.join(ckpt, names.CONFIG_TOML)
     if not os.path.isfile(path):
         return {}
     if sys.version_info >= (3, 11):
@@ -129,7 +130,7 @@ def analyze(
     except (ExportError, OSError) as exc:
         raise AnalyzeError(str(exc)) from None
     run = _run_config(ckpt)
-    info = dict(info, step=(read_json(os.path.join(ckpt, "meta.json")) or {}).get("step"))
+    info = dict(info, step=(read_json(os.path.join(ckpt, names.META_JSON)) or {}).get("step"))
     out, owner = (out, out) if out is not None else default_out(ckpt, run, info["step"])
     out_files.below(out, owner, AnalyzeError)  # before the slow part: a planted link fails now
     check_out_links(out)
@@ -214,6 +215,6 @@ def check_out_links(out: str) -> None:
 def _metrics_path(ckpt: str, run: dict[str, Any]) -> str:
     """The run's metrics.jsonl: beside the checkpoint folder (<dump>/checkpoint/step-N), else in the
     dump folder its config names."""
-    near = os.path.normpath(os.path.join(ckpt, os.pardir, os.pardir, "metrics.jsonl"))
-    named = os.path.join(run.get("job", {}).get("dump_folder", ""), "metrics.jsonl")
+    near = os.path.normpath(os.path.join(ckpt, os.pardir, os.pardir, names.METRICS_JSONL))
+    named = os.path.join(run.get("job", {}).get("dump_folder", ""), names.METRICS_JSONL)
     return near if os.path.isfile(near) or not os.path.isfile(named) else named

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_loom.components.checkpoint import integrity, layout
-from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
+from torchtitan_loom.components.checkpoint import integrity, layout, names
+from torchtitan_loom.components.checkpoint.resolve import read_model_args
 from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.messages import shorten_line
@@ -58,7 +58,7 @@ from torchtitan_loom.tools.out_files import clear_out, make_out
 
 # Every name an export writes, in either format: what --force may replace (out_files.py).
 EXPORT_NAMES = frozenset(
-    {"model.safetensors", "model.pt", MODEL_ARGS_FILE, "config.toml", *HF_NAMES}
+    {"model.safetensors", "model.pt", names.MODEL_ARGS_JSON, names.CONFIG_TOML, *HF_NAMES}
 )
 
 
@@ -108,7 +108,7 @@ def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
     info = read_model_args(ckpt)
     if info is None:
         raise ExportError(
-            f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be exported"
+            f"{ckpt}: no {names.MODEL_ARGS_JSON}; only checkpoints written by torchtitan_loom can be exported"
         )
     spec, args = model_spec(info)
     tensors = cast_for_export(spec, _checkpoint_model(ckpt), SHORT_DTYPES[dtype])
@@ -131,9 +131,9 @@ def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
     finally:
         if os.path.lexists(tmp) and not os.path.islink(tmp):
             os.remove(tmp)
-    meta = layout.read_json(os.path.join(ckpt, "meta.json")) or {}
+    meta = layout.read_json(os.path.join(ckpt, names.META_JSON)) or {}
     layout.write_json(
-        os.path.join(out, MODEL_ARGS_FILE),
+        os.path.join(out, names.MODEL_ARGS_JSON),
         {
             "name": info["name"],
             "flavor": info.get("flavor"),
@@ -144,11 +144,11 @@ def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
             "file": name,
         },
     )
-    written = [name, MODEL_ARGS_FILE]
-    if os.path.isfile(os.path.join(ckpt, "config.toml")):
-        text = safe_files.read_text(os.path.join(ckpt, "config.toml"))
-        safe_files.atomic_write(os.path.join(out, "config.toml"), text, owner=out)
-        written.append("config.toml")
+    written = [name, names.MODEL_ARGS_JSON]
+    if os.path.isfile(os.path.join(ckpt, names.CONFIG_TOML)):
+        text = safe_files.read_text(os.path.join(ckpt, names.CONFIG_TOML))
+        safe_files.atomic_write(os.path.join(out, names.CONFIG_TOML), text, owner=out)
+        written.append(names.CONFIG_TOML)
     give_umask_mode(out, written)
     return path
 
@@ -167,7 +167,9 @@ def verify(ckpt: str | None, out: str) -> int:
     if ckpt is None:
         ckpt = info.get("source")
         if not isinstance(ckpt, str):
-            raise ExportError(f"{out}: {MODEL_ARGS_FILE} records no source; name the checkpoint")
+            raise ExportError(
+                f"{out}: {names.MODEL_ARGS_JSON} records no source; name the checkpoint"
+            )
     return _verify(
         find_checkpoint(ckpt, step if isinstance(step, int) else None), info, exported, out
     )
@@ -220,7 +222,7 @@ def load_checkpoint_model(
     info = read_model_args(ckpt)
     if info is None:
         raise ExportError(
-            f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be read"
+            f"{ckpt}: no {names.MODEL_ARGS_JSON}; only checkpoints written by torchtitan_loom can be read"
         )
     spec, args = model_spec(info)
     with torch.device("meta"):

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.components.checkpoint import integrity, layout
-from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, checkpoint_problem
+from torchtitan_loom.components.checkpoint import integrity, layout, names
+from torchtitan_loom.components.checkpoint.resolve import checkpoint_problem
 from torchtitan_loom.config.errors import ConfigError
 from torchtitan_loom.config.toml_file import read_toml
 from torchtitan_loom.protocols import get_train_spec
@@ -29,7 +29,7 @@ def find_checkpoint(path: str, step: int | None = None) -> str:
     ``step`` the one of that step (export --verify checks the step it exported, not a newer one
     the run saved meanwhile)."""
     if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
-        if os.path.isfile(os.path.join(path, "meta.json")) and not layout.is_complete(path):
+        if os.path.isfile(os.path.join(path, names.META_JSON)) and not layout.is_complete(path):
             raise ExportError(
                 f"{path}: incomplete checkpoint (no {layout.MARKER} marker: its save did not finish)"
             )
@@ -53,13 +53,13 @@ def why_no_checkpoint(path: str) -> str:
     ("" for a folder that is no run): its config.toml shows checkpoints off, or the run has not
     reached a save yet."""
     try:
-        ckpt = read_toml(os.path.join(path, "config.toml"))["checkpoint"]
+        ckpt = read_toml(os.path.join(path, names.CONFIG_TOML))["checkpoint"]
         enabled, interval = bool(ckpt["enable"]), int(ckpt["interval"])
     except (ConfigError, KeyError, TypeError, ValueError):
         return ""
-    run = layout.read_json(os.path.join(path, "run.json")) or {}
+    run = layout.read_json(os.path.join(path, names.RUN_JSON)) or {}
     if not enabled:
-        folder, config = (shlex.quote(p) for p in (path, os.path.join(path, "config.toml")))
+        folder, config = (shlex.quote(p) for p in (path, os.path.join(path, names.CONFIG_TOML)))
         return (
             f"; that run trained with checkpoint.enable = false, so it saved no weights: train it "
             f"again with them (its old files move to replaced-<run_id>/): ./run_train.sh "
@@ -84,9 +84,9 @@ def model_spec(info: dict[str, Any]) -> tuple[Any, Any]:
 
 def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(model_args.json payload, tensors) of an export directory."""
-    info = layout.read_json(os.path.join(out, MODEL_ARGS_FILE))
+    info = layout.read_json(os.path.join(out, names.MODEL_ARGS_JSON))
     if info is None:
-        raise ExportError(f"{out}: no {MODEL_ARGS_FILE}; not an export directory")
+        raise ExportError(f"{out}: no {names.MODEL_ARGS_JSON}; not an export directory")
     path = _export_file(out, info.get("file"))
     try:
         if path.endswith(".safetensors"):
@@ -108,12 +108,12 @@ def umask_mode() -> int:
     return 0o666 & ~mask
 
 
-def give_umask_mode(folder: str, names: list[str]) -> None:
+def give_umask_mode(folder: str, files: list[str]) -> None:
     """Exported files get the umask's mode: safetensors and the O_EXCL temporary files create them
     0600, which another user or an inference server could not read. Changed through a descriptor
     opened O_NOFOLLOW: a link planted at a name since it was written is refused, not followed."""
     mode = umask_mode()
-    for name in names:
+    for name in files:
         path = os.path.join(folder, name)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
@@ -136,7 +136,7 @@ def _export_file(out: str, name: Any) -> str:
         or "\\" in name
     ):
         raise ExportError(
-            f'{os.path.join(out, MODEL_ARGS_FILE)}: "file" is {name!r}; it must name a file '
+            f'{os.path.join(out, names.MODEL_ARGS_JSON)}: "file" is {name!r}; it must name a file '
             f"inside {out} (model.safetensors or model.pt)"
         )
     path = os.path.join(out, name)

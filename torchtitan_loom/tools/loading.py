@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.components.checkpoint import integrity, layout
-from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
+from torchtitan_loom.components.checkpoint import integrity, layout, names
+from torchtitan_loom.components.checkpoint.resolve import read_model_args
 from torchtitan_loom.components.data import pack_tokenizer as pack_tok
 from torchtitan_loom.components.data.pack_tokenizer import TokenizerError
 from torchtitan_loom.components.data.tokenizer import Tokenizer
@@ -53,7 +53,7 @@ class Loaded:
 
 
 def is_export_dir(path: str) -> bool:
-    info = layout.read_json(os.path.join(path, MODEL_ARGS_FILE))
+    info = layout.read_json(os.path.join(path, names.MODEL_ARGS_JSON))
     return info is not None and "file" in info
 
 
@@ -97,7 +97,7 @@ def _build(spec: Any, args: Any, tensors: dict[str, torch.Tensor], device: str) 
 
 
 def _read_config(directory: str) -> Any | None:
-    path = os.path.join(directory, "config.toml")
+    path = os.path.join(directory, names.CONFIG_TOML)
     if not os.path.isfile(path):
         return None
     from torchtitan_loom.config import ConfigError, load_config
@@ -189,14 +189,14 @@ def load(
         info = read_model_args(ckpt)
         if info is None:
             raise LoadError(
-                f"checkpoint {ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom load"
+                f"checkpoint {ckpt}: no {names.MODEL_ARGS_JSON}; only checkpoints written by torchtitan_loom load"
             )
         try:
             tensors = load_full(ckpt, prefix="model.")
         except CheckpointError as exc:  # a refused pickle (safe_read.py)
             raise LoadError(f"checkpoint {exc}") from None
         config = _read_config(ckpt)
-        step = (layout.read_json(os.path.join(ckpt, "meta.json")) or {}).get("step")
+        step = (layout.read_json(os.path.join(ckpt, names.META_JSON)) or {}).get("step")
         export_dir = None
     spec, args = model_spec(info)
     model = _build(spec, args, tensors, device)
@@ -252,7 +252,7 @@ def run_folder(checkpoint: str) -> str | None:
     """The run's dump folder (the one holding metrics.jsonl) above a step-N directory."""
     d = os.path.abspath(checkpoint)
     for _ in range(4):
-        if os.path.isfile(os.path.join(d, "metrics.jsonl")):
+        if os.path.isfile(os.path.join(d, names.METRICS_JSONL)):
             return d
         d = os.path.dirname(d)
     return None

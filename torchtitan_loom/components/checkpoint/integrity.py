@@ -25,9 +25,9 @@ import os
 import zlib
 from typing import Any
 
-CHECKSUMS = "CHECKSUMS.json"
+from torchtitan_loom.components.checkpoint.names import CHECKSUMS, MARKER
+
 FORMAT = 2  # of the COMPLETE marker: 1 = before checksums, 2 = CHECKSUMS.json required
-MARKER = "COMPLETE"  # layout.MARKER (not imported: layout imports nothing torch-side either way)
 _CHUNK = 8 << 20
 _QUICK_MAX_BYTES = 1 << 20
 

@@ -30,16 +30,12 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 
 from torchtitan_loom.components.checkpoint import integrity
+from torchtitan_loom.components.checkpoint.names import DCP_METADATA, INDEX, KEEP, LAYOUT_MD, MARKER
 from torchtitan_loom.components.runtime import safe_files
 
-MARKER = "COMPLETE"
-DCP_METADATA = ".metadata"
 SNAPSHOT_DIR = "snapshots"
 TMP_PREFIX = ".tmp-"
-INDEX = "index.json"
-LAYOUT_MD = "LAYOUT.md"
 ABANDONED = "abandoned"  # checkpoints newer than a load_step resume, moved aside (never loaded)
-KEEP = "KEEP"  # a checkpoint holding this file is never pruned (placed by hand)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)$")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchtitan_loom.components.checkpoint import integrity, layout, resolve
+from torchtitan_loom.components.checkpoint import integrity, layout, names, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
@@ -109,7 +109,7 @@ class Resumer:
             raise ckstate.CheckpointError(
                 resolve.explain(choice.path, choice.step, lines, resume=not choice.model_only)
             )
-        saved = layout.read_json(os.path.join(choice.path, resolve.META_FILE)) or {}
+        saved = layout.read_json(os.path.join(choice.path, names.META_JSON)) or {}
         had, have = saved.get("optimizer", RECORDED_BEFORE_NAMES), type(self.p.optimizer).__name__
         if not choice.model_only and had != have:
             raise ckstate.CheckpointError(

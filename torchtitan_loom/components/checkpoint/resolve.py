@@ -13,12 +13,10 @@ import dataclasses
 import os
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import integrity, layout
+from torchtitan_loom.components.checkpoint import integrity, layout, names
 from torchtitan_loom.components.runtime import format_version
 from torchtitan_loom.protocols import get_train_spec
 
-MODEL_ARGS_FILE = "model_args.json"
-META_FILE = "meta.json"
 _MAX_LINES = 12
 
 
@@ -100,9 +98,9 @@ def choose(
     if (
         skipped
     ):  # the run has a history that no checkpoint can continue: never start over on top of it
-        names = ", ".join(os.path.relpath(e.path, root) for e in found.complete)
+        listed = ", ".join(os.path.relpath(e.path, root) for e in found.complete)
         raise ValueError(
-            f"every complete checkpoint in {root} is damaged ({names}; the newest: "
+            f"every complete checkpoint in {root} is damaged ({listed}; the newest: "
             f"{newest_bad}): refusing to start over on top of them. Repair or move "
             f"them, or pass --job.overwrite true to start a new run (the old files move to "
             f"replaced-<run_id>/)"
@@ -144,7 +142,7 @@ def checkpoint_problem(path: str, quick: bool = False) -> str | None:
 def warm_start_dir(path: str) -> str:
     """A DCP checkpoint directory, or a checkpoint folder whose newest complete one is used."""
     if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
-        marker_expected = os.path.isfile(os.path.join(path, META_FILE))
+        marker_expected = os.path.isfile(os.path.join(path, names.META_JSON))
         if marker_expected and not layout.is_complete(path):
             raise ValueError(
                 f"checkpoint.initial_load_path = '{path}': incomplete checkpoint (no "
@@ -173,9 +171,9 @@ FORMATS_READ = (1,)
 def format_problem(path: str) -> str | None:
     """One line when the checkpoint at ``path`` is of a format this code does not load, by its
     meta.json's format_version (FORMAT_VERSION); None when it loads it."""
-    meta = layout.read_json(os.path.join(path, META_FILE)) or {}
+    meta = layout.read_json(os.path.join(path, names.META_JSON)) or {}
     return format_version.problem(
-        os.path.join(path, META_FILE),
+        os.path.join(path, names.META_JSON),
         meta,
         FORMATS_READ,
         "resume it with the torchtitan_loom that wrote it (or a newer one), or pick a checkpoint "
@@ -185,7 +183,7 @@ def format_problem(path: str) -> str | None:
 
 def read_model_args(path: str) -> dict[str, Any] | None:
     """{"name", "flavor", "args"} saved next to the checkpoint, or None for a foreign checkpoint."""
-    return layout.read_json(os.path.join(path, MODEL_ARGS_FILE))
+    return layout.read_json(os.path.join(path, names.MODEL_ARGS_JSON))
 
 
 def compat_errors(

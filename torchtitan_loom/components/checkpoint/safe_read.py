@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-METADATA = ".metadata"
+from torchtitan_loom.components.checkpoint import names
+
 # What DCP's own .metadata pickles name; each is safe to construct from any arguments.
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -157,7 +158,7 @@ def _check_extents(md: Any, path: str) -> None:
 
 def read_metadata_file(path: str) -> dcp_meta.Metadata:
     """The checkpoint's DCP Metadata, unpickled through the allow-list (UnsafeCheckpoint otherwise)."""
-    file = os.path.join(path, METADATA)
+    file = os.path.join(path, names.DCP_METADATA)
     with open(file, "rb") as fh:
         try:
             md = _MetadataUnpickler(fh, file).load()
@@ -175,7 +176,7 @@ def metadata_problem(path: str) -> str | None:
     try:
         read_metadata_file(path)
     except OSError as exc:
-        return f"{os.path.join(path, METADATA)}: unreadable ({exc.strerror or exc})"
+        return f"{os.path.join(path, names.DCP_METADATA)}: unreadable ({exc.strerror or exc})"
     except UnsafeCheckpoint as exc:
         return str(exc)
     return None

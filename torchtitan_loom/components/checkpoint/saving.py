@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import (
     CheckpointException,
 )  # a BaseException, not an Exception
 
-from torchtitan_loom.components.checkpoint import disk_space, integrity, layout, resolve
+from torchtitan_loom.components.checkpoint import disk_space, integrity, layout, names, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts, PendingSave
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
@@ -127,9 +127,9 @@ class Writer:
 
     def _write_sidecars(self, tmp: str, step: int) -> None:
         """Rank 0: the human/tool-readable files next to the DCP data."""
-        safe_files.atomic_write(os.path.join(tmp, "config.toml"), self.p.config_toml)
+        safe_files.atomic_write(os.path.join(tmp, names.CONFIG_TOML), self.p.config_toml)
         layout.write_json(
-            os.path.join(tmp, resolve.MODEL_ARGS_FILE),
+            os.path.join(tmp, names.MODEL_ARGS_JSON),
             {
                 "name": self.p.model_name,
                 "flavor": self.p.flavor,
@@ -138,7 +138,7 @@ class Writer:
         )
         ts = self.p.states.get("train_state")
         layout.write_json(
-            os.path.join(tmp, resolve.META_FILE),
+            os.path.join(tmp, names.META_JSON),
             {
                 format_version.KEY: resolve.FORMAT_VERSION,
                 "step": step,

@@ -1,0 +1,84 @@
+"""Count the package's function calls on the way from a checkpoint path to an export and to a
+built model (issue 44: one checkpoint value).
+
+    python benchmarks/checkpoint_calls.py CKPT
+
+CKPT: a run folder, checkpoint folder or step-N directory (train one with
+``./run_train.sh --checkpoint.enable true --training.steps 2 --checkpoint.interval 2
+--job.dump_folder /tmp/run``). Two paths are measured, each in this one process after a warm-up
+run (so imports and first-use registration are not counted):
+
+    export    tools.export.main([CKPT, OUT])              the command line's work
+    build     tools.export.load_checkpoint_model(CKPT)    a path to a model in eval mode
+
+For each: calls to functions defined in torchtitan_loom/ (module bodies excluded), the same
+without the model's own code (models/), how many modules they were in, how many times the
+checkpoint package (components/checkpoint/) was entered from outside it, and how many times
+layout.py was entered from outside it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torchtitan_loom
+
+PKG = os.path.dirname(os.path.abspath(torchtitan_loom.__file__)) + os.sep
+CKPT_PKG = os.path.join(PKG, "components", "checkpoint") + os.sep
+MODELS = os.path.join(PKG, "models") + os.sep
+
+
+def count_calls(fn: Callable[[], Any]) -> dict[str, int]:
+    """Run ``fn`` under sys.setprofile and count the package's calls (see the module doc)."""
+    calls: Counter[str] = Counter()
+    modules: set[str] = set()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        path = code.co_filename
+        if not path.startswith(PKG) or code.co_name == "<module>":
+            return
+        calls["all"] += 1
+        modules.add(path)
+        if not path.startswith(MODELS):
+            calls["outside models/"] += 1
+        caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
+        if path.startswith(CKPT_PKG) and not caller.startswith(CKPT_PKG):
+            calls["checkpoint package entered"] += 1
+        if path.endswith("checkpoint/layout.py") and not caller.endswith("checkpoint/layout.py"):
+            calls["layout.py entered"] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return {**calls, "modules": len(modules)}
+
+
+def main(argv: list[str]) -> int:
+    from torchtitan_loom.tools import export
+
+    ckpt = argv[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = iter(os.path.join(tmp, f"out{i}") for i in range(4))
+        paths = {
+            "export": lambda: export.main([ckpt, next(outs)]),
+            "build": lambda: export.load_checkpoint_model(ckpt),
+        }
+        for name, fn in paths.items():
+            fn()  # warm-up: imports and registration
+            result = count_calls(fn)
+            print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(result.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
