@@ -32,18 +32,6 @@ class AnalyzeError(ValueError):
     """Bad input to the tool: reported as one line, exit code 2."""
 
 
-def _run_config(ckpt: str) -> dict[str, Any]:
-    path = os.path.join(ckpt, names.CONFIG_TOML)
-    if not os.path.isfile(path):
-        return {}
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # Python 3.10
-        import tomli as tomllib
-    with open(path, "rb") as fh:
-        return tomllib.load(fh)
-
-
 @torch.no_grad()
 def evaluate(
     model: Any,
@@ -119,18 +107,19 @@ def analyze(
 ) -> str:
     """Measure ``ckpt_arg`` on the held-out data and write the report; returns report.md's path.
     ``out`` None: the run's own folder (see the module doc)."""
-    from torchtitan_loom.components.checkpoint.layout import read_json
+    from torchtitan_loom.components.checkpoint import found
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError, open_pack
-    from torchtitan_loom.tools.export import ExportError, load_checkpoint_model
 
     progress = progress or Progress("analyze")
     try:
-        model, info, ckpt = load_checkpoint_model(ckpt_arg)
-    except (ExportError, OSError) as exc:
+        ck = found.find(ckpt_arg)
+        model, run = ck.build(), ck.run_table()
+    except (found.NotACheckpoint, OSError) as exc:
         raise AnalyzeError(str(exc)) from None
-    run = _run_config(ckpt)
-    info = dict(info, step=(read_json(os.path.join(ckpt, names.META_JSON)) or {}).get("step"))
+    if ck.note:
+        print(f"warning: {ck.note}", file=sys.stderr)
+    ckpt, info = ck.folder, dict(ck.model_args or {}, step=ck.step)
     out, owner = (out, out) if out is not None else default_out(ckpt, run, info["step"])
     out_files.below(out, owner, AnalyzeError)  # before the slow part: a planted link fails now
     check_out_links(out)

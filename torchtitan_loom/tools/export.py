@@ -22,7 +22,8 @@ expert bias, which decides routing). ``--verify``
 reads the written file back and compares every tensor bit for bit with the DCP source (cast the
 same way). ``--format hf`` writes a Hugging Face folder instead (tools/hf_export.py): config.json,
 a generated standalone modeling_loom.py, model.safetensors and the pack's HF tokenizer files. The checkpoint is read without a process group, so any world size's checkpoint works
-on one CPU process. ``load_exported_model(OUT)`` rebuilds the model from the export.
+on one CPU process. ``found.find(OUT).build()`` (components/checkpoint/found.py) rebuilds the
+model from the export, as from any checkpoint.
 """
 
 from __future__ import annotations
@@ -35,22 +36,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from torchtitan_loom.components.checkpoint import integrity, layout, names
-from torchtitan_loom.components.checkpoint.resolve import read_model_args
-from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
+from torchtitan_loom.components.checkpoint import found, integrity, layout, names
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_for_inference
-from torchtitan_loom.tools.export_format import (
-    ExportError,
-    find_checkpoint,
-    give_umask_mode,
-    model_spec,
-    read_export,
-)
+from torchtitan_loom.tools.export_format import ExportError, give_umask_mode
 from torchtitan_loom.tools.hf_export import HF_NAMES, export_hf
 from torchtitan_loom.tools.loading import LoadError, TokenizerFileError, load, load_tokenizer
 from torchtitan_loom.tools.out_files import check_out as _check_out
@@ -70,15 +62,40 @@ def cast_for_export(
     return {name: t.contiguous().clone() for name, t in cast_for_inference(spec, sd, dtype).items()}
 
 
-def _checkpoint_model(ckpt: str) -> dict[str, torch.Tensor]:
+def find(path: str, step: int | None = None) -> found.FoundCheckpoint:
+    """The verified checkpoint (or export) ``path`` names (found.find); ExportError otherwise. A
+    warning it carries (a checkpoint that predates checksums) is said on stderr."""
     try:
-        sd = load_full(ckpt, prefix="model.")
-    except CheckpointError as exc:  # a refused pickle (safe_read.py) or no model entries
+        ck = found.find(path, step)
+    except found.NotACheckpoint as exc:
         raise ExportError(str(exc)) from None
-    bad = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))
-    if bad:
-        raise ExportError(f"{ckpt}: non-tensor model entries {bad[:5]}")
-    return sd
+    if ck.note:
+        print(f"warning: {ck.note}", file=sys.stderr)
+    return ck
+
+
+def _tensors(ck: found.FoundCheckpoint) -> dict[str, torch.Tensor]:
+    try:
+        return ck.tensors()
+    except found.NotACheckpoint as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _spec(ck: found.FoundCheckpoint) -> tuple[Any, Any]:
+    try:
+        return ck.spec()
+    except found.NotACheckpoint as exc:
+        raise ExportError(str(exc)) from None
+
+
+def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(model_args.json payload, tensors) of the export folder ``out``."""
+    ck = find(out)
+    if not ck.is_export:
+        raise ExportError(
+            f"{out}: no {names.MODEL_ARGS_JSON} naming a model file; not an export directory"
+        )
+    return dict(ck.model_args or {}), _tensors(ck)
 
 
 def check_out(out: str, force: bool) -> None:
@@ -100,18 +117,14 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
     if dtype not in SHORT_DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(SHORT_DTYPES)}")
     check_out(out, force)
-    return _export(find_checkpoint(ckpt), out, dtype, force)
+    return _export(find(ckpt), out, dtype, force)
 
 
-def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
-    """``export`` of the checkpoint directory ``ckpt`` that find_checkpoint already verified."""
-    info = read_model_args(ckpt)
-    if info is None:
-        raise ExportError(
-            f"{ckpt}: no {names.MODEL_ARGS_JSON}; only checkpoints written by torchtitan_loom can be exported"
-        )
-    spec, args = model_spec(info)
-    tensors = cast_for_export(spec, _checkpoint_model(ckpt), SHORT_DTYPES[dtype])
+def _export(ck: found.FoundCheckpoint, out: str, dtype: str, force: bool) -> str:
+    """``export`` of the checkpoint ``ck`` that ``find`` already verified."""
+    spec, args = _spec(ck)
+    info = ck.model_args or {}
+    tensors = cast_for_export(spec, _tensors(ck), SHORT_DTYPES[dtype])
     prepare_out(out, force)
     save_file: Callable[..., Any] | None
     try:
@@ -131,7 +144,6 @@ def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
     finally:
         if os.path.lexists(tmp) and not os.path.islink(tmp):
             os.remove(tmp)
-    meta = layout.read_json(os.path.join(ckpt, names.META_JSON)) or {}
     layout.write_json(
         os.path.join(out, names.MODEL_ARGS_JSON),
         {
@@ -139,14 +151,14 @@ def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
             "flavor": info.get("flavor"),
             "args": dataclasses.asdict(args),
             "dtype": dtype,
-            "step": meta.get("step"),
-            "source": os.path.abspath(ckpt),
+            "step": ck.step,
+            "source": os.path.abspath(ck.folder),
             "file": name,
         },
     )
     written = [name, names.MODEL_ARGS_JSON]
-    if os.path.isfile(os.path.join(ckpt, names.CONFIG_TOML)):
-        text = safe_files.read_text(os.path.join(ckpt, names.CONFIG_TOML))
+    if ck.config_path is not None:
+        text = safe_files.read_text(ck.config_path)
         safe_files.atomic_write(os.path.join(out, names.CONFIG_TOML), text, owner=out)
         written.append(names.CONFIG_TOML)
     give_umask_mode(out, written)
@@ -170,18 +182,18 @@ def verify(ckpt: str | None, out: str) -> int:
             raise ExportError(
                 f"{out}: {names.MODEL_ARGS_JSON} records no source; name the checkpoint"
             )
-    return _verify(
-        find_checkpoint(ckpt, step if isinstance(step, int) else None), info, exported, out
-    )
+    return _verify(find(ckpt, step if isinstance(step, int) else None), info, exported, out)
 
 
-def _verify(ckpt: str, info: dict[str, Any], exported: dict[str, torch.Tensor], out: str) -> int:
-    """``verify`` against the checkpoint directory ``ckpt`` that find_checkpoint already verified."""
-    spec, _ = model_spec(info)
-    source = _checkpoint_model(ckpt)
+def _verify(
+    ck: found.FoundCheckpoint, info: dict[str, Any], exported: dict[str, torch.Tensor], out: str
+) -> int:
+    """``verify`` against the checkpoint ``ck`` that ``find`` already verified."""
+    spec, _ = _spec(ck)
+    source = _tensors(ck)
     bad = integrity.nonfinite_names(source)
     if bad:
-        raise ExportError(f"{ckpt}: non-finite weights in the checkpoint ({', '.join(bad)})")
+        raise ExportError(f"{ck.folder}: non-finite weights in the checkpoint ({', '.join(bad)})")
     expected = cast_for_export(spec, source, SHORT_DTYPES[info["dtype"]])
     problems = [f"{k}: missing from the export" for k in sorted(expected.keys() - exported.keys())]
     problems += [f"{k}: not in the checkpoint" for k in sorted(exported.keys() - expected.keys())]
@@ -195,43 +207,9 @@ def _verify(ckpt: str, info: dict[str, Any], exported: dict[str, torch.Tensor], 
             problems.append(f"{k}: values differ")
     if problems:
         raise ExportError(
-            f"verification of {out} against {ckpt} failed:\n  " + "\n  ".join(problems[:20])
+            f"verification of {out} against {ck.folder} failed:\n  " + "\n  ".join(problems[:20])
         )
     return len(expected)
-
-
-def load_exported_model(out: str, device: str | torch.device = "cpu") -> nn.Module:
-    """The model rebuilt from an export (fp32 parameters holding the exported values), in eval mode."""
-    info, tensors = read_export(out)
-    spec, args = model_spec(info)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()  # fills non-persistent buffers (e.g. RoPE tables); weights are replaced
-    model.load_state_dict(tensors, strict=True)
-    return model.eval()
-
-
-def load_checkpoint_model(
-    ckpt: str, device: str | torch.device = "cpu"
-) -> tuple[nn.Module, dict[str, Any], str]:
-    """(model in eval mode, model_args.json payload, checkpoint directory) straight from a DCP
-    checkpoint (``ckpt`` as for ``export``), without a process group."""
-    ckpt = find_checkpoint(ckpt)
-    info = read_model_args(ckpt)
-    if info is None:
-        raise ExportError(
-            f"{ckpt}: no {names.MODEL_ARGS_JSON}; only checkpoints written by torchtitan_loom can be read"
-        )
-    spec, args = model_spec(info)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()  # fills non-persistent buffers; the weights are replaced below
-    model.load_state_dict(_checkpoint_model(ckpt), strict=True)
-    return model.eval(), info, ckpt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_out(ns.out, ns.force)  # before the checkpoint is read (checksums read every byte)
         print(f"export: reading the model of {ns.ckpt} ...", flush=True)
-        ckpt = find_checkpoint(ns.ckpt)  # once: --verify checks this step, whatever comes after
-        path = _export(ckpt, ns.out, ns.dtype, ns.force)
-        print(f"exported {ckpt} → {path} ({ns.dtype})")
+        ck = find(ns.ckpt)  # once: --verify checks this step, whatever comes after
+        path = _export(ck, ns.out, ns.dtype, ns.force)
+        print(f"exported {ck.folder} → {path} ({ns.dtype})")
         if ns.verify:
-            print(f"export: verifying {path} against {ckpt} ...", flush=True)
+            print(f"export: verifying {path} against {ck.folder} ...", flush=True)
             info, exported = read_export(ns.out)
-            count = _verify(ckpt, info, exported, ns.out)
+            count = _verify(ck, info, exported, ns.out)
             print(f"verified: {count} tensors bit-identical to the checkpoint")
     except (ExportError, OSError) as exc:
         print(shorten_line(f"export error: {exc}"), file=sys.stderr)

@@ -73,9 +73,7 @@ def logged_eval_loss(metrics_path: str, step: int) -> float | None:
 def metrics_file(loaded: Loaded) -> str | None:
     """metrics.jsonl of the run the checkpoint belongs to (an export remembers its source)."""
     sources = [loaded.checkpoint]
-    from torchtitan_loom.components.checkpoint import layout
-
-    info = layout.read_json(os.path.join(loaded.checkpoint, names.MODEL_ARGS_JSON)) or {}
+    info = (loaded.on_disk.model_args if loaded.on_disk is not None else None) or {}
     if info.get("source"):
         sources.append(info["source"])
     if loaded.config is not None:

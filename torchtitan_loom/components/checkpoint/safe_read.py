@@ -183,12 +183,17 @@ def metadata_problem(path: str) -> str | None:
 
 
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose metadata comes through the allow-list (see module doc)."""
+    """FileSystemReader whose metadata comes through the allow-list (see module doc); ``metadata``:
+    the checkpoint's Metadata already read through it (found.py verified it), not read again."""
+
+    def __init__(self, path: str, metadata: dcp_meta.Metadata | None = None) -> None:
+        super().__init__(path)
+        self.checked = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
         if kwargs.get("rank") is not None:  # rank-local metadata: never written by this project
             raise UnsafeCheckpoint(f"{self.path}: per-rank metadata is not supported")
-        md = read_metadata_file(str(self.path))
+        md = self.checked if self.checked is not None else read_metadata_file(str(self.path))
         storage: dcp_meta.StorageMeta | None = getattr(md, "storage_meta", None)
         if storage is None:
             storage = md.storage_meta = dcp_meta.StorageMeta()
@@ -245,14 +250,17 @@ def _first_failure(exc: BaseException) -> BaseException:
     return exc
 
 
-def load(state_dict: dict[str, Any], path: str, no_dist: bool) -> None:
+def load(state_dict: dict[str, Any], path: str, no_dist: bool, metadata: Any | None = None) -> None:
     """``dcp.load`` of ``path`` into ``state_dict`` in place, through SafeReader and SafePlanner.
     Raises UnsafeCheckpoint (one line naming the checkpoint) when a file is not plain data, and
     UnreadableCheckpoint when the read fails otherwise (on every rank alike: DCP gathers the
     ranks' failures). Out-of-memory is no property of the checkpoint and is raised as it is."""
     try:
         dcp.load(
-            state_dict, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist
+            state_dict,
+            storage_reader=SafeReader(path, metadata),
+            planner=SafePlanner(),
+            no_dist=no_dist,
         )
     except (Exception, CheckpointException) as exc:
         refused = _refusal(exc)
