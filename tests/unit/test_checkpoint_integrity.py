@@ -104,7 +104,7 @@ def write_nonfinite_step(trainer, step):
     """A checkpoint of a NaN model with valid checksums (as an older version could have written)."""
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
-    tmp = layout.temp_dir(trainer.checkpointer.root, step, "periodic")
+    tmp = layout.SaveTarget.of(trainer.checkpointer.root, step, "periodic").tmp
     trainer.checkpointer.writer._save(
         step, "periodic", tmp, True, False
     )  # bypasses save()'s finiteness guard

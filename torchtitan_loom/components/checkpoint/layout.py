@@ -82,16 +82,21 @@ def step_name(step: int) -> str:
     return f"step-{step}"
 
 
-def final_dir(root: str, step: int, kind: str) -> str:
-    """Where the committed checkpoint of ``step`` lives."""
-    base = os.path.join(root, SNAPSHOT_DIR) if kind == "snapshot" else root
-    return os.path.join(base, step_name(step))
+@dataclass(frozen=True)
+class SaveTarget:
+    """Where a save of ``step`` as ``kind`` ("periodic" or "snapshot") is written (``tmp``) and
+    committed (``final``): computed once per save, carried from the write to the commit."""
 
+    step: int
+    kind: str
+    tmp: str
+    final: str
 
-def temp_dir(root: str, step: int, kind: str) -> str:
-    """Where a save of ``step`` is written before its commit."""
-    base = os.path.join(root, SNAPSHOT_DIR) if kind == "snapshot" else root
-    return os.path.join(base, TMP_PREFIX + step_name(step))
+    @classmethod
+    def of(cls, root: str, step: int, kind: str) -> SaveTarget:
+        base = os.path.join(root, SNAPSHOT_DIR) if kind == "snapshot" else root
+        name = step_name(step)
+        return cls(step, kind, os.path.join(base, TMP_PREFIX + name), os.path.join(base, name))
 
 
 def is_complete(path: str) -> bool:

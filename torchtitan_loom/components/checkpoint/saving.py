@@ -1,6 +1,6 @@
 """The save path of CheckpointManager: what is saved, the atomic write (sync or async), the commit.
 
-A save writes into a temporary folder (layout.temp_dir) and is committed by rank 0 (marker +
+A save writes into a temporary folder (layout.SaveTarget: its paths, computed once) and is committed by rank 0 (marker +
 rename, the snapshot copy, the index) once every rank's data is written; a failed write removes
 the temporary folder, keeps every older checkpoint and raises CheckpointSaveError. Pruning is not
 part of a save: it waits for proof (proof.py).
@@ -159,10 +159,9 @@ class Writer:
         if bad:
             self.p._log(f"warning: not saving step {step}: non-finite weights ({', '.join(bad)})")
             return
-        kind = "periodic" if periodic else "snapshot"
-        tmp = layout.temp_dir(self.p.root, step, kind)
+        target = layout.SaveTarget.of(self.p.root, step, "periodic" if periodic else "snapshot")
         try:
-            self._save(step, kind, tmp, periodic, snapshot)
+            self._save(target, periodic and snapshot)
             self.p.proof.saved(step)
             self.saved.update(
                 {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
@@ -175,7 +174,7 @@ class Writer:
             CheckpointException,
         ) as exc:  # any write failure: clean up, say why, keep the rest
             self.pending = None
-            self._failed(step, tmp, exc)
+            self._failed(step, target.tmp, exc)
 
     def _needed_bytes(self) -> int:
         """About what a checkpoint takes: the newest one on disk, else this rank's state × ranks."""
@@ -228,7 +227,8 @@ class Writer:
             f"checkpoints in {self.p.root} are untouched"
         )
 
-    def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
+    def _save(self, target: layout.SaveTarget, snapshot_too: bool) -> None:
+        step, tmp = target.step, target.tmp
         error = None
         if self.p.rank == 0:
             try:
@@ -257,7 +257,7 @@ class Writer:
             if not isinstance(future, Future):  # AsyncSaveResponse: make staging finish now too
                 future.staging_completion.result()
                 future = future.upload_completion
-            self.pending = PendingSave(future, step, kind, periodic and snapshot, started)
+            self.pending = PendingSave(future, target, snapshot_too, started)
             return
         with ckstate.single_process_quiet():
             dcp.save(sd, checkpoint_id=tmp, storage_writer=SafeWriter(tmp), no_dist=no_dist)
@@ -265,29 +265,29 @@ class Writer:
         error = None
         if self.p.rank == 0:
             try:
-                self._commit(step, kind, periodic and snapshot, started)
+                self._commit(target, snapshot_too, started)
             except (Exception, CheckpointException) as exc:
                 error = self._final_error(step, tmp, exc)
         self.p._agree(error)  # committed (or failed, on every rank) before anyone goes on
 
-    def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
+    def _commit(self, target: layout.SaveTarget, snapshot_too: bool, started: float) -> None:
         """Rank 0: marker + rename, the snapshot copy, index (pruning waits for proof: _prune)."""
         safe_files.check_held(
             self.p.root
         )  # the folder this run started in, not one swapped in since
+        step = target.step
         marker = {
             "step": step,
-            "kind": kind,
+            "kind": target.kind,
             "world_size": self.p.world_size,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        final = layout.final_dir(self.p.root, step, kind)
-        layout.commit(layout.temp_dir(self.p.root, step, kind), final, marker)
+        final = target.final
+        layout.commit(target.tmp, final, marker)
         where, snap_exc = [final], None
         if snapshot_too:
-            snap, snap_tmp = (
-                f(self.p.root, step, "snapshot") for f in (layout.final_dir, layout.temp_dir)
-            )
+            copy = layout.SaveTarget.of(self.p.root, step, "snapshot")
+            snap, snap_tmp = copy.final, copy.tmp
             try:
                 safe_files.make_dirs(os.path.dirname(snap), self.p.root)
                 layout.clone(final, snap_tmp, snap, dict(marker, kind="snapshot"))
@@ -348,13 +348,12 @@ class Writer:
         p, self.pending = self.pending, None
         if p is None:
             return
-        tmp = layout.temp_dir(self.p.root, p.step, p.kind)
         try:
             p.future.result()  # re-raises a failed save
             if self.p.rank == 0:
-                self._commit(p.step, p.kind, p.snapshot_too, p.started)
+                self._commit(p.target, p.snapshot_too, p.started)
         except (Exception, CheckpointException) as exc:  # as in save()
-            self._failed(p.step, tmp, exc)
+            self._failed(p.target.step, p.target.tmp, exc)
 
     def discard(self, *, wait: bool = False) -> int | None:
         """Never commit the save in flight (the run stops for divergence or an error); returns its
@@ -363,7 +362,7 @@ class Writer:
         p, self.pending = self.pending, None
         if p is None:
             return None
-        self.p.proof.dropped(p.step)
+        self.p.proof.dropped(p.target.step)
         if wait:
             try:
                 p.future.result()
@@ -371,7 +370,7 @@ class Writer:
                 pass  # discarded either way
             if self.p.rank == 0:
                 try:
-                    safe_files.remove_dir(layout.temp_dir(self.p.root, p.step, p.kind), self.p.root)
+                    safe_files.remove_dir(p.target.tmp, self.p.root)
                 except OSError:
                     pass  # a link or an unremovable folder: a .tmp- name is never loaded
-        return p.step
+        return p.target.step
