@@ -12,10 +12,11 @@ run (so imports and first-use registration are not counted):
     build     found.find(CKPT).build()                    a path to a model in eval mode
               (before issue 44: tools.export.load_checkpoint_model(CKPT), measured when present)
 
-For each: calls to functions defined in torchtitan_loom/ (module bodies excluded), the same
-without the model's own code (models/), how many modules they were in, how many times the
-checkpoint package (components/checkpoint/) was entered from the package's code outside it, and
-how many of those entries were into layout.py.
+For each: calls to functions defined in torchtitan_loom/ (module bodies excluded), those of
+named functions (no comprehension, generator or lambda), those outside the model's own code
+(models/), how many modules they were in, how many times the
+checkpoint package (components/checkpoint/) was entered from our code outside it (a tool, this
+script; not torch calling back in), and how many of those entries were into layout.py.
 """
 
 from __future__ import annotations
@@ -47,12 +48,18 @@ def count_calls(fn: Callable[[], Any]) -> dict[str, int]:
         if not path.startswith(PKG) or code.co_name == "<module>":
             return
         calls["all"] += 1
+        if not code.co_name.startswith("<"):  # not a comprehension, generator or lambda
+            calls["named"] += 1
         modules.add(path)
         if not path.startswith(MODELS):
             calls["outside models/"] += 1
-        # Entered: called from the package's code outside it (not from torch calling back in).
+            if not code.co_name.startswith("<"):
+                calls["named outside models/"] += 1
+        # Entered: called from outside it by our code (a tool, this script), not by torch or the
+        # standard library calling back in (DCP's reader, a context manager).
         caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
-        outside = caller.startswith(PKG) and not caller.startswith(CKPT_PKG)
+        ours = not any(part in caller for part in ("site-packages", "/lib/python", "<frozen"))
+        outside = ours and not caller.startswith(CKPT_PKG)
         if path.startswith(CKPT_PKG) and outside:
             calls["checkpoint package entered"] += 1
         if path.endswith("checkpoint/layout.py") and outside:

@@ -194,15 +194,20 @@ def at(folder: str, verify: str = "full") -> FoundCheckpoint:
         raise NotACheckpoint(
             f"{folder}: incomplete checkpoint (no {names.MARKER} marker: its save did not finish)"
         )
-    marker = layout.read_json(os.path.join(folder, names.MARKER))
-    problem, md = _check(folder, verify, marked=marker is not None)
+    marker, problem, md = None, None, None
+    if os.path.isfile(os.path.join(folder, names.MARKER)):
+        marker, problem = integrity.read_marker(folder)
+    if problem is None:
+        problem, md = _check(folder, verify, marker)
     step = (meta or {}).get("step")
     return FoundCheckpoint(
         folder,
         str((marker or {}).get("kind") or "dcp"),
         step if isinstance(step, int) else None,
         problem,
-        integrity.unverified_note(folder) if verify != "none" else None,
+        integrity.unverified_note(folder, marker)
+        if marker is not None and verify != "none"
+        else None,
         info,
         meta or {},
         config_path,
@@ -210,14 +215,14 @@ def at(folder: str, verify: str = "full") -> FoundCheckpoint:
     )
 
 
-def _check(folder: str, verify: str, marked: bool) -> tuple[str | None, Any]:
+def _check(folder: str, verify: str, marker: dict | None) -> tuple[str | None, Any]:
     """(why ``folder`` must not be loaded or None, its DCP Metadata when it was read). A checkpoint
-    without our marker has no checksums: its metadata alone is checked."""
+    without our ``marker`` has no checksums: its metadata alone is checked."""
     problem = integrity.link_problem(folder)
     if problem or verify == "none":
         return problem, None
-    if marked:
-        problem = integrity.verify(folder, quick=verify == "quick")
+    if marker is not None:
+        problem = integrity.verify(folder, quick=verify == "quick", marker=marker)
     if problem or not os.path.isfile(os.path.join(folder, names.DCP_METADATA)):
         return problem, None
     from torchtitan_loom.components.checkpoint import safe_read  # torch-side: with a checkpoint
