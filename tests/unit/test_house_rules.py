@@ -28,10 +28,6 @@ EXCEPTIONS = {
         "issue 44 item 3 rewrites it (its four optional modes become one typed request); a split "
         "now would be undone by that rewrite"
     ),
-    "torchtitan_loom/components/checkpoint/resolve.py::choose": (
-        "issue 44 item 1 replaces the three ways to find a checkpoint with one checkpoint value; "
-        "this function is what it replaces"
-    ),
     "torchtitan_loom/launch.py::run": (
         "one launch's refusals in the order it meets them (argv, config, run folder, process "
         "group, agreement), each with its exit code; the first-run behaviour merged this wave "
