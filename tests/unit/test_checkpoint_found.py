@@ -67,6 +67,18 @@ def test_the_model_is_built_from_one_read_of_the_metadata(trained):
     assert decoding.args.capacity_factor == 0 and decoding.args.attn_backend == "sdpa"
 
 
+def test_a_run_folder_is_read_where_its_config_keeps_checkpoints(trained, tmp_path):
+    dump, _ = trained
+    moved = tmp_path / "run"
+    shutil.copytree(dump, moved, ignore=shutil.ignore_patterns("RUN.lock"))
+    os.rename(moved / "checkpoint", moved / "ckpts")
+    config = moved / names.CONFIG_TOML
+    text = config.read_text()
+    assert text.count('folder = "checkpoint"') == 1
+    config.write_text(text.replace('folder = "checkpoint"', 'folder = "ckpts"'))
+    assert found.find(str(moved)).folder == str(moved / "ckpts" / "step-2")
+
+
 def test_a_torn_or_corrupt_checkpoint_says_why(trained, tmp_path):
     dump, _ = trained
     torn = tmp_path / "torn"

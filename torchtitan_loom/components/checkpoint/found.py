@@ -1,8 +1,8 @@
 """One checkpoint on disk as one value: where it is, which step, complete and verified or why not,
 its model arguments, metadata and run config, and how to load its tensors or build its model.
 
-``find(path)`` resolves what a user names: a run folder (the newest complete checkpoint in it or
-in its ``checkpoint/``), a checkpoint folder, a ``step-N`` DCP directory (any world size's, read
+``find(path)`` resolves what a user names: a run folder (the newest complete checkpoint in its
+checkpoint folder: its config's ``checkpoint.folder``), a checkpoint folder, a ``step-N`` DCP directory (any world size's, read
 in this one process) or an export folder of tools/export.py (``model_args.json`` + its model
 file). ``at(folder)`` describes a directory already chosen (resolve.choose, per candidate of a
 resume). The tools (generate, lm_eval, analyze, depth, export) and the trainer's resume read a
@@ -24,7 +24,6 @@ from typing import Any
 
 from torchtitan_loom.components.checkpoint import integrity, layout, names
 
-RUN_CHECKPOINTS = "checkpoint"  # checkpoint.folder's default: where a run folder keeps them
 VERIFY = ("full", "quick", "none")  # all checksums; sizes + small files; links only
 
 
@@ -160,7 +159,8 @@ def _locate(path: str, step: int | None) -> str:
         os.path.isfile(os.path.join(path, n)) for n in (names.DCP_METADATA, names.MODEL_ARGS_JSON)
     ):
         return path
-    for root in (path, os.path.join(path, RUN_CHECKPOINTS)):
+    run_root = _run_checkpoints(path)
+    for root in (path, run_root):
         found = layout.scan(root) if os.path.isdir(root) else None
         entry = None if found is None else found.newest() if step is None else found.find(step)
         if entry is not None:
@@ -170,8 +170,25 @@ def _locate(path: str, step: int | None) -> str:
     )
     raise NotACheckpoint(
         f"{path}: not a checkpoint directory (no {names.DCP_METADATA}) and {which} "
-        f"under it or under {os.path.join(path, RUN_CHECKPOINTS)}{why_no_checkpoint(path)}"
+        f"under it or under {run_root}{why_no_checkpoint(path)}"
     )
+
+
+def _run_checkpoints(path: str) -> str:
+    """The checkpoint folder of the run folder ``path``: its config's checkpoint.folder, the
+    schema's default when it has no readable config."""
+    from torchtitan_loom.config.errors import ConfigError
+    from torchtitan_loom.config.sections_infra import Checkpoint
+    from torchtitan_loom.config.toml_file import read_toml
+
+    folder = Checkpoint().folder
+    config = os.path.join(path, names.CONFIG_TOML)
+    if os.path.isfile(config):
+        try:
+            folder = str(read_toml(config)["checkpoint"]["folder"] or folder)
+        except (ConfigError, KeyError, TypeError):
+            pass  # not a run's config: the default
+    return os.path.join(path, folder)
 
 
 def at(folder: str, verify: str = "full") -> FoundCheckpoint:
