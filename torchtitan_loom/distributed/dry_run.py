@@ -1,9 +1,10 @@
 """``--parallelism.dry_run``: lay a validated config out on W ranks inside ONE process, print it, exit.
 
-The model is built on the meta device and parallelized exactly as the trainer would, over a fake
-process group (no communication, no memory), as rank 0 of W. The report: the mesh layout, how the
-global batch splits over the data-parallel ranks, rank 0's shard of every parameter (layers that
-match layer 0 are folded into one line), then the cost estimate of distributed/estimate.py (memory,
+The model is built on the meta device, converted (float8) and parallelized exactly as the trainer
+would, over a fake process group (no communication, no memory), as rank 0 of W. The report: the
+mesh layout, how the global batch splits over the data-parallel ranks, the float8 conversion (what
+became float8, e.g. routed experts under expert parallelism), rank 0's shard of every parameter
+(layers that match layer 0 are folded into one line), then the cost estimate of distributed/estimate.py (memory,
 communication, FLOPs, step time, MFU, the fastest layouts) when the spec has a cost model.
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan_loom.components.quantization.float8 import build_float8_converter
 from torchtitan_loom.distributed.estimate import count
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import Sharding, get_train_spec
@@ -50,6 +52,10 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
         spec = get_train_spec(cfg.model.name)
         with torch.device("meta"):
             model = spec.model_cls(model_args)
+        # The trainer's order: converters on the meta model, then parallelism around them.
+        float8 = build_float8_converter(cfg.float8, t.device, spec, t.micro_batch_size * t.seq_len)
+        if float8 is not None:
+            lines.append(float8.convert(model).summary(float8.plan))
         if spec.parallelize_fn is not None:
             model = spec.parallelize_fn(model, dims, cfg).model
         lines += _shard_report(model, spec.sharding)
