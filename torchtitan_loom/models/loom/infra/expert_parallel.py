@@ -36,8 +36,7 @@ slots (`takes_capacity_slots`, moe.capacity_slots: E slots of C rows, padding we
 the call makes NO host sync:
   1. kept counts exchange: an all_to_all of kept_E (device tensors, equal splits) gives recv_WL;
   2. dispatch: an all_to_all_single with equal splits of [L, C] rows per peer (no split sizes);
-  3. the received [W, L, C] slots are put in (local expert, source, slot) order, padding rows
-     zeroed; math that skips rows past its groups (the plain grouped GEMM) gets the valid rows
+  3. the received [W, L, C] slots are put in (local expert, source, slot) order; math that skips rows past its groups (the plain grouped GEMM) gets the valid rows
      first (one stable sort on the device) with device offsets and skips the padding; any other
      (the per-expert loop, float8's padded groups) runs on every slot, W*C rows per expert;
   4. padding rows are zeroed (forward and backward), the inverse gather and a second equal-split
