@@ -11,20 +11,27 @@ communication, FLOPs, step time, MFU, the fastest layouts) when the spec has a c
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan_loom.components.quantization.float8 import build_float8_converter
 from torchtitan_loom.distributed.estimate import count
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import Sharding, get_train_spec
 
 
-def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
-    """The dry-run report of `cfg` on `dims.world_size` ranks (builds nothing real)."""
+def dry_run(
+    cfg: Any,
+    model_args: Any,
+    dims: ParallelDims,
+    convert: Callable[[torch.nn.Module], str] | None = None,
+) -> str:
+    """The dry-run report of `cfg` on `dims.world_size` ranks (builds nothing real). `convert`: the
+    trainer's model conversion (float8), run on the meta model before parallelism; its line is
+    reported."""
     world_size = dims.world_size
     t = cfg.training
     lines = [
@@ -52,10 +59,8 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
         spec = get_train_spec(cfg.model.name)
         with torch.device("meta"):
             model = spec.model_cls(model_args)
-        # The trainer's order: converters on the meta model, then parallelism around them.
-        float8 = build_float8_converter(cfg.float8, t.device, spec, t.micro_batch_size * t.seq_len)
-        if float8 is not None:
-            lines.append(float8.convert(model).summary(float8.plan))
+        if convert is not None:  # the trainer's order: converters, then parallelism around them
+            lines.append(convert(model))
         if spec.parallelize_fn is not None:
             model = spec.parallelize_fn(model, dims, cfg).model
         lines += _shard_report(model, spec.sharding)
