@@ -16,7 +16,8 @@ For each: calls to functions defined in torchtitan_loom/ (module bodies excluded
 named functions (no comprehension, generator or lambda), those outside the model's own code
 (models/), how many modules they were in, how many times the
 checkpoint package (components/checkpoint/) was entered from our code outside it (a tool, this
-script; not torch calling back in), and how many of those entries were into layout.py.
+script; not torch calling back in), how many of its modules those entries went into, and how
+many of the entries were into layout.py.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def count_calls(fn: Callable[[], Any]) -> dict[str, int]:
     """Run ``fn`` under sys.setprofile and count the package's calls (see the module doc)."""
     calls: Counter[str] = Counter()
     modules: set[str] = set()
+    entered: set[str] = set()  # the checkpoint package's modules entered from outside it
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event != "call":
@@ -62,6 +64,7 @@ def count_calls(fn: Callable[[], Any]) -> dict[str, int]:
         outside = ours and not caller.startswith(CKPT_PKG)
         if path.startswith(CKPT_PKG) and outside:
             calls["checkpoint package entered"] += 1
+            entered.add(os.path.basename(path))
         if path.endswith("checkpoint/layout.py") and outside:
             calls["layout.py entered"] += 1
 
@@ -70,7 +73,7 @@ def count_calls(fn: Callable[[], Any]) -> dict[str, int]:
         fn()
     finally:
         sys.setprofile(None)
-    return {**calls, "modules": len(modules)}
+    return {**calls, "modules": len(modules), "checkpoint modules entered": len(entered)}
 
 
 def build(ckpt: str) -> Any:
