@@ -42,6 +42,9 @@ def test_every_way_to_name_a_checkpoint_gives_the_same_value(trained, tmp_path):
     exported = found.find(str(out))
     assert (exported.kind, exported.step, exported.spec_name) == ("export", 2, "loom")
     assert exported.model_args["source"] == os.path.abspath(step2)
+    again = tmp_path / "bf16"  # an export is read as a checkpoint: re-exported and verified
+    assert export_tool.main([str(out), str(again), "--dtype", "bf16", "--verify"]) == 0
+    assert found.find(str(again)).tensors()["output.weight"].dtype == torch.bfloat16
 
 
 def test_the_model_is_built_from_one_read_of_the_metadata(trained):

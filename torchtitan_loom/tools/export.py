@@ -4,9 +4,10 @@
 
 CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder or a run's
 dump folder (the newest complete checkpoint inside is used; it is resolved once, and ``--verify``
-checks that same step even when the run saves a newer one meanwhile). OUT must be absent or empty
-unless ``--force`` (an existing export is never overwritten by accident); this is checked before
-the checkpoint is read. ``--force`` removes only the regular files an export writes (either
+checks that same step even when the run saves a newer one meanwhile), or an export folder (read
+as a checkpoint, components/checkpoint/found.py: re-exported, say in another dtype). OUT must be
+absent or empty unless ``--force`` (an existing export is never overwritten by accident); this is
+checked before the checkpoint is read. ``--force`` removes only the regular files an export writes (either
 format's names, see EXPORT_NAMES) and leaves anything else in OUT; a symbolic link at such a name,
 or OUT itself a link when ``--force`` would clear it, is refused (one line, exit 2), never written
 or removed through (tools/out_files.py). OUT receives:

@@ -2,11 +2,11 @@
 its model arguments, metadata and run config, and how to load its tensors or build its model.
 
 ``find(path)`` resolves what a user names: a run folder (the newest complete checkpoint in its
-checkpoint folder: its config's ``checkpoint.folder``), a checkpoint folder, a ``step-N`` DCP directory (any world size's, read
-in this one process) or an export folder of tools/export.py (``model_args.json`` + its model
-file). ``at(folder)`` describes a directory already chosen (resolve.choose, per candidate of a
-resume). The tools (generate, lm_eval, analyze, depth, export) and the trainer's resume read a
-checkpoint through this value; the files' names are names.py's.
+checkpoint folder, its config's ``checkpoint.folder``), a checkpoint folder, a ``step-N`` DCP
+directory (any world size's, read in this one process) or an export folder of tools/export.py
+(``model_args.json`` + its model file). ``at(folder)`` describes a directory already chosen
+(resolve.choose, per candidate of a resume). The tools (generate, lm_eval, analyze, depth, export)
+and the trainer's resume read a checkpoint through this value; the files' names are names.py's.
 
 Verification reads every file once: the checksums (integrity.py), then DCP's ``.metadata`` through
 the allow-list (safe_read.py), kept on the value so that loading the tensors does not read it

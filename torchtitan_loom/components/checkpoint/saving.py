@@ -1,9 +1,10 @@
 """The save path of CheckpointManager: what is saved, the atomic write (sync or async), the commit.
 
-A save writes into a temporary folder (layout.SaveTarget: its paths, computed once) and is committed by rank 0 (marker +
-rename, the snapshot copy, the index) once every rank's data is written; a failed write removes
-the temporary folder, keeps every older checkpoint and raises CheckpointSaveError. Pruning is not
-part of a save: it waits for proof (proof.py).
+A save writes into a temporary folder and is committed by rank 0 (marker + rename, the snapshot
+copy, the index) once every rank's data is written: its paths are one layout.SaveTarget, computed
+once and carried from the write to the commit. A failed write removes the temporary folder, keeps
+every older checkpoint and raises CheckpointSaveError. Pruning is not part of a save: it waits for
+proof (proof.py).
 
 Async (``checkpoint.async_mode = "async"``): ``dcp.async_save`` copies the state to CPU memory
 before it returns (so the next optimizer step cannot race the staging) and writes in a background
