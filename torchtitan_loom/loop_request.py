@@ -49,7 +49,9 @@ class ExitHold(KVStore, Protocol):
     when decoding (None for a whole-sequence call)."""
 
     @property
-    def cache(self) -> DecodeCache | None: ...
+    def cache(self) -> DecodeCache | None:
+        """The decoding cache it stands over (its slots get the substituted K/V), or None."""
+        ...
 
     def exit(self, new_BS: torch.Tensor) -> None:
         """The tokens of ``new_BS`` (bool [B, S]) exit after the loop just run."""

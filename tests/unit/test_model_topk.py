@@ -50,7 +50,9 @@ def test_topk_per_loop_range_equals_full_forward():
     full = model(*_batch(), request=LoopRequest(return_topk=True))
     carry, pieces = None, []
     for t in range(1, model.num_loops + 1):
-        out = model(*_batch(), loop_start=t, loop_end=t, carry=carry, request=LoopRequest(return_topk=True))
+        out = model(
+            *_batch(), loop_start=t, loop_end=t, carry=carry, request=LoopRequest(return_topk=True)
+        )
         carry = out.carry
         pieces.append(out.topk_LTBSK)
     assert torch.equal(torch.cat(pieces, dim=1), full.topk_LTBSK)

@@ -53,12 +53,20 @@ def test_cached_step_logits_match_the_full_forward():
         full = model(seq, pos, torch.zeros_like(seq)).logits_BSV
         cache = KVCache()
         parts = [
-            model(seq[:, :5], pos[:, :5], torch.zeros_like(seq[:, :5]), request=LoopRequest(cache=cache)).logits_BSV
+            model(
+                seq[:, :5],
+                pos[:, :5],
+                torch.zeros_like(seq[:, :5]),
+                request=LoopRequest(cache=cache),
+            ).logits_BSV
         ]
         for i in range(5, 11):
             parts.append(
                 model(
-                    seq[:, i : i + 1], pos[:, i : i + 1], torch.zeros_like(seq[:, :1]), request=LoopRequest(cache=cache)
+                    seq[:, i : i + 1],
+                    pos[:, i : i + 1],
+                    torch.zeros_like(seq[:, :1]),
+                    request=LoopRequest(cache=cache),
                 ).logits_BSV
             )
     cached = torch.cat(parts, dim=1)
