@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -21,6 +20,7 @@ from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.loop_request import LoopRequest
+from torchtitan_loom.protocols import ModelProtocol
 
 
 class LoopByLoop:
@@ -30,7 +30,7 @@ class LoopByLoop:
 
     def __init__(
         self,
-        model: Any,
+        model: ModelProtocol,
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_loom.components.evaluation.adaptive_exit import settle_score, threshold_problem
-from torchtitan_loom.loop_request import LoopRequest
+from torchtitan_loom.loop_request import DecodeCache, LoopRequest
 from torchtitan_loom.protocols import DecodesIncrementally, ExitsPerToken
 
 
@@ -167,7 +167,7 @@ def _adaptive_step(
     model: Any,
     tokens_B1: torch.Tensor,
     positions_B1: torch.Tensor,
-    cache: Any,
+    cache: DecodeCache,
     cfg: SamplingConfig,
     max_loops: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:

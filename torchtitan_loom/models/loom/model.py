@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -43,6 +43,12 @@ from torchtitan_loom.models.loom.moe import LoomMoE
 from torchtitan_loom.models.loom.target import KernelTarget, target_of
 from torchtitan_loom.models.loom.weight_init import init_parameters
 from torchtitan_loom.protocols import ModelOutput, Routing
+
+if TYPE_CHECKING:  # annotations only: a region's arguments and result keep their types
+    from typing_extensions import TypeVarTuple, Unpack
+
+    RegionArgs = TypeVarTuple("RegionArgs")
+RegionResult = TypeVar("RegionResult")
 
 
 def residual_gain(args: LoomModelArgs) -> float:
@@ -204,9 +210,7 @@ class LoomTransformer(nn.Module):
         else:
             z_BSD, h_mem = carry.z_BSD, Memory(carry.h_num_BSD, carry.h_den_BS1)
         call = self._loop_call(e_BSD, positions_BS, doc_ids_BS, past, req)
-        loops: LoopRange = self._region(
-            "segment", self._run_loops, loop_start, loop_end, z_BSD, h_mem, call
-        )
+        loops = self._region("segment", self._run_loops, loop_start, loop_end, z_BSD, h_mem, call)
         if args.router_z_loss_coef > 0:
             aux_loss = args.router_z_loss_coef * loops.z_sq_X.sum()
         else:
@@ -276,7 +280,12 @@ class LoomTransformer(nn.Module):
             self.args.attn_backend, target.device_type, dtype, target.flash_attn
         )
 
-    def _region(self, scope: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
+    def _region(
+        self,
+        scope: str,
+        fn: Callable[[Unpack[RegionArgs]], RegionResult],
+        *fn_args: Unpack[RegionArgs],
+    ) -> RegionResult:
         """fn(*fn_args), through the wrapper registered for `scope` if any (see region_wrappers)."""
         wrapper = self.region_wrappers.get(scope)
         return fn(*fn_args) if wrapper is None else wrapper(fn, *fn_args)
@@ -287,7 +296,7 @@ class LoomTransformer(nn.Module):
         """Loops [loop_start, loop_end] from the stream and H-axis memory before loop_start."""
         per_loop: list[OneLoop] = []
         for t in range(loop_start, loop_end + 1):
-            loop: OneLoop = self._region("loop", self._run_loop, t, z_BSD, h_mem, call)
+            loop = self._region("loop", self._run_loop, t, z_BSD, h_mem, call)
             z_BSD, h_mem = loop.z_BSD, loop.h_mem
             per_loop.append(loop)
         return LoopRange(
@@ -338,11 +347,15 @@ class LoomTransformer(nn.Module):
 
     def param_counts(self) -> dict[str, int]:
         """{"total", "active"} parameters (models/loom/counts.py)."""
-        return count_params(self)
+        return count_params(
+            self.parameters(), self._blocks(), (self.tok_embeddings.weight, self.output.weight)
+        )
 
     def flops_per_token(self, seq_len: int, head_calls: int = 1) -> float:
         """Training FLOPs per token over all H loops (models/loom/counts.py)."""
-        return count_flops_per_token(self, seq_len, head_calls)
+        return count_flops_per_token(
+            self.args, self._blocks(), self.output.weight, seq_len, head_calls
+        )
 
     # ------------------------------------------------------------------ init
 
