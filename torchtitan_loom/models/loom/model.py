@@ -10,7 +10,7 @@ untied head, layout-independent init (LOOM_SPEC.md §2-§4, §14).
     logits = W_out z
 
 Legend: B batch rows, S sequence length, D model dim, V vocab, L layers, T loops in the range,
-E routed experts, K routed top-k.
+E routed experts, K routed top-k, N observed branches per layer.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 from torch import nn
 
-from torchtitan_loom.loop_request import DecodeCache, LoopRequest
+from torchtitan_loom.loop_request import DecodeCache, ExitHold, LoopRequest
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import (
     AttentionMask,
@@ -115,7 +115,7 @@ class LoomTransformer(nn.Module):
         check_beyond(policy)
         self.beyond_policy = policy
 
-    def new_exit_hold(self, cache: DecodeCache | None = None) -> KVHold:
+    def new_exit_hold(self, cache: DecodeCache | None = None) -> ExitHold:
         """An empty hold for per-token exits (models/loom/kv_hold.py), over `cache` when decoding."""
         return KVHold(cache)
 
@@ -147,7 +147,7 @@ class LoomTransformer(nn.Module):
         them it is 1 by construction."""
         return carry.rms_BS1[..., 0]
 
-    def new_decode_cache(self) -> KVCache:
+    def new_decode_cache(self) -> DecodeCache:
         """An empty cache for incremental decoding (components/evaluation/sampling.py)."""
         if self.args.capacity_factor != 0:
             raise ValueError(
