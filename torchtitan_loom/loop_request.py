@@ -6,7 +6,7 @@ values to (LOOM: models/loom/attention.py KVCache, models/loom/kv_hold.py KVHold
 Generic (protocols.ModelProtocol takes the request); the HF export stitches this file into its
 modeling file, so it imports nothing from the package.
 
-Legend: B batch rows, S positions of the call, K kv heads, d head dim.
+Legend: B batch rows, S positions of the call, D model dim, K kv heads, d head dim.
 """
 
 from __future__ import annotations

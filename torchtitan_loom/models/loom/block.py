@@ -47,13 +47,12 @@ class RMSNormAffine(nn.Module):
 
 
 class BlockInput(NamedTuple):
-    """What a block reads besides the stream and the two memories: the call's RoPE tables and
-    mask, this loop's router and residual gain `gamma` (0-d fp32), this (layer, loop)'s K/V slot
-    (a decoding cache's or an exit hold's; None in training), and what to hand out besides."""
+    """What a block reads besides the stream, the two memories and its loop's router: the call's
+    RoPE tables and mask, the residual gain `gamma` (0-d fp32), this (layer, loop)'s K/V slot (a
+    decoding cache's or an exit hold's; None in training), and what to hand out besides."""
 
     rope: tuple[torch.Tensor, torch.Tensor]
     attn_mask: AttentionMask
-    router_w_ED: torch.Tensor
     gamma: torch.Tensor
     kv_slot: KVAppender | None = None
     return_topk: bool = False
@@ -98,10 +97,16 @@ class LoomBlock(nn.Module):
             self.ffn_branch_norm = None
 
     def forward(
-        self, x_BSD: torch.Tensor, l_mem: Memory, h_mem: Memory, inp: BlockInput
+        self,
+        x_BSD: torch.Tensor,
+        l_mem: Memory,
+        h_mem: Memory,
+        router_w_ED: torch.Tensor,
+        inp: BlockInput,
     ) -> BlockOutput:
-        """Run the block once (layer l, loop t: `inp`)."""
-        gamma, router_w_ED = inp.gamma, inp.router_w_ED
+        """Run the block once (layer l, loop t). `router_w_ED` is loop t's router, a tensor argument
+        of its own: a parallelize hook may replace it (models/loom/infra/parallelize.py)."""
+        gamma = inp.gamma
         a_BSD = self.attention(rms_norm(x_BSD, self.eps), inp.rope, inp.attn_mask, inp.kv_slot)
         o_BSD = gamma * a_BSD
         if self.looping_residual:

@@ -29,12 +29,11 @@ class LoopCall(NamedTuple):
     kv: KVStore | None
     request: LoopRequest
 
-    def block_input(self, router_w_ED: torch.Tensor, kv_slot: KVAppender | None) -> BlockInput:
-        """One block's input in this call, given its loop's router and its K/V slot."""
+    def block_input(self, kv_slot: KVAppender | None) -> BlockInput:
+        """One block's input in this call, given its K/V slot."""
         return BlockInput(
             self.rope,
             self.attn_mask,
-            router_w_ED,
             self.gamma,
             kv_slot=kv_slot,
             return_topk=self.request.return_topk,

@@ -321,11 +321,10 @@ class LoomTransformer(nn.Module):
         counts_per_layer, z_terms, topk_per_layer = [], [], []
         observed_per_layer: list[torch.Tensor] = []
         for i, layer in enumerate(self._blocks()):
+            inp = call.block_input(None if call.kv is None else call.kv.slot(i, t))
             # Picked here, outside the block, so the block sees the router as a plain tensor.
-            inp = call.block_input(
-                layer.moe.routers[router], None if call.kv is None else call.kv.slot(i, t)
-            )
-            out: BlockOutput = self._region("block", layer, z_BSD, l_mem, h_mem, inp)
+            router_w_ED = layer.moe.routers[router]
+            out: BlockOutput = self._region("block", layer, z_BSD, l_mem, h_mem, router_w_ED, inp)
             z_BSD, l_mem, h_mem = out.x_BSD, out.l_mem, out.h_mem
             counts_per_layer.append(out.kept_E)
             z_terms.append(out.z_sq)
