@@ -24,10 +24,6 @@ MAX_FUNCTION_LINES = 80
 # Every exception to the two limits, in one place: "file" or "file::Qualified.name" -> why it is
 # allowed for now. A key that no longer breaks its limit fails the test (remove it then).
 EXCEPTIONS = {
-    "torchtitan_loom/models/loom/model.py::LoomTransformer.forward": (
-        "issue 44 item 3 rewrites it (its four optional modes become one typed request); a split "
-        "now would be undone by that rewrite"
-    ),
     "torchtitan_loom/launch.py::run": (
         "one launch's refusals in the order it meets them (argv, config, run folder, process "
         "group, agreement), each with its exit code; the first-run behaviour merged this wave "
