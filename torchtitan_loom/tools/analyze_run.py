@@ -110,12 +110,14 @@ def analyze(
     from torchtitan_loom.components.checkpoint import found
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError, open_pack
+    from torchtitan_loom.config.errors import ConfigError
+    from torchtitan_loom.config.toml_file import read_toml
 
     progress = progress or Progress("analyze")
     try:
         ck = found.find(ckpt_arg)
-        model, run = ck.build(), ck.run_table()
-    except (found.NotACheckpoint, OSError) as exc:
+        model, run = ck.build(), read_toml(ck.config_path) if ck.config_path else {}
+    except (found.NotACheckpoint, ConfigError, OSError) as exc:
         raise AnalyzeError(str(exc)) from None
     if ck.note:
         print(f"warning: {ck.note}", file=sys.stderr)

@@ -57,6 +57,19 @@ def resolve_checkpoint(path: str) -> found.FoundCheckpoint:
     return ck
 
 
+def _read_config(path: str | None) -> Any | None:
+    """The run's JobConfig from a checkpoint's config.toml; None without one or for one of
+    another version (the model still loads; the holdout check says it cannot run)."""
+    if path is None:
+        return None
+    from torchtitan_loom.config import ConfigError, load_config
+
+    try:
+        return load_config(["--job.config_file", path])
+    except ConfigError:
+        return None
+
+
 def _pack_path(config: Any | None) -> Path | None:
     if config is None:
         return None
@@ -126,7 +139,7 @@ def load(
         model = ck.build(device, decoding=True)
     except found.NotACheckpoint as exc:
         raise LoadError(f"checkpoint {exc}") from None
-    config = ck.run_config()
+    config = _read_config(ck.config_path)
     export_dir = ck.folder if ck.is_export else None
     try:
         pack = _pack_path(config)

@@ -2,7 +2,7 @@
 its model arguments, metadata and run config, and how to load its tensors or build its model.
 
 ``find(path)`` resolves what a user names: a run folder (the newest complete checkpoint in its
-checkpoint folder, its config's ``checkpoint.folder``), a checkpoint folder, a ``step-N`` DCP
+checkpoint folder: the ``checkpoint.folder`` its run.json records), a checkpoint folder, a ``step-N`` DCP
 directory (any world size's, read in this one process) or an export folder of tools/export.py
 (``model_args.json`` + its model file). ``at(folder)`` describes a directory already chosen
 (resolve.choose, per candidate of a resume). The tools (generate, lm_eval, analyze, depth, export)
@@ -23,6 +23,7 @@ import pickle
 from typing import Any
 
 from torchtitan_loom.components.checkpoint import integrity, layout, names
+from torchtitan_loom.components.checkpoint.modes import DEFAULT_FOLDER
 
 VERIFY = ("full", "quick", "none")  # all checksums; sizes + small files; links only
 
@@ -54,30 +55,6 @@ class FoundCheckpoint:
     def spec_name(self) -> str | None:
         """The TrainSpec that trained it (model_args.json's "name")."""
         return (self.model_args or {}).get("name")
-
-    def run_config(self) -> Any | None:
-        """The run's JobConfig from config.toml; None without one or for one of another version
-        (the model still loads; what needs the run's settings says so)."""
-        if self.config_path is None:
-            return None
-        from torchtitan_loom.config import ConfigError, load_config
-
-        try:
-            return load_config(["--job.config_file", self.config_path])
-        except ConfigError:
-            return None
-
-    def run_table(self) -> dict[str, Any]:
-        """config.toml as plain tables ({} without one): what a tool reads key by key."""
-        if self.config_path is None:
-            return {}
-        from torchtitan_loom.config.errors import ConfigError
-        from torchtitan_loom.config.toml_file import read_toml
-
-        try:
-            return read_toml(self.config_path)
-        except ConfigError as exc:
-            raise NotACheckpoint(str(exc)) from None
 
     def spec(self) -> tuple[Any, Any]:
         """(TrainSpec, model args) from model_args.json; NotACheckpoint for a foreign checkpoint."""
@@ -175,20 +152,17 @@ def _locate(path: str, step: int | None) -> str:
 
 
 def _run_checkpoints(path: str) -> str:
-    """The checkpoint folder of the run folder ``path``: its config's checkpoint.folder, the
-    schema's default when it has no readable config."""
-    from torchtitan_loom.config.errors import ConfigError
-    from torchtitan_loom.config.sections_infra import Checkpoint
-    from torchtitan_loom.config.toml_file import read_toml
+    """The checkpoint folder of the run folder ``path``: the checkpoint.folder its run.json
+    records (components/runtime/run_folder.py), the schema's default without one."""
+    folder = _resolved(path).get("checkpoint.folder")
+    return os.path.join(path, folder if isinstance(folder, str) and folder else DEFAULT_FOLDER)
 
-    folder = Checkpoint().folder
-    config = os.path.join(path, names.CONFIG_TOML)
-    if os.path.isfile(config):
-        try:
-            folder = str(read_toml(config)["checkpoint"]["folder"] or folder)
-        except (ConfigError, KeyError, TypeError):
-            pass  # not a run's config: the default
-    return os.path.join(path, folder)
+
+def _resolved(path: str) -> dict[str, Any]:
+    """The flat config ("section.key" -> value) the run in ``path`` ran with, by its run.json."""
+    run = layout.read_json(os.path.join(path, names.RUN_JSON)) or {}
+    resolved = run.get("resolved")
+    return resolved if isinstance(resolved, dict) else {}
 
 
 def at(folder: str, verify: str = "full") -> FoundCheckpoint:
@@ -257,28 +231,23 @@ def _check(folder: str, verify: str, marker: dict | None) -> tuple[str | None, A
 
 def why_no_checkpoint(path: str) -> str:
     """What a run folder without a checkpoint says about it, and the command that gives it one
-    ("" for a folder that is no run): its config.toml shows checkpoints off, or the run has not
+    ("" for a folder that is no run): its run.json shows checkpoints off, or the run has not
     reached a save yet."""
     import shlex
 
-    from torchtitan_loom.config.errors import ConfigError
-    from torchtitan_loom.config.toml_file import read_toml
-
-    config = os.path.join(path, names.CONFIG_TOML)
-    try:
-        ckpt = read_toml(config)["checkpoint"]
-        enabled, interval = bool(ckpt["enable"]), int(ckpt["interval"])
-    except (ConfigError, KeyError, TypeError, ValueError):
+    resolved = _resolved(path)
+    enabled, interval = resolved.get("checkpoint.enable"), resolved.get("checkpoint.interval")
+    if not isinstance(enabled, bool) or not isinstance(interval, int):
         return ""
-    run = layout.read_json(os.path.join(path, names.RUN_JSON)) or {}
     if not enabled:
-        folder, config = (shlex.quote(p) for p in (path, config))
+        folder, config = (shlex.quote(p) for p in (path, os.path.join(path, names.CONFIG_TOML)))
         return (
             f"; that run trained with checkpoint.enable = false, so it saved no weights: train it "
             f"again with them (its old files move to replaced-<run_id>/): ./run_train.sh "
             f"--job.config_file {config} --job.dump_folder {folder} --job.overwrite true "
             "--checkpoint.enable true"
         )
+    run = layout.read_json(os.path.join(path, names.RUN_JSON)) or {}
     return (
         f"; that run (status {run.get('status', 'unknown')!r} at step {run.get('step', '?')}) has "
         f"not saved yet: it saves every {interval} steps and at its last step"
