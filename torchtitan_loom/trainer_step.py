@@ -93,9 +93,11 @@ class SegmentedStep:
             .reshape(1)
         )
         n_layers, n_experts = p.model.routing or (0, 0)
+        # One column per loop a step may run (past H with training.sample_depth_max).
+        n_loops = p.segments[-1][1]
         out = StepResult(
             counts_LHE=torch.zeros(
-                n_layers, p.model.num_loops, n_experts, dtype=torch.int64, device=p.device
+                n_layers, n_loops, n_experts, dtype=torch.int64, device=p.device
             ),
             lr=p.optimizer.param_groups[0]["lr"],
         )

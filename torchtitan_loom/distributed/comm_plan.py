@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from torchtitan_loom.depth_sampling import step_segments
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
 from torchtitan_loom.model_cost import FsdpUnit, ModelCost, SegmentCost
-from torchtitan_loom.protocols import segments
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -160,7 +160,7 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
     world = dims.world_size
     out: list[Collective] = []
-    for a, b in segments(num_loops, t.bp_segment_len):
+    for a, b in step_segments(num_loops, t.bp_segment_len, t.sample_depth_max):
         seg = cost.segment(a, b)
         out += _gradient_collectives(cfg, cost, seg, dims, micro)
         for what, calls, nbytes in seg.all_to_alls:
