@@ -68,7 +68,8 @@ class StepParts:
     after_optimizer_step: Callable[[], None] | None = None
     """Called after each optimizer step (float8: the tensorwise scales' precompute)."""
     depth: DepthSampler | None = None
-    """training.sample_depth_min: how many of the segments step s runs (None: all of them)."""
+    """training.sample_depth_min / _max: how many of the segments step s runs (None: all of them;
+    with sample_depth_max, ``segments`` go on past the model's H)."""
 
 
 class SegmentedStep:
