@@ -116,3 +116,22 @@ def test_dry_run_counts_the_loops_past_h(tmp_path):
         "training.sample_depth_max = 6" in line and "runs 3, 4, 5 or 6 loops, 4.50" in line
         for line in report(cfg_deep, r_deep.model_args, r_deep.dims)
     )
+
+
+def test_comm_plan_counts_the_deepest_step_past_h(tmp_path):
+    from torchtitan_loom.distributed import comm_plan
+    from torchtitan_loom.protocols import get_train_spec
+
+    def plan(*extra):
+        argv = ["--job.dump_folder", str(tmp_path), "--parallelism.dry_run"]
+        cfg = load_config([*argv, "--training.bp_segment_len", "1", *extra])
+        r = resolve(cfg, 2)
+        cost = get_train_spec("loom").cost_fn(r.model_args, r.dims, cfg)  # type: ignore[misc]
+        return {c.what: c for c in comm_plan.merged(comm_plan.predict(cfg, cost, r.dims, 3))}, cost
+
+    fixed, cost = plan()
+    deep, _ = plan("--training.sample_depth_max", "6")
+    # One statistics all-reduce per segment (6 against 3), the step's counts one column per loop.
+    assert fixed["step statistics"].calls == 3 and deep["step statistics"].calls == 6
+    assert fixed["expert counts"].nbytes == cost.expert_counts * 8
+    assert deep["expert counts"].nbytes == 2 * fixed["expert counts"].nbytes
