@@ -67,8 +67,9 @@ def depth_sampling_errors(minimum: int, maximum: int, seg_len: int, args: Any) -
             f"{key} = {minimum}: at most {top} (model.num_loops or training.sample_depth_max); "
             f"a step ends at a segment end ({', '.join(map(str, ends))})"
         ]
-    # One choice left: nothing is sampled (a maximum past H leaves H and more: minimum 0 is fine).
-    if minimum > 0 and len([b for b in ends if b >= minimum]) < 2:
+    # One choice left: nothing is sampled (a maximum past H leaves H and more: minimum 0 is fine;
+    # minimum = maximum > H is no draw but a recipe: every step trains its loops past H).
+    if minimum > 0 and len([b for b in ends if b >= minimum]) < 2 and top == H:
         return [
             f"{key} = {minimum}: only one depth is in [{minimum}, {top}] (the segment ends are "
             f"{', '.join(map(str, ends))} with bp_segment_len = {seg_len}): set it to 0, or "
@@ -134,10 +135,10 @@ def depth_key(t: Any) -> str:
 def flops_per_token(
     model: Any, seq_len: int, segments: list[tuple[int, int]], sampler: Any
 ) -> float:
-    """Training FLOPs per token of a step, expected over the sampled depths (all H loops without
+    """Training FLOPs per token of a step, expected over the sampled depths (every segment without
     a sampler): the loops' share scales with the mean depth, the head with the mean segments."""
-    if sampler is None:
-        return float(model.flops_per_token(seq_len, head_calls=len(segments)))
     no_head = model.flops_per_token(seq_len, head_calls=0)
     head = model.flops_per_token(seq_len, head_calls=1) - no_head
+    if sampler is None:
+        return no_head * segments[-1][1] / model.num_loops + head * len(segments)
     return no_head * sampler.mean_loops() / model.num_loops + head * sampler.mean_segments()

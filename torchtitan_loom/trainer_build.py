@@ -231,6 +231,8 @@ class TrainerBuild:
                 f"{self.depth.depths()} loops, drawn uniformly per step "
                 f"({self.depth.mean_loops():.2f} on average)"
             )
+        elif self.segments[-1][1] > self.num_loops:
+            self.log(f"depth past H ({depth_key(t)}): every step runs {self.segments[-1][1]} loops")
         if info.world_size > 1:
             self.log(
                 "parallelism: "

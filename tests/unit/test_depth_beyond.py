@@ -85,8 +85,8 @@ def test_the_run_identity_holds_the_maximum(tiny_pack, tmp_path):
             "training.sample_depth_min = 7: at most 6",
         ),
         (
-            ["--training.sample_depth_min", "6", *BEYOND],
-            "training.sample_depth_min = 6: only one depth is in [6, 6]",
+            ["--training.sample_depth_min", "2", "--training.bp_segment_len", "3"],
+            "training.sample_depth_min = 2: only one depth is in [2, 3]",
         ),
     ],
 )
@@ -135,3 +135,20 @@ def test_comm_plan_counts_the_deepest_step_past_h(tmp_path):
     assert fixed["step statistics"].calls == 3 and deep["step statistics"].calls == 6
     assert fixed["expert counts"].nbytes == cost.expert_counts * 8
     assert deep["expert counts"].nbytes == 2 * fixed["expert counts"].nbytes
+
+
+def test_minimum_at_the_maximum_trains_every_loop_past_h_every_step(tiny_pack, tmp_path):
+    # No draw, a recipe: each step runs (and trains) loops 1..6 of an H = 3 model.
+    # (The spike guard off: two steps from init, a fresh loop's loss jumps past its ratio rule.)
+    always = ("--training.sample_depth_min", "6", "--spike_guard.enable", "false", *BEYOND)
+    trainer = make_trainer(tiny_pack, tmp_path, "--training.steps", "2", *always)
+    assert trainer.depth is None and trainer.segments[-1] == (6, 6)
+    data = iter(trainer.dataloader)
+    for _ in range(2):
+        out = trainer.train_step(next(data))
+        assert out.skip_reason is None, out.skip_reason
+        assert len(out.seg_losses) == 6 and (out.counts_LHE.sum(dim=(0, 2)) > 0).all()
+    model = trainer.model
+    no_head = model.flops_per_token(32, head_calls=0)
+    head = model.flops_per_token(32, head_calls=1) - no_head
+    assert trainer.flops_per_token == pytest.approx(no_head * 2 + head * 6, rel=1e-12)

@@ -57,7 +57,8 @@ class Training:
         "Depth past H: 0 = no step runs past the model's H loops; N > H = a step's segments go on "
         "to loop N (loops H+1..N cut into bp_segment_len segments, their routers the 'last' "
         "beyond-H policy: router H) and D is drawn from the segment ends in [sample_depth_min or "
-        "H, N], so the loops past H are trained (depth_sampling.py).",
+        "H, N], so the loops past H are trained (sample_depth_min = N: every step runs N loops) "
+        "(depth_sampling.py).",
     )
     max_norm: float = opt(
         1.0, "Gradient clip on the global L2 norm before every optimizer step; ≤ 0 disables."

@@ -185,7 +185,9 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
             lines.append(
                 "    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
             )
-    sampler = training_depth(t, model_args.num_loops)[1]
+    ranges, sampler = training_depth(t, model_args.num_loops)
+    if sampler is None and ranges[-1][1] > model_args.num_loops:
+        lines.append(f"  depth past H ({depth_key(t)}): every step runs {ranges[-1][1]} loops")
     if sampler is not None:
         lines.append(
             f"  depth sampling ({depth_key(t)}): a step runs "
