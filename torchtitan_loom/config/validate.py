@@ -105,6 +105,7 @@ def _auto_layout(
         for k in _FREE_DEGREES
         if f"parallelism.{k}" in cfg.given and getattr(cfg.parallelism, k) != -1
     }
+
     def allowed(dims: ParallelDims) -> bool:
         return all(getattr(dims, k) == v for k, v in pinned.items())
 
