@@ -56,8 +56,8 @@ def depth_sampling_errors(minimum: int, maximum: int, seg_len: int, args: Any) -
         return errors
     if 0 < maximum < H:
         return [
-            f"training.sample_depth_max = {maximum}: 0 or ≥ H = {H} (model.num_loops); a step "
-            f"runs at least its first loops up to training.sample_depth_min"
+            f"training.sample_depth_max = {maximum}: 0 or ≥ H = {H} (model.num_loops); it is the "
+            f"deepest loop a step may run (fewer loops: training.sample_depth_min)"
         ]
     top = max(H, maximum)
     ends = [b for _, b in step_segments(H, seg_len, maximum)]
