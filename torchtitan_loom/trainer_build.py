@@ -38,12 +38,12 @@ from torchtitan_loom.components.quantization.float8 import (
 from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.components.runtime.train_state import TrainState
 from torchtitan_loom.config import JobConfig, to_toml
-from torchtitan_loom.depth_sampling import DepthSampler, sampler_of
+from torchtitan_loom.depth_sampling import BEYOND_POLICY, DepthSampler, depth_key, training_depth
 from torchtitan_loom.depth_sampling import flops_per_token as expected_flops
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.distributed.model_wrappers import apply_checkpoint_and_compile
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
-from torchtitan_loom.protocols import ModelProtocol, TrainSpec, segments
+from torchtitan_loom.protocols import ExitsPerToken, ModelProtocol, TrainSpec
 from torchtitan_loom.trainer_step import SegmentedStep, StepParts
 
 
@@ -113,7 +113,7 @@ class TrainerBuild:
         # protocol the trainer reads (a TrainSpec's model_cls builds both).
         model = cast(ModelProtocol, module)
         if self.info.rank == cfg.metrics.log_rank:  # within seconds of start, before any allocation
-            n_segments = len(segments(model.num_loops, t.bp_segment_len))
+            n_segments = len(training_depth(t, model.num_loops)[0])
             for line in start_report(
                 cfg,
                 self.parallel_dims,
@@ -167,9 +167,17 @@ class TrainerBuild:
         """Segments, optimizer, schedule, spike guard, train state, divergence, data, metrics."""
         cfg, t, s, model = self.cfg, self.cfg.training, self.cfg.lr_scheduler, self.model
         self.num_loops = model.num_loops
-        self.segments = segments(self.num_loops, t.bp_segment_len)
-        self.depth = sampler_of(self.segments, t.sample_depth_min, t.seed)
-        self.diagnostics = build_diagnostics(cfg.metrics, model, len(self.segments), self.device)
+        self.segments, self.depth = training_depth(t, self.num_loops)
+        if self.segments[-1][1] > self.num_loops:  # training.sample_depth_max: loops past H
+            if not isinstance(model, ExitsPerToken):
+                raise ValueError(
+                    f"training.sample_depth_max = {t.sample_depth_max}: model "
+                    f"{cfg.model.name!r} runs no loop past its H; set it to 0"
+                )
+            model.set_beyond_policy(BEYOND_POLICY)
+        self.diagnostics = build_diagnostics(
+            cfg.metrics, model, len(self.segments), self.device, self.segments[-1][1]
+        )
         self.optimizer = build_optimizer(cast(nn.Module, model), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,
@@ -219,10 +227,12 @@ class TrainerBuild:
         )
         if self.depth is not None:
             self.log(
-                f"depth sampling (training.sample_depth_min = {t.sample_depth_min}): each step runs "
+                f"depth sampling ({depth_key(t)}): each step runs "
                 f"{self.depth.depths()} loops, drawn uniformly per step "
                 f"({self.depth.mean_loops():.2f} on average)"
             )
+        elif self.segments[-1][1] > self.num_loops:
+            self.log(f"depth past H ({depth_key(t)}): every step runs {self.segments[-1][1]} loops")
         if info.world_size > 1:
             self.log(
                 "parallelism: "

@@ -63,6 +63,7 @@ def identity(cfg: Any) -> dict[str, Any]:
         "training.global_batch_size": t.global_batch_size,
         "training.bp_segment_len": t.bp_segment_len,
         "training.sample_depth_min": t.sample_depth_min,  # which loops each step trains
+        "training.sample_depth_max": t.sample_depth_max,
         "optimizer.name": cfg.optimizer.name,  # another optimizer cannot continue this one's state
     }
 
@@ -124,6 +125,7 @@ def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
     )
     old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
     old.setdefault("training.sample_depth_min", 0)  # recorded before depth sampling existed
+    old.setdefault("training.sample_depth_max", 0)  # recorded before depth past H existed
     diff = [
         f"{k}: {old.get(k)!r} → {new.get(k)!r}"
         for k in sorted(old.keys() | new.keys())
