@@ -49,6 +49,9 @@ class ModelOutput(NamedTuple):
     observed_LTNK: torch.Tensor | None = None
     """The request's `observe` function applied to each of the N observed branch outputs (see
     ModelProtocol.observation_layout) of every layer and loop of the range, stacked; None without it."""
+    exit_logit_BS: torch.Tensor | None = None
+    """fp32 [B, S] logit of P(loops loop_start.. lower the token's loss), read from the detached
+    incoming carry by a learned exit head; None without a head or a carry."""
 
 
 class HfExport(NamedTuple):

@@ -29,6 +29,7 @@ from torchtitan_loom.components.runtime.train_state import StepAbandoned, StepRe
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.depth_sampling import DepthSampler
 from torchtitan_loom.distributed import utils as dist_utils
+from torchtitan_loom.exit_training import ExitTraining
 from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.protocols import ModelProtocol, UpdatesAfterStep
 
@@ -71,6 +72,9 @@ class StepParts:
     depth: DepthSampler | None = None
     """training.sample_depth_min / _max: how many of the segments step s runs (None: all of them;
     with sample_depth_max, ``segments`` go on past the model's H)."""
+    exit_head: bool = False
+    """The model has a learned exit head (model.exit_head): its loss joins each segment's
+    (exit_training.py)."""
 
 
 class SegmentedStep:
@@ -78,6 +82,7 @@ class SegmentedStep:
 
     def __init__(self, parts: StepParts) -> None:
         self.parts = parts
+        self.exit: ExitTraining | None = None  # this step's learned-exit loss (exit_training.py)
 
     def __call__(self, batch: Batch) -> StepResult:
         """One global step: ⌈H/K⌉ segments, each _backward_segment → _finish_segment → _update,
@@ -104,6 +109,7 @@ class SegmentedStep:
             lr=p.optimizer.param_groups[0]["lr"],
         )
         carries: list[Any] = [None] * len(micro)
+        self.exit = ExitTraining(len(micro), p.device) if p.exit_head else None
         diag = p.diagnostics.begin(p.state.step + 1)  # None on most steps: nothing extra
         # Depth training: the first n segments only (a pure function of the step: every rank and
         # every resume runs the same ones); the loops after them neither run nor count.
@@ -125,6 +131,7 @@ class SegmentedStep:
         p.state.step += 1
         p.state.tokens_seen += int(out.n_valid)
         out.diag = None if diag is None else diag.finish()
+        out.exit_head = None if self.exit is None else self.exit.scalars()
         return out
 
     def _backward_segment(
@@ -159,6 +166,11 @@ class SegmentedStep:
                 )
             ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
             loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / aux_divisor
+            if self.exit is not None:
+                exit_loss = self.exit.loss(
+                    m, out.logits_BSV, mb["labels"], out.exit_logit_BS, denom_t
+                )
+                loss = loss if exit_loss is None else loss + exit_loss
             loss.backward()
             carries[m] = out.carry.detach()  # truncated BPTT: the next segment starts from values
             ce_total += ce_sum.detach().double()

@@ -114,11 +114,15 @@ def test_bad_input_is_one_line_and_exit_2(trained_run, tmp_path, capsys):
         ),
         (
             [str(trained_run), "--prompt", "x", "--exit", "entropy"],
-            "--exit exit criterion 'entropy': valid kl, confidence",
+            "--exit exit criterion 'entropy': valid kl, confidence, learned",
         ),
         (
             [str(trained_run), "--prompt", "x", "--exit-threshold", "0.1"],
-            "--exit-threshold needs --exit kl or --exit confidence",
+            "--exit-threshold needs --exit kl, confidence or learned",
+        ),
+        (
+            [str(trained_run), "--prompt", "x", "--exit", "learned", "--exit-threshold", "0.5"],
+            "--exit exit criterion learned: this checkpoint has no exit head",
         ),
         ([str(trained_run), "--prompt", "x", "--loops", "0"], "--loops 0: out of range"),
         (

@@ -149,5 +149,5 @@ def test_threshold_ranges():
     assert "must be a finite number ≥ 0" in threshold_problem("kl", -0.1)
     assert "must be a finite number ≥ 0" in threshold_problem("kl", float("nan"))
     assert "must be in [0, 1]" in threshold_problem("confidence", 1.5)
-    assert "valid kl, confidence" in threshold_problem("entropy", 0.1)
+    assert "valid kl, confidence, learned" in threshold_problem("entropy", 0.1)
     assert "--exit" in SamplingConfig(exit_criterion="kl", exit_threshold=-1).problems()[0]

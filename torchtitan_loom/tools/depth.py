@@ -1,12 +1,12 @@
 """How many loops does a token need: a depth report for any checkpoint.
 
     python -m torchtitan_loom.tools.depth CKPT [--data PACK] [--tokens N] [--capacity off]
-        [--max-loops N] [--beyond last,cycle] [--kl T,T,..] [--confidence T,T,..]
+        [--max-loops N] [--beyond last,cycle] [--kl T,T,..] [--confidence T,T,..] [--learned T,..]
         [--adaptive-max N] [--out DIR]
 
 Held-out loss (and the run's downstream task scores, ``--tasks``) after each of loops 1..2H (past the trained H the routers follow each --beyond
 policy: ``last`` reuses router H, ``cycle`` runs routers 1..H again), and per-token adaptive exit
-swept over thresholds of two criteria (components/evaluation/adaptive_exit.py): the curve of loss
+swept over thresholds of each criterion (components/evaluation/adaptive_exit.py): the curve of loss
 against mean loops per token and forward FLOPs per token, with the fixed-depth points on the same
 axes; each adaptive point is set against the fixed-depth curve at its mean loops and FLOPs, and
 the verdict credits an exit only with the loops it saves beyond the fewest fixed loops within 1%
@@ -36,6 +36,7 @@ from torchtitan_loom.tools.progress import Progress
 # debug runs of docs/studying_depth.md.
 KL_THRESHOLDS = "0.001,0.003,0.01,0.03,0.1,0.3,1"
 CONFIDENCE_THRESHOLDS = "0.001,0.01,0.05,0.1,0.2,0.3,0.5,0.7,0.9"
+LEARNED_THRESHOLDS = "0.1,0.2,0.3,0.4,0.5,0.6,0.7"
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"1 - top-probability thresholds (default {CONFIDENCE_THRESHOLDS})",
     )
     p.add_argument(
+        "--learned",
+        default=None,
+        help="thresholds of the exit head's P(next loop helps) (model.exit_head; default "
+        f"{LEARNED_THRESHOLDS} on a checkpoint with the head, none without)",
+    )
+    p.add_argument(
         "--adaptive-max", type=int, default=None, help="deepest adaptive loop (default H)"
     )
     p.add_argument(
@@ -110,6 +117,7 @@ def plan_maker(ns: argparse.Namespace):
     thresholds = {
         "kl": _floats(ns.kl, "--kl"),
         "confidence": _floats(ns.confidence, "--confidence"),
+        "learned": _floats(ns.learned or LEARNED_THRESHOLDS, "--learned"),
     }
     for criterion, values in thresholds.items():
         for value in values:
@@ -133,7 +141,7 @@ def plan_maker(ns: argparse.Namespace):
             raise ValueError(f"--max-loops {max_loops}: valid {H}..{4 * H} (H={H})")
         if not 1 <= adaptive_max <= max_loops:
             raise ValueError(f"--adaptive-max {adaptive_max}: valid 1..{max_loops}")
-        return DepthPlan(max_loops, policies, adaptive_max, thresholds)
+        return DepthPlan(max_loops, policies, adaptive_max, thresholds, ns.learned is not None)
 
     return plan
 

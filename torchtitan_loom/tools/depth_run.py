@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.components.evaluation.adaptive_exit import CRITERIA, adaptive_pass
+from torchtitan_loom.components.evaluation.adaptive_exit import (
+    CRITERIA,
+    adaptive_pass,
+    model_problem,
+)
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.tools.progress import Progress
@@ -54,6 +58,8 @@ class DepthPlan:
     policies: tuple[str, ...]
     adaptive_max: int
     thresholds: dict[str, list[float]]
+    learned_asked: bool = False
+    """--learned was given: a checkpoint without an exit head is refused, not skipped."""
 
 
 class FlopCount:
@@ -163,6 +169,11 @@ def run_depth(
     if not isinstance(loaded.model, ExitsPerToken):
         raise DepthError(f"{loaded.checkpoint}: a {loaded.name} model has no per-token exit")
     plan = plan_of(loaded.model.num_loops)
+    problem = model_problem("learned", loaded.model)
+    if problem and plan.learned_asked:
+        raise DepthError(f"--learned: {problem}")
+    if problem:  # the default sweep of the learned exit needs a head: without one, none
+        plan = dataclasses.replace(plan, thresholds={**plan.thresholds, "learned": []})
     run_cfg = loaded.config
     tasks = None if tasks_of is None else tasks_of(run_cfg)
     if tasks is not None:  # before the slow part: an unknown task fails now

@@ -64,14 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--exit",
         default=None,
-        help="per-token exit criterion: kl (successive loops' predictions) or confidence "
-        "(1 - top probability); default: every token runs --loops",
+        help="per-token exit criterion: kl (successive loops' predictions), confidence "
+        "(1 - top probability) or learned (the model's exit head: P(next loop helps)); "
+        "default: every token runs --loops",
     )
     p.add_argument(
         "--exit-threshold",
         type=float,
         default=None,
-        help="exit once the criterion is below this (kl ≥ 0, confidence in [0, 1]; 0 = fixed depth)",
+        help="exit once the criterion is below this (kl ≥ 0, confidence and learned in [0, 1]; "
+        "0 = fixed depth)",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
     p.add_argument(
@@ -100,14 +102,15 @@ def run(ns: argparse.Namespace) -> str:
         exit_threshold=0.0 if ns.exit_threshold is None else ns.exit_threshold,
     )
     if ns.exit_threshold is not None and ns.exit is None:
-        raise LoadError("--exit-threshold needs --exit kl or --exit confidence")
+        raise LoadError("--exit-threshold needs --exit kl, confidence or learned")
     problems = cfg.problems()
     if problems:
         raise LoadError(problems[0])
     if ns.exit is not None and ns.exit_threshold is None:  # 0 would exit no token: a silent no-op
         raise LoadError(
             f"--exit {ns.exit} needs --exit-threshold X: a token stops once the criterion is below "
-            f"X (kl ≥ 0, e.g. 0.1; confidence in [0, 1], e.g. 0.2; 0 = every token runs --loops)"
+            f"X (kl ≥ 0, e.g. 0.1; confidence or learned in [0, 1], e.g. 0.2; 0 = every token "
+            f"runs --loops)"
         )
     if ns.temperature == 0 and (ns.top_k, ns.top_p) != (0, 1.0):
         raise LoadError(
@@ -118,6 +121,12 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.model, ns.beyond)
+    if ns.exit is not None:
+        from torchtitan_loom.components.evaluation.adaptive_exit import model_problem
+
+        problem = model_problem(ns.exit, loaded.model)
+        if problem:
+            raise LoadError(f"--exit {problem}")
     tok = loaded.tokenizer
     assert tok is not None  # load() builds one (need_tokenizer defaults to True)
     ids = tok.encode(ns.prompt)

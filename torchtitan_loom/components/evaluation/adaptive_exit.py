@@ -7,6 +7,8 @@ token's prediction settles, so a threshold of 0 never exits early (fixed depth, 
     "kl"          KL(p_t || p_{t-1}) between successive loops' next-token distributions
                   (Huginn's zero-shot exit); defined from loop 2
     "confidence"  1 - max_v p_t(v): the top token's probability reached 1 - threshold; from loop 1
+    "learned"     P(the next loop lowers the token's loss), the model's trained exit head
+                  (model.exit_head, models/loom/exit_head.py); from loop 1
 
 An exited token's keys and values in deeper loops are its exit loop's (models/loom/kv_hold.py),
 so tokens still looping read what a real early-exit run would give them. The pass below still
@@ -28,7 +30,7 @@ from torchtitan_loom.data_contract import IGNORE_INDEX
 from torchtitan_loom.loop_request import LoopRequest
 
 # The criteria, implemented by settle_score below.
-CRITERIA = ("kl", "confidence")
+CRITERIA = ("kl", "confidence", "learned")
 
 
 def threshold_problem(criterion: str, threshold: float) -> str | None:
@@ -41,7 +43,33 @@ def threshold_problem(criterion: str, threshold: float) -> str | None:
         return (
             f"confidence threshold {threshold}: must be in [0, 1] (it bounds 1 - max probability)"
         )
+    if criterion == "learned" and threshold > 1:
+        return f"learned threshold {threshold}: must be in [0, 1] (it bounds a probability)"
     return None
+
+
+def model_problem(criterion: str, model: Any) -> str | None:
+    """What stops `model` from exiting by `criterion`, or None (learned needs the exit head)."""
+    if criterion == "learned" and getattr(model, "exit_head", None) is None:
+        return (
+            "exit criterion learned: this checkpoint has no exit head (train it with "
+            "model.exit_head = true); valid here: kl, confidence"
+        )
+    return None
+
+
+def exit_score(
+    criterion: str,
+    model: Any,
+    carry: Any,
+    logp_BSV: torch.Tensor,
+    prev_logp_BSV: torch.Tensor | None,
+) -> torch.Tensor:
+    """[B, S] fp32 score of loop t for `criterion` (exit where it is below the threshold): the
+    model's P(next loop helps) for learned, else settle_score."""
+    if criterion == "learned":
+        return torch.sigmoid(model.exit_logit(carry))
+    return settle_score(criterion, logp_BSV, prev_logp_BSV)
 
 
 def settle_score(
@@ -76,7 +104,11 @@ def adaptive_pass(
     threshold: float,
     max_loops: int,
 ) -> ExitPass:
-    """Run ``batch`` loop by loop up to ``max_loops`` with per-token exit (see the module doc)."""
+    """Run ``batch`` loop by loop up to ``max_loops`` with per-token exit (see the module doc);
+    ValueError (one line) when the model cannot exit by ``criterion``."""
+    problem = model_problem(criterion, model)
+    if problem:
+        raise ValueError(problem)
     tokens_BS, labels_BS = batch["input_ids"], batch["labels"]
     valid_BS = labels_BS != IGNORE_INDEX
     targets_BS1 = labels_BS.clamp_min(0)[..., None]
@@ -98,7 +130,7 @@ def adaptive_pass(
         carry = out.carry
         logp_BSV = F.log_softmax(out.logits_BSV.float(), dim=-1)
         ce_BS = -logp_BSV.gather(-1, targets_BS1)[..., 0]
-        settled_BS = settle_score(criterion, logp_BSV, prev_logp) < threshold
+        settled_BS = exit_score(criterion, model, carry, logp_BSV, prev_logp) < threshold
         new_BS = ~exited_BS & (settled_BS | (t == max_loops))
         exit_ce_BS = torch.where(new_BS, ce_BS.double(), exit_ce_BS)
         exit_loop_BS = torch.where(new_BS, t, exit_loop_BS)

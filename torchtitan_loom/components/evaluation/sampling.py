@@ -25,7 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchtitan_loom.components.evaluation.adaptive_exit import settle_score, threshold_problem
+from torchtitan_loom.components.evaluation.adaptive_exit import (
+    exit_score,
+    model_problem,
+    threshold_problem,
+)
 from torchtitan_loom.loop_request import DecodeCache, LoopRequest
 from torchtitan_loom.protocols import DecodesIncrementally, ExitsPerToken
 
@@ -116,6 +120,9 @@ def generate(
     adaptive = cfg.exit_criterion is not None
     if adaptive and (cache is None or not isinstance(model, ExitsPerToken)):
         raise ValueError("adaptive depth needs a model with a decode cache and per-token exit")
+    problem = None if cfg.exit_criterion is None else model_problem(cfg.exit_criterion, model)
+    if problem:
+        raise ValueError(problem)
     max_loops = model.num_loops if loops is None else loops
     B, S = prompt_BS.shape
     device = prompt_BS.device
@@ -194,7 +201,8 @@ def _adaptive_step(
         carry = out.carry
         logp_B1V = F.log_softmax(out.logits_BSV.float(), dim=-1)
         new_B = ~exited_B & (
-            settle_score(cfg.exit_criterion, logp_B1V, prev_logp)[:, 0] < cfg.exit_threshold
+            exit_score(cfg.exit_criterion, model, carry, logp_B1V, prev_logp)[:, 0]
+            < cfg.exit_threshold
         )
         if t == max_loops:
             new_B = ~exited_B

@@ -102,6 +102,10 @@ class LoomModelArgs:
     'flex' (block mask; GPU), 'flash_attn' (varlen)."""
     moe_impl: str = "grouped"
     """'grouped': routed experts via torch._grouped_mm where usable. 'loop': per-expert matmul loop."""
+    exit_head: bool = False
+    """True: a learned per-token exit head (models/loom/exit_head.py, D + 1 parameters) trained on
+    the detached stream to predict whether the next loops lower the token's loss; the exit
+    criterion 'learned' of tools.depth and generate --exit reads it. False: no head."""
     init_seed: int = 0
     """Seed of the layout-independent init: each parameter's generator is seeded by (seed, name)."""
 
@@ -203,6 +207,7 @@ class LoomModelArgs:
             "cycle_residual_scale",
             "looping_residual",
             "per_layer_out_norm",
+            "exit_head",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(

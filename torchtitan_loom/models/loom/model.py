@@ -35,6 +35,7 @@ from torchtitan_loom.models.loom.attention import (
 from torchtitan_loom.models.loom.block import BRANCHES, BlockOutput, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.counts import count_flops_per_token, count_params
 from torchtitan_loom.models.loom.depth import check_beyond, check_inputs, router_index
+from torchtitan_loom.models.loom.exit_head import ExitHead
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.kv_hold import KVHold
 from torchtitan_loom.models.loom.loop_result import LoopCall, LoopRange, OneLoop
@@ -92,6 +93,7 @@ class LoomTransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList([LoomBlock(args) for _ in range(args.n_layers)])
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.exit_head = ExitHead(args.dim) if args.exit_head else None
         # The one seam for code outside the model math (activation checkpointing): scope ("block",
         # "loop" or "segment" = the loops of one forward call) -> wrapper(fn, *args) that must
         # return fn(*args). Empty = plain calls. Set by distributed/activation_checkpoint.py.
@@ -140,6 +142,13 @@ class LoomTransformer(nn.Module):
     def carry_stream(self, carry: LoopCarry) -> torch.Tensor:
         """The stream z [B, S, D] after the carry's last loop."""
         return carry.z_BSD
+
+    def exit_logit(self, carry: LoopCarry) -> torch.Tensor:
+        """[B, S] logit of P(the next loop lowers the token's loss) after the carry's last loop
+        (the learned exit, models/loom/exit_head.py); ValueError without the head."""
+        if self.exit_head is None:
+            raise ValueError("this model has no exit head (model.exit_head = true trains one)")
+        return self.exit_head(carry.z_BSD)
 
     def stream_rms(self, carry: LoopCarry) -> torch.Tensor:
         """Per-token RMS [B, S] of the stream in the carry's last loop after its last block's
@@ -222,6 +231,10 @@ class LoomTransformer(nn.Module):
             counts_LTE=loops.counts_LTE,
             topk_LTBSK=loops.topk_LTBSK,
             observed_LTNK=loops.observed_LTNK,
+            # Inside forward so FSDP's root unit has the head's parameters gathered.
+            exit_logit_BS=None
+            if self.exit_head is None or carry is None
+            else self.exit_head(carry.z_BSD),
         )
 
     def _loop_call(

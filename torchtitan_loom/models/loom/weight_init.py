@@ -66,6 +66,8 @@ def _init_value(name: str, shape: tuple[int, ...], args: LoomModelArgs) -> torch
     """The full fp32 CPU init tensor of parameter `name` (spec §3 table)."""
     if re.fullmatch(r"layers\.\d+\.ffn_branch_norm\.weight", name):
         return torch.ones(shape)
+    if re.fullmatch(r"exit_head\.proj\.(weight|bias)", name):  # P(next loop helps) = 1/2
+        return torch.zeros(shape)
     router = _ROUTER.match(name)
     if router:  # plain normal; every loop's router from router 0's seed => identical copies
         return _randn(router.group(1) + "0", shape, args.init_seed) / math.sqrt(args.dim)
