@@ -50,8 +50,8 @@ class ModelOutput(NamedTuple):
     """The request's `observe` function applied to each of the N observed branch outputs (see
     ModelProtocol.observation_layout) of every layer and loop of the range, stacked; None without it."""
     exit_logit_BS: torch.Tensor | None = None
-    """fp32 [B, S] logit of P(loops loop_start.. lower the token's loss), read from the detached
-    incoming carry by a learned exit head; None without a head or a carry."""
+    """fp32 [B, S] logit of P(loops loop_start.. lower the token's loss), from the detached carry
+    (ExitsPerToken.learned_exit); None without a head or a carry."""
 
 
 class HfExport(NamedTuple):
@@ -198,6 +198,16 @@ class ExitsPerToken(Protocol):
     def new_exit_hold(self, cache: DecodeCache | None = None) -> ExitHold:
         """An empty hold over ``cache`` (a decode cache, or None for a whole-sequence call), with
         ``exit(new_BS)``: the tokens of ``new_BS`` exit after the loop just run."""
+        ...
+
+    @property
+    def learned_exit(self) -> bool:
+        """A learned exit head: exit_logit answers, exit_logit_BS is set on a call with a carry."""
+        ...
+
+    def exit_logit(self, carry: Any) -> torch.Tensor:
+        """[B, S] fp32 logit of P(the next loop lowers the token's loss) after the carry's last
+        loop, from the learned exit head; ValueError without one."""
         ...
 
 

@@ -318,7 +318,7 @@ class TrainerBuild:
                 device=self.device,
                 after_optimizer_step=hook,
                 depth=self.depth,
-                exit_head=bool(getattr(getattr(model, "args", None), "exit_head", False)),
+                learned_exit=isinstance(model, ExitsPerToken) and model.learned_exit,
             )
         )
 

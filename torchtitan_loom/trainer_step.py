@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.exit_training import ExitTraining
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.optim.divergence import non_finite_statistic
 from torchtitan_loom.components.runtime.train_state import StepAbandoned, StepResult, TrainState
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.depth_sampling import DepthSampler
 from torchtitan_loom.distributed import utils as dist_utils
-from torchtitan_loom.exit_training import ExitTraining
 from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.protocols import ModelProtocol, UpdatesAfterStep
 
@@ -72,9 +72,9 @@ class StepParts:
     depth: DepthSampler | None = None
     """training.sample_depth_min / _max: how many of the segments step s runs (None: all of them;
     with sample_depth_max, ``segments`` go on past the model's H)."""
-    exit_head: bool = False
-    """The model has a learned exit head (model.exit_head): its loss joins each segment's
-    (exit_training.py)."""
+    learned_exit: bool = False
+    """The model has a learned exit head (protocols.ExitsPerToken.learned_exit): its loss joins
+    each segment's (components/exit_training.py)."""
 
 
 class SegmentedStep:
@@ -82,7 +82,7 @@ class SegmentedStep:
 
     def __init__(self, parts: StepParts) -> None:
         self.parts = parts
-        self.exit: ExitTraining | None = None  # this step's learned-exit loss (exit_training.py)
+        self.exit: ExitTraining | None = None  # the learned exit head's loss of this step
 
     def __call__(self, batch: Batch) -> StepResult:
         """One global step: ⌈H/K⌉ segments, each _backward_segment → _finish_segment → _update,
@@ -109,7 +109,7 @@ class SegmentedStep:
             lr=p.optimizer.param_groups[0]["lr"],
         )
         carries: list[Any] = [None] * len(micro)
-        self.exit = ExitTraining(len(micro), p.device) if p.exit_head else None
+        self.exit = ExitTraining(len(micro), p.device) if p.learned_exit else None
         diag = p.diagnostics.begin(p.state.step + 1)  # None on most steps: nothing extra
         # Depth training: the first n segments only (a pure function of the step: every rank and
         # every resume runs the same ones); the loops after them neither run nor count.
@@ -131,7 +131,7 @@ class SegmentedStep:
         p.state.step += 1
         p.state.tokens_seen += int(out.n_valid)
         out.diag = None if diag is None else diag.finish()
-        out.exit_head = None if self.exit is None else self.exit.scalars()
+        out.exit_scores = None if self.exit is None else self.exit.scalars()
         return out
 
     def _backward_segment(

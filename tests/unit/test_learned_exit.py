@@ -84,9 +84,9 @@ def test_the_head_loss_trains_only_the_head(tiny_pack, tmp_path):
     headed = make_trainer(tiny_pack, tmp_path / "head", *common, "--model.exit_head", "true")
     data = iter(headed.dataloader)
     out = headed.train_step(next(data))
-    assert out.exit_head is not None and 0 <= float(out.exit_head["exit_head_accuracy"]) <= 1
+    assert out.exit_scores is not None and 0 <= float(out.exit_scores["exit_head_accuracy"]) <= 1
     # Segment 2's decision reads the zero-init head (BCE ln 2); segment 3's the head stepped once.
-    assert 0.5 < float(out.exit_head["exit_head_loss"]) <= float(torch.log(torch.tensor(2.0)))
+    assert 0.5 < float(out.exit_scores["exit_head_loss"]) <= float(torch.log(torch.tensor(2.0)))
     for _ in range(3):
         headed.train_step(next(data))
     lm = plain.model.state_dict()

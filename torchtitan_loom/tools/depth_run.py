@@ -168,12 +168,7 @@ def run_depth(
         raise DepthError(str(exc)) from None
     if not isinstance(loaded.model, ExitsPerToken):
         raise DepthError(f"{loaded.checkpoint}: a {loaded.name} model has no per-token exit")
-    plan = plan_of(loaded.model.num_loops)
-    problem = model_problem("learned", loaded.model)
-    if problem and plan.learned_asked:
-        raise DepthError(f"--learned: {problem}")
-    if problem:  # the default sweep of the learned exit needs a head: without one, none
-        plan = dataclasses.replace(plan, thresholds={**plan.thresholds, "learned": []})
+    plan = learned_plan(plan_of(loaded.model.num_loops), loaded.model)
     run_cfg = loaded.config
     tasks = None if tasks_of is None else tasks_of(run_cfg)
     if tasks is not None:  # before the slow part: an unknown task fails now
@@ -222,6 +217,17 @@ def run_depth(
         return write_report(numbers, out), numbers
     except OSError as exc:
         raise DepthError(f"{out}: cannot write the report: {exc}") from None
+
+
+def learned_plan(plan: DepthPlan, model: Any) -> DepthPlan:
+    """The plan without the learned sweep on a model without an exit head (its default), or
+    DepthError when --learned asked for one."""
+    problem = model_problem("learned", model)
+    if problem and plan.learned_asked:
+        raise DepthError(f"--learned: {problem}")
+    if problem:
+        return dataclasses.replace(plan, thresholds={**plan.thresholds, "learned": []})
+    return plan
 
 
 def trained_only(loaded: Any) -> str:

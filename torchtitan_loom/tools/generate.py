@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from torchtitan_loom.components.runtime import exit_codes
 
@@ -109,8 +110,7 @@ def run(ns: argparse.Namespace) -> str:
     if ns.exit is not None and ns.exit_threshold is None:  # 0 would exit no token: a silent no-op
         raise LoadError(
             f"--exit {ns.exit} needs --exit-threshold X: a token stops once the criterion is below "
-            f"X (kl ≥ 0, e.g. 0.1; confidence or learned in [0, 1], e.g. 0.2; 0 = every token "
-            f"runs --loops)"
+            f"X (kl ≥ 0, e.g. 0.1; confidence, learned in [0, 1], e.g. 0.2; 0 = fixed depth)"
         )
     if ns.temperature == 0 and (ns.top_k, ns.top_p) != (0, 1.0):
         raise LoadError(
@@ -121,12 +121,7 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.model, ns.beyond)
-    if ns.exit is not None:
-        from torchtitan_loom.components.evaluation.adaptive_exit import model_problem
-
-        problem = model_problem(ns.exit, loaded.model)
-        if problem:
-            raise LoadError(f"--exit {problem}")
+    _check_exit(ns.exit, loaded.model)
     tok = loaded.tokenizer
     assert tok is not None  # load() builds one (need_tokenizer defaults to True)
     ids = tok.encode(ns.prompt)
@@ -168,6 +163,15 @@ def run(ns: argparse.Namespace) -> str:
         )
     new = [t for t in new_BS[0].tolist() if t != tok.eos_id]
     return tok.decode(new)
+
+
+def _check_exit(criterion: str | None, model: Any) -> None:
+    """LoadError when `model` cannot exit by `criterion` (learned needs the exit head)."""
+    from torchtitan_loom.components.evaluation.adaptive_exit import model_problem
+
+    problem = None if criterion is None else model_problem(criterion, model)
+    if problem:
+        raise LoadError(f"--exit {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:

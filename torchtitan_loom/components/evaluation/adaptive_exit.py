@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from torchtitan_loom.data_contract import IGNORE_INDEX
 from torchtitan_loom.loop_request import LoopRequest
+from torchtitan_loom.protocols import ExitsPerToken
 
 # The criteria, implemented by settle_score below.
 CRITERIA = ("kl", "confidence", "learned")
@@ -50,7 +51,7 @@ def threshold_problem(criterion: str, threshold: float) -> str | None:
 
 def model_problem(criterion: str, model: Any) -> str | None:
     """What stops `model` from exiting by `criterion`, or None (learned needs the exit head)."""
-    if criterion == "learned" and getattr(model, "exit_head", None) is None:
+    if criterion == "learned" and not (isinstance(model, ExitsPerToken) and model.learned_exit):
         return (
             "exit criterion learned: this checkpoint has no exit head (train it with "
             "model.exit_head = true); valid here: kl, confidence"

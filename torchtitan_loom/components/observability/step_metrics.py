@@ -135,8 +135,8 @@ class StepMetrics:
             "tokens_seen": tokens_seen,
         }
         scalars.update({f"loss_segment_{j + 1}": v for j, v in enumerate(result.seg_losses)})
-        if result.exit_head is not None:  # the learned exit (exit_training.py)
-            scalars.update({k: float(v) for k, v in result.exit_head.items()})
+        if result.exit_scores is not None:  # the learned exit (components/exit_training.py)
+            scalars.update({k: float(v) for k, v in result.exit_scores.items()})
         scalars.update(memory_stats(self.device))
         return scalars
 

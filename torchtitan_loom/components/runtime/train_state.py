@@ -63,6 +63,6 @@ class StepResult:
     checkpoint before it (components/checkpoint/proof.py)."""
     diag: dict[str, float | None] | None = None
     """The branch diagnostics of a diagnostic step (components/observability/diagnostics.py), else None."""
-    exit_head: dict[str, torch.Tensor] | None = None
+    exit_scores: dict[str, torch.Tensor] | None = None
     """The learned exit head's loss and accuracy over the step (device tensors;
-    exit_training.ExitTraining.scalars), None without a head."""
+    components/exit_training.ExitTraining.scalars), None without a head."""

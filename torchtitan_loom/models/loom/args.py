@@ -201,18 +201,21 @@ class LoomModelArgs:
             raise ValueError(
                 f"LoomModelArgs.init_seed must be an integer >= 0, got {self.init_seed!r}"
             )
-        for name in (
-            "top_k_includes_shared",
-            "router_per_loop",
-            "cycle_residual_scale",
-            "looping_residual",
-            "per_layer_out_norm",
-            "exit_head",
-        ):
+        for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"LoomModelArgs.{name} must be true or false, got {getattr(self, name)!r}"
                 )
+
+
+_BOOL_FIELDS = (
+    "top_k_includes_shared",
+    "router_per_loop",
+    "cycle_residual_scale",
+    "looping_residual",
+    "per_layer_out_norm",
+    "exit_head",
+)
 
 
 def _check_enum(name: str, value: str, valid: tuple[str, ...]) -> None:

@@ -2,7 +2,7 @@
 logit of P(the next loops lower this token's loss).
 
 It reads the stream detached, so its loss trains only its own D + 1 parameters and never spans a
-carry boundary: it composes with segmented backprop (trainer: components/exit_loss.py). Zero init:
+carry boundary: it composes with segmented backprop (the trainer: components/exit_training.py). Zero init:
 P = 1/2 everywhere until trained, whatever the layout.
 
 Legend: B rows, S positions, D model dim.
