@@ -89,8 +89,10 @@ def reference(tiny_pack, tmp_path_factory):
 
 # Depth training (training.sample_depth_min, _max) composed with FSDP, EP, AC and compile: the
 # draws of seed 0 at H = 9, K = 3, minimum 1, maximum 12 are 4, 1, 2 segments in steps 1-3
-# (checked below): step 1 runs loops 10-12 past H under the "last" router policy.
+# (checked below): step 1 runs loops 10-12 past H under the "last" router policy. With the learned
+# exit head (model.exit_head): its loss joins segments 2.., its gradient the compared grad norms.
 DEPTH = ["--training.sample_depth_min", "1", "--training.sample_depth_max", "12"]
+DEPTH += ["--model.exit_head", "true"]
 
 
 @pytest.fixture(scope="module")

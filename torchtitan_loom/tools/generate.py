@@ -2,7 +2,7 @@
 
     python -m torchtitan_loom.tools.generate CKPT --prompt "The cat" [--max-new-tokens 64]
         [--temperature 0.8 --top-k 50 --top-p 0.95 --seed 0 --loops H' --device cpu|cuda]
-        [--exit kl|confidence --exit-threshold X] [--beyond last|cycle]
+        [--exit kl|confidence|learned --exit-threshold X] [--beyond last|cycle]
 
 CKPT: a run folder, a step-N checkpoint directory or an export folder. The tokenizer is the
 training pack's (``--tokenizer`` must match it). ``--loops H'`` stops after loop H' (1..2H: fewer than the
