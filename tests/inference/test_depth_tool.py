@@ -127,6 +127,10 @@ def test_an_occupied_folder_needs_force_and_bad_input_is_one_line(
         ([str(trained_run), *FAST], "pass --force to replace"),
         ([str(trained_run), "--kl", "-1"], "--kl: kl threshold -1.0: must be a finite number ≥ 0"),
         ([str(trained_run), "--confidence", "2"], "must be in [0, 1]"),
+        (
+            [str(trained_run), "--learned", "0.5", "--out", str(tmp_path / "o")],
+            "--learned: exit criterion learned: this checkpoint has no exit head",
+        ),
         ([str(trained_run), "--beyond", "wrap"], "--beyond 'wrap': valid last, cycle"),
         ([str(trained_run), "--max-loops", "2"], "--max-loops 2: valid 3..12"),
         ([str(tmp_path / "none")], "no such file or directory"),
