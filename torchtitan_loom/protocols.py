@@ -51,7 +51,7 @@ class ModelOutput(NamedTuple):
     ModelProtocol.observation_layout) of every layer and loop of the range, stacked; None without it."""
     exit_logit_BS: torch.Tensor | None = None
     """fp32 [B, S] logit of P(loops loop_start.. lower the token's loss), from the detached carry
-    (ExitsPerToken.learned_exit); None without a head or a carry."""
+    (ExitsPerToken.exit_parameters); None without a head or a carry."""
 
 
 class HfExport(NamedTuple):
@@ -200,9 +200,8 @@ class ExitsPerToken(Protocol):
         ``exit(new_BS)``: the tokens of ``new_BS`` exit after the loop just run."""
         ...
 
-    @property
-    def learned_exit(self) -> bool:
-        """A learned exit head: exit_logit answers, exit_logit_BS is set on a call with a carry."""
+    def exit_parameters(self) -> list[nn.Parameter]:
+        """The learned exit head's parameters ([] without one: exit_logit then refuses)."""
         ...
 
     def exit_logit(self, carry: Any) -> torch.Tensor:

@@ -295,13 +295,16 @@ class TrainerBuild:
     def _build_step(self) -> SegmentedStep:
         """The segmented step over the parts built above (it holds them; the Trainer runs it)."""
         float8, model = self.float8, self.model
+        head = model.exit_parameters() if isinstance(model, ExitsPerToken) else []
+        # The exit head's gradient stays out of the clip's norm: it must not rescale the LM's.
+        lm_params = [p for p in self.params if all(p is not h for h in head)]
         hook = None
         if self.float8_precompute and float8 is not None:
             hook = lambda: float8.post_optimizer_hook(cast(nn.Module, model))  # noqa: E731
         return SegmentedStep(
             StepParts(
                 model=model,
-                params=self.params,
+                params=lm_params,
                 optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler,
                 finish_gradients=self.finish_gradients,
@@ -318,7 +321,7 @@ class TrainerBuild:
                 device=self.device,
                 after_optimizer_step=hook,
                 depth=self.depth,
-                learned_exit=isinstance(model, ExitsPerToken) and model.learned_exit,
+                learned_exit=bool(head),
             )
         )
 

@@ -42,7 +42,8 @@ class StepParts:
 
     model: ModelProtocol
     params: list[torch.Tensor]
-    """The trainable parameters (the clip, the statistics and the diagnostics read them)."""
+    """The trainable parameters the clip, the statistics and the diagnostics read (all but a
+    learned exit head's, which the optimizer steps unclipped: components/exit_training.py)."""
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     """Stepped once per global step (torch.optim.lr_scheduler.LRScheduler)."""
@@ -73,8 +74,8 @@ class StepParts:
     """training.sample_depth_min / _max: how many of the segments step s runs (None: all of them;
     with sample_depth_max, ``segments`` go on past the model's H)."""
     learned_exit: bool = False
-    """The model has a learned exit head (protocols.ExitsPerToken.learned_exit): its loss joins
-    each segment's (components/exit_training.py)."""
+    """The model has a learned exit head (protocols.ExitsPerToken.exit_parameters): its loss
+    joins each segment's (components/exit_training.py)."""
 
 
 class SegmentedStep:

@@ -51,7 +51,9 @@ def threshold_problem(criterion: str, threshold: float) -> str | None:
 
 def model_problem(criterion: str, model: Any) -> str | None:
     """What stops `model` from exiting by `criterion`, or None (learned needs the exit head)."""
-    if criterion == "learned" and not (isinstance(model, ExitsPerToken) and model.learned_exit):
+    if criterion == "learned" and not (
+        isinstance(model, ExitsPerToken) and model.exit_parameters()
+    ):
         return (
             "exit criterion learned: this checkpoint has no exit head (train it with "
             "model.exit_head = true); valid here: kl, confidence"

@@ -143,10 +143,9 @@ class LoomTransformer(nn.Module):
         """The stream z [B, S, D] after the carry's last loop."""
         return carry.z_BSD
 
-    @property
-    def learned_exit(self) -> bool:
-        """model.exit_head: the model has a learned exit head."""
-        return self.exit_head is not None
+    def exit_parameters(self) -> list[nn.Parameter]:
+        """The learned exit head's parameters (model.exit_head), [] without one."""
+        return [] if self.exit_head is None else list(self.exit_head.parameters())
 
     def exit_logit(self, carry: LoopCarry) -> torch.Tensor:
         """[B, S] logit of P(the next loop lowers the token's loss) after the carry's last loop
