@@ -159,7 +159,7 @@ def test_tensorboard_stops_at_a_link_planted_mid_run(tiny_pack, tmp_path, capsys
     dump, outside, seen = tmp_path / "run", tmp_path / "outside", {}
 
     def plant(t):  # the launch folder moved away and replaced by a link to it, elsewhere
-        tb_dir = t.metrics.tb_dir
+        tb_dir = t.parts.training.metrics.tb_dir
         os.rename(tb_dir, outside)
         os.symlink(outside, tb_dir)
         seen["at plant"] = listing(outside)
