@@ -14,6 +14,10 @@
 #   bf16_eager       loom_1p7b, H = 9, bf16, compile off     } (one cell each)
 #   float8_compiled  loom_1p7b, H = 9, float8, compile on    } (float8_eager instead when the bf16
 #                                                              compile did not fit its cap)
+#                    the float8 cell converts the routed experts too, without expert parallelism:
+#                    one GPU is one rank, and EP needs as many as its degree. Float8 experts under
+#                    EP are laid out by the dry run (--parallelism.dry_run_world_size, EP > 1) and
+#                    trained on CPU (tests/distributed/test_float8_ep.py)
 #   gpu_tests        tests/gpu with the time left, each test cut by its own alarm (GPU_TEST_S)
 #   profile          (PROFILE=1 only) two profiled bf16 compiled steps: time shares, and the trace
 #                    gzipped into OUT_DIR/profile_trace.json.gz

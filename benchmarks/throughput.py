@@ -17,6 +17,8 @@ after every cell, so a crash keeps the cells before it:
 
 Arguments after the options are config overrides (--section.key value), applied to every cell.
 --cpu runs on the CPU with float8 emulated (correctness smoke test; emulation is slower than bf16).
+Every cell is one process, so expert parallelism (EP > 1 needs that many ranks) is not measured
+here; `--parallelism.dry_run` lays float8 experts under EP out on any machine.
 FLOPs per token are the model's own count (`flops_per_token(seq_len, head_calls=segments)`), the
 same for every precision; MFU is against the device's dense bf16 peak (null on CPU), also for
 float8 cells, so float8 MFU reads as "bf16-equivalent".

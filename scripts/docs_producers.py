@@ -80,7 +80,11 @@ PRODUCERS: dict[str, Producer] = {
     "protocol-surface": Producer(
         (),
         fig.protocol_surface,
-        sources=("torchtitan_loom/protocols.py", "torchtitan_loom/model_cost.py"),
+        sources=(
+            "torchtitan_loom/protocols.py",
+            "torchtitan_loom/loop_request.py",
+            "torchtitan_loom/model_cost.py",
+        ),
         check="exact",
     ),
 }

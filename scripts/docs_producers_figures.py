@@ -159,8 +159,11 @@ def debug_routing_shape(ctx: Context) -> str:
 
 
 # The contract between the trainer and a model: the protocols, and the cost a model reports to the
-# dry run (model_cost.py, split from protocols.py for size).
-CONTRACT_FILES = tuple(ROOT / "torchtitan_loom" / f for f in ("protocols.py", "model_cost.py"))
+# dry run (model_cost.py, split from protocols.py for size), what a forward is asked for
+# (loop_request.py).
+CONTRACT_FILES = tuple(
+    ROOT / "torchtitan_loom" / f for f in ("protocols.py", "loop_request.py", "model_cost.py")
+)
 
 
 def _first_sentence(doc: str | None) -> str:
@@ -190,7 +193,7 @@ def _members(cls: ast.ClassDef) -> list[tuple[str, str]]:
 
 
 def protocol_surface(ctx: Context) -> str:
-    """Every class and function of protocols.py and model_cost.py with its members, each with the
+    """Every class and function of protocols.py, loop_request.py and model_cost.py with its members, each with the
     first sentence of its docstring: a table of contents of the contract, read from the files (no
     import)."""
     out = []

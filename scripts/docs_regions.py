@@ -12,11 +12,13 @@ every figure has one producer and one place.
 
 A refresh stamps the opening marker with what the text was made from:
 
-    <!-- refresh:NAME made-on 5f21355 sources 3a9c1e2b7d40 -->
+    <!-- refresh:NAME made-on 5f21355 kind genuineintel-6-167-avx512-torch-2.13.0-cpu sources 3a9c1e2b7d40 -->
 
 ``made-on`` is the commit the refresh ran on (``+``: with uncommitted changes to the region's
-sources), ``sources`` a digest of the files the region describes and of its producer
-(scripts/docs_stamps.py); ``refresh_docs.py --check`` names the regions whose sources changed since.
+sources), ``kind`` the CPU kind that made a region whose figures depend on it (scripts/docs_machine.py;
+absent on the deterministic ``check="exact"`` regions), ``sources`` a digest of the files the region
+describes and of its producer (scripts/docs_stamps.py); ``refresh_docs.py --check`` names the regions
+whose sources changed since, and the kind each was made on.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OPEN_RE = re.compile(
     r"^(?P<indent>[ \t]*)<!-- refresh:(?P<name>[a-z0-9][a-z0-9-]*)"
-    r"(?: made-on (?P<commit>[0-9a-f]+\+?|unknown) sources (?P<sources>[0-9a-f]+))? -->[ \t]*$"
+    r"(?: made-on (?P<commit>[0-9a-f]+\+?|unknown)(?: kind (?P<kind>[a-z0-9.-]+))?"
+    r" sources (?P<sources>[0-9a-f]+))? -->[ \t]*$"
 )
 CLOSE_RE = re.compile(r"^[ \t]*<!-- /refresh -->[ \t]*$")
 ANY_MARKER_RE = re.compile(r"<!-- */? *refresh")
@@ -48,6 +51,9 @@ class Region:
     body: str  # the text between the markers, indentation removed
     commit: str | None = None  # the stamp: commit the text was made on ('+': sources were edited)
     sources: str | None = None  # the stamp: digest of the sources and producer it was made from
+    kind: str | None = (
+        None  # the stamp: the CPU kind's tag (scripts/docs_machine.py), if it has one
+    )
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -81,7 +87,9 @@ def parse(text: str, path: str = "<text>") -> list[Region]:
         m = OPEN_RE.match(lines[open_at])
         indent = m["indent"]
         body = "\n".join(_dedent(ln, indent) for ln in lines[open_at + 1 : i])
-        regions.append(Region(path, m["name"], indent, open_at, i, body, m["commit"], m["sources"]))
+        regions.append(
+            Region(path, m["name"], indent, open_at, i, body, m["commit"], m["sources"], m["kind"])
+        )
         open_at = None
     if open_at is not None:
         raise RegionError(
@@ -94,20 +102,23 @@ def _dedent(line: str, indent: str) -> str:
     return line[len(indent) :] if line.startswith(indent) else line.lstrip(" \t")
 
 
-def marker(name: str, indent: str = "", stamp: tuple[str, str] | None = None) -> str:
-    """The opening marker of region `name`, with the stamp (commit, sources digest) when given."""
-    return (
-        f"{indent}<!-- refresh:{name}"
-        + (f" made-on {stamp[0]} sources {stamp[1]}" if stamp else "")
-        + " -->"
-    )
+Stamp = tuple[str, str] | tuple[str, str, str]  # (commit, sources digest[, kind tag])
+
+
+def marker(name: str, indent: str = "", stamp: Stamp | None = None) -> str:
+    """The opening marker of region `name`, with the stamp (commit, sources digest and, for a
+    region whose figures depend on the machine, the kind tag) when given."""
+    if not stamp:
+        return f"{indent}<!-- refresh:{name} -->"
+    kind = f" kind {stamp[2]}" if len(stamp) == 3 else ""
+    return f"{indent}<!-- refresh:{name} made-on {stamp[0]}{kind} sources {stamp[1]} -->"
 
 
 def rewrite(
     text: str,
     new_bodies: dict[str, str],
     path: str = "<text>",
-    stamps: dict[str, tuple[str, str]] | None = None,
+    stamps: dict[str, Stamp] | None = None,
 ) -> str:
     """The text with the body of every region named in new_bodies replaced (and its marker stamped
     when `stamps` names it); other regions are kept as they are."""

@@ -17,18 +17,18 @@ step 60 and ~0.8% at step 180 — as large as a real change of the math (the Swi
   init moves the tour's step-10 gradient norm from 0.972 to 0.964, past its early bound, where two
   CPU kinds print the same value (test_docs_tour.py checks that on a perturbed run).
 
-A kind is named by its vendor, family, model and model name, the widest vector extension ATen can
-use, ATEN_CPU_CAPABILITY when set, and the torch version (which changes kernels too).
+A kind is named by scripts/docs_machine.py (cpu_kind): vendor, family, model, vector extension
+and torch version (which changes kernels too).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import platform
 import re
 from pathlib import Path
+
+from docs_machine import cpu_kind, without_made_line
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS_FILE = ROOT / "docs" / "tour_figures.json"
@@ -141,29 +141,6 @@ def analysis_differences(want: str, got: str) -> list[str]:
     return out
 
 
-def cpu_kind() -> str:
-    """This machine's CPU kind and torch version, as the figures depend on them (see the module)."""
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-            if not line.strip():
-                break  # the first processor is enough
-    except OSError:
-        pass
-    flags = set(info.get("flags", "").split())
-    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse"
-    name = re.sub(r"\s+", " ", info.get("model name", platform.processor() or "unknown"))
-    capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    return (
-        f"{info.get('vendor_id', platform.machine())} family {info.get('cpu family', '?')} "
-        f"model {info.get('model', '?')} ({name}), {isa}"
-        + (f", ATEN_CPU_CAPABILITY={capability}" if capability else "")
-        + f", torch {importlib.metadata.version('torch')}"
-    )
-
-
 def recorded(path: Path = KINDS_FILE) -> list[dict]:
     """The recorded kinds: [{kind, figures, analysis}], kind None for figures whose machine was not
     recorded (kept for the cross-kind comparison only)."""
@@ -236,8 +213,9 @@ def main(argv: list[str]) -> int:
 
 
 def after_console(text: str) -> str:
-    """A region's text after its console block: the tables and figures derived from a run."""
-    return text.strip("\n").split("\n```\n", 1)[1].strip("\n")
+    """A region's text after its console block: the tables and figures derived from a run (its
+    machine line left out: scripts/docs_machine.py)."""
+    return without_made_line(text.strip("\n")).split("\n```\n", 1)[1].strip("\n")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,13 @@ A failing command leaves its regions untouched and makes the exit code 1; the ot
 Use OMP_NUM_THREADS=1 when other work shares the cores.
 
 Each rewritten region's marker is stamped with the commit it was made on and a digest of the sources
-it describes (scripts/docs_stamps.py). ``--check`` runs nothing: it exits 2 on malformed or unknown
-markers, and 1 when a region's sources (or its producer) changed since its stamp, naming each such
-region and the command that refreshes it; CI reruns the cheap deterministic regions and the README
-tour instead (tests/unit/test_docs_fresh.py, tests/unit/test_docs_tour.py).
+it describes (scripts/docs_stamps.py); a region whose figures depend on the machine (every one but
+the ``check="exact"`` ones) also gets this machine's CPU kind, in its stamp and in a last line its
+reader sees (scripts/docs_machine.py). ``--check`` runs nothing: it exits 2 on malformed or unknown
+markers or a region whose machine is not said, and 1 when a region's sources (or its producer)
+changed since its stamp, naming each such region and the command that refreshes it, and lists the
+regions by the kind that made them; CI reruns the cheap deterministic regions and the README tour
+instead (tests/unit/test_docs_fresh.py, tests/unit/test_docs_tour.py).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from docs_machine import by_kind, cpu_kind, kind_problems, kind_tag, with_made_line
 from docs_producers import PRODUCERS, Context
-from docs_regions import ROOT, Region, RegionError, all_regions, doc_files, rewrite
+from docs_regions import ROOT, Region, RegionError, Stamp, all_regions, doc_files, rewrite
 from docs_runner import CommandFailed, Runner, duration
 from docs_stamps import commit, digest, stale
 
@@ -97,7 +101,14 @@ def _print_list(regions: list[Region]) -> None:
 
 
 def _print_check(regions: list[Region]) -> int:
-    """--check: which regions are older than what they describe; 1 when any, else 0."""
+    """--check: regions whose machine is not said (2), which regions are older than what they
+    describe (1 when any, else 0), and the kinds that made them."""
+    unsaid = kind_problems(regions, PRODUCERS)
+    if unsaid:
+        print("refresh_docs: " + "\n  ".join(["regions that do not say their machine:", *unsaid]))
+        return 2
+    for tag, names in sorted(by_kind(regions).items()):
+        print(f"made on {tag}: {', '.join(names)}")
     old = stale(regions, PRODUCERS)
     print(
         f"refresh_docs: {len(regions)} regions in {len(doc_files())} files, all known; "
@@ -160,10 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             bodies[name] = PRODUCERS[name].fn(ctx)
         except (CommandFailed, OSError, ValueError, KeyError, IndexError, StopIteration) as exc:
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
-    stamps = {
-        n: (commit(PRODUCERS[n].sources), digest(PRODUCERS[n].sources, PRODUCERS[n].fn))
-        for n in bodies
-    }
+    kind = cpu_kind()
+    stamps: dict[str, Stamp] = {}
+    for n in bodies:
+        made = (commit(PRODUCERS[n].sources), digest(PRODUCERS[n].sources, PRODUCERS[n].fn))
+        if PRODUCERS[n].check != "exact":  # figures of this machine: say which (docs_machine.py)
+            bodies[n] = with_made_line(bodies[n], kind)
+            made = (*made, kind_tag(kind))
+        stamps[n] = made
     for f in doc_files():
         text = f.read_text(encoding="utf-8")
         new = rewrite(text, bodies, str(f.relative_to(ROOT)), stamps)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from torchtitan_loom.components.checkpoint import CheckpointError, layout
 from torchtitan_loom.components.checkpoint.resolve import checkpoint_root
@@ -36,6 +37,9 @@ from torchtitan_loom.config import ConfigError, help_requested, help_text, load_
 from torchtitan_loom.config.gates import gated_problems
 from torchtitan_loom.config.validate import load_and_resolve, resolve
 from torchtitan_loom.distributed import utils as dist_utils
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def _errors(kind: str, exc: BaseException) -> int:
@@ -71,7 +75,7 @@ def run(argv: list[str], trainer_cls: Any) -> int:
         from torchtitan_loom.distributed.dry_run import dry_run
 
         if rank0:
-            print(dry_run(cfg, *resolved))
+            print(dry_run(cfg, *resolved, convert=_float8_conversion(cfg)))
         return exit_codes.OK
     run_id, lock = new_run_id(), None
     # The run folder is held from here (safe_files.HeldFolder): every write, rename and removal
@@ -130,6 +134,18 @@ def run(argv: list[str], trainer_cls: Any) -> int:
         dist_utils.destroy_distributed(wait_for_all=peers_alive)
         if lock is not None:
             lock.release()
+
+
+def _float8_conversion(cfg: Any) -> Callable[[nn.Module], str] | None:
+    """The trainer's float8 conversion of a meta model -> its report line, for the dry run (which
+    sits below the components); None when float8 is off."""
+    from torchtitan_loom.components.quantization.float8 import build_float8_converter
+    from torchtitan_loom.protocols import get_train_spec
+
+    t = cfg.training
+    spec = get_train_spec(cfg.model.name)
+    f8 = build_float8_converter(cfg.float8, t.device, spec, t.micro_batch_size * t.seq_len)
+    return None if f8 is None else lambda model: f8.convert(model).summary(f8.plan)
 
 
 def _live_run(argv: list[str]) -> str | None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # torch is imported by what uses these types; the config read
     import torch
     from torch import nn
 
+    from torchtitan_loom.loop_request import DecodeCache, ExitHold, LoopRequest
     from torchtitan_loom.model_cost import ModelCost
 
 
@@ -43,10 +44,10 @@ class ModelOutput(NamedTuple):
     """int64 kept assignments per layer, per loop of the range, per routed expert; None for a model
     without routed experts (``ModelProtocol.routing`` is None)."""
     topk_LTBSK: torch.Tensor | None = None
-    """int64 routed expert ids chosen per layer, loop, token; only with return_topk=True (eval,
-    analysis) on a routed model, else None so training carries nothing extra."""
+    """int64 routed expert ids chosen per layer, loop, token; only when the request's return_topk
+    is set (eval, analysis) on a routed model, else None so training carries nothing extra."""
     observed_LTNK: torch.Tensor | None = None
-    """The caller's `observe` function applied to each of the N observed branch outputs (see
+    """The request's `observe` function applied to each of the N observed branch outputs (see
     ModelProtocol.observation_layout) of every layer and loop of the range, stacked; None without it."""
 
 
@@ -110,14 +111,14 @@ class ModelProtocol(Protocol):
         doc_ids_BS: torch.Tensor,
         loop_start: int = 1,
         loop_end: int | None = None,
+        *,
         carry: Any = None,
-        return_topk: bool = False,
-        observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        request: LoopRequest | None = None,
     ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global); carry is None iff loop_start == 1.
-        return_topk=True also fills ModelOutput.topk_LTBSK (a keyword only a model with ``routing``
-        must take: callers pass it to routed models only); `observe` (a pure function of one branch
-        output [B, S, D] returning a 1-D tensor, the same length every call) fills observed_LTNK."""
+        `request` (loop_request.LoopRequest; None asks for nothing) names the optional modes: the
+        expert ids, an observer of the branch outputs, a decode cache, an exit hold (the last two
+        only for a model with DecodesIncrementally / ExitsPerToken)."""
         ...
 
     def observation_layout(self) -> tuple[int, tuple[str, ...]]:
@@ -163,11 +164,12 @@ class UpdatesAfterStep(Protocol):
 
 @runtime_checkable
 class DecodesIncrementally(Protocol):
-    """Optional: a model whose forward also takes ``cache=`` (the sampler's incremental decoding).
-    Without it the sampler recomputes the whole sequence for every new token (same tokens)."""
+    """Optional: a model whose forward also takes a request's ``cache`` (the sampler's incremental
+    decoding). Without it the sampler recomputes the whole sequence for every new token (same
+    tokens)."""
 
-    def new_decode_cache(self) -> Any:
-        """An empty cache, passed as ``cache=`` to every forward of one generation: the tokens of a
+    def new_decode_cache(self) -> DecodeCache:
+        """An empty cache, the request's ``cache`` of every forward of one generation: the tokens of a
         call continue the cached positions of every row (one document per row, doc_ids ignored).
         Raises ValueError when the model's args cannot decode incrementally."""
         ...
@@ -182,15 +184,15 @@ before any model is loaded."""
 @runtime_checkable
 class ExitsPerToken(Protocol):
     """Optional: a model that runs loops past its trained depth and lets single tokens stop early
-    (the depth report, adaptive decoding). Its forward also takes ``hold=`` (the call's hold:
-    the K/V of tokens marked exited are held at their exit loop's)."""
+    (the depth report, adaptive decoding). Its forward also takes a request's ``hold`` (the K/V of
+    tokens marked exited are held at their exit loop's)."""
 
     def set_beyond_policy(self, policy: str | None) -> None:
         """Allow loop_end > num_loops under ``policy`` (one of BEYOND_POLICIES); None refuses them
         again."""
         ...
 
-    def new_exit_hold(self, cache: Any = None) -> Any:
+    def new_exit_hold(self, cache: DecodeCache | None = None) -> ExitHold:
         """An empty hold over ``cache`` (a decode cache, or None for a whole-sequence call), with
         ``exit(new_BS)``: the tokens of ``new_BS`` exit after the loop just run."""
         ...

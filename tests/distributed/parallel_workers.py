@@ -42,6 +42,12 @@ def record_run(trainer: Trainer, steps: int) -> dict:
         "counts": counts[-1],
         "counts_by_step": counts,
         "adam_steps": {k: sorted(v) for k, v in opt_steps.items()},
+        # What runs the routed experts: the installed module and what it wraps (EP), per layer
+        # (fully_shard names its subclass "FSDP" + the class name).
+        "experts": [
+            [type(m).__name__.removeprefix("FSDP") for m in layer.experts.modules()]
+            for layer in trainer.model.moe_layers()
+        ],
     }
 
 

@@ -1,8 +1,8 @@
 """Expert parallelism (models/loom/infra/expert_parallel.py): index bookkeeping in-process, then one
 4-process gloo launch (ep_workers.run) that checks, on ep = 4 and on ep = 2 sub-meshes of a 2x2
 mesh: layer parity with the single-process LoomMoE (forward, kept counts, input and local
-expert-weight grads; grouped and loop impls; capacity on (fixed slots) and off; experts and a rank
-with no rows), host copies per MoE call (none with capacity on, one with it off), bf16 grouped
+expert-weight grads; grouped and loop impls, and emulated MXFP8 float8 experts wrapped by EP;
+capacity on (fixed slots) and off; experts and a rank with no rows), host copies per MoE call (none with capacity on, one with it off), bf16 grouped
 GEMMs under autocast and under FSDP mixed precision, graph breaks under torch.compile only at the
 dispatch point (_split_sizes, capacity off), the debug model built on meta == the single-process
 model on each rank's own rows, and the ValueErrors for bad ep meshes."""

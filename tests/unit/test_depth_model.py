@@ -25,6 +25,7 @@ from torchtitan_loom.components.evaluation.adaptive_exit import (
 )
 from torchtitan_loom.components.evaluation.sampling import DepthUsed, SamplingConfig, generate
 from torchtitan_loom.components.loss import token_ce_sum
+from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.models.loom import LoomTransformer
 
 
@@ -71,7 +72,7 @@ def test_an_empty_hold_changes_nothing():
         full = model(tokens, positions, doc).logits_BSV
         hold, carry = model.new_exit_hold(), None
         for t in range(1, 4):
-            out = model(tokens, positions, doc, t, t, carry=carry, hold=hold)
+            out = model(tokens, positions, doc, t, t, carry=carry, request=LoopRequest(hold=hold))
             carry = out.carry
     assert torch.equal(out.logits_BSV, full)
 
@@ -84,7 +85,7 @@ def hold_pass(model, tokens_1S, exit_loop_S, max_loops):
     hold, carry = model.new_exit_hold(), None
     logits_SV = torch.zeros(S, model.args.vocab_size)
     for t in range(1, max_loops + 1):
-        out = model(tokens_1S, positions, doc, t, t, carry=carry, hold=hold)
+        out = model(tokens_1S, positions, doc, t, t, carry=carry, request=LoopRequest(hold=hold))
         carry = out.carry
         now_S = exit_loop_S == t
         logits_SV[now_S] = out.logits_BSV[0, now_S]

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from docs_context import Context  # noqa: E402
+from docs_machine import kind_tag  # noqa: E402
 from docs_producers_runs import analysis_text  # noqa: E402
 from docs_regions import all_regions, displayed_commands  # noqa: E402
 from docs_runner import Runner  # noqa: E402
@@ -149,6 +150,11 @@ def test_the_readme_excerpt_is_a_recorded_kind_and_the_kinds_agree_early():
     kinds = recorded()
     made_on = [k for k in kinds if all(k["figures"].get(key) == v for key, v in shown.items())]
     assert made_on, "README.md: the tour excerpt is no recorded kind's; refresh default-run-console"
+    # The kind the docs name for the tour (stamp and last line, scripts/docs_machine.py) is the
+    # recorded kind whose figures it shows, and the analysis of that run names the same one.
+    tags = {kind_tag(k["kind"]) for k in made_on if k["kind"]}
+    assert _region(REGION).kind in tags, (_region(REGION).kind, tags)
+    assert _region("analysis-tables").kind == _region(REGION).kind
     analysis = after_console(_region("analysis-tables").body)
     assert any(k["analysis"] == analysis for k in made_on), "docs/inside_the_loops.md: analysis"
     assert len(kinds) >= 2, [k["kind"] for k in kinds]

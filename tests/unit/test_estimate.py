@@ -149,3 +149,19 @@ def test_a_single_process_has_no_collectives():
     cfg, args, dims = resolved([], 1)
     est = estimate(cfg, args, dims)
     assert est.collectives == [] and math.isclose(est.step_s, est.compute_s)
+
+
+def test_float8_experts_under_ep_move_fp32_rows():
+    # Float8 experts quantise the rows as they come (the fp32 residual stream), so EP moves them
+    # in fp32; plain experts get bf16 rows (half the bytes). The counts exchange does not change.
+    argv = ["--parallelism.dry_run_world_size", "4", "--parallelism.ep", "2"]
+    argv += ["--training.mixed_precision_param", "bfloat16"]
+    f8 = ["--float8.enable", "--float8.emulate", "--float8.experts"]
+    moved = {}
+    for name, extra in (("plain", []), ("float8", f8)):
+        cfg, args, dims = resolved(argv + extra, 4)
+        cost = get_train_spec(cfg.model.name).cost_fn(args, dims, cfg)
+        moved[name] = dict((what, nbytes) for what, _, nbytes in cost.segment(1, 1).all_to_alls)
+    assert moved["plain"]["experts dispatch"] > 0
+    assert moved["float8"]["experts dispatch"] == 2 * moved["plain"]["experts dispatch"]
+    assert moved["float8"]["experts counts"] == moved["plain"]["experts counts"]

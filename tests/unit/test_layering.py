@@ -31,7 +31,7 @@ LAYERS = (
     ("components",),
     ("models",),
     ("distributed",),
-    ("protocols", "model_cost", "data_contract", "depth_sampling"),
+    ("protocols", "model_cost", "data_contract", "depth_sampling", "loop_request"),
 )
 
 

@@ -148,7 +148,7 @@ def _check_stream_rms(model):
         composed_forward(model, tokens, positions, doc, pre_norm_rms=want)
         carry = None
         for t in range(1, model.num_loops + 1):
-            carry = model(tokens, positions, doc, t, t, carry).carry
+            carry = model(tokens, positions, doc, t, t, carry=carry).carry
             got = model.stream_rms(carry)
             torch.testing.assert_close(got, want[t - 1], rtol=0, atol=1e-5)
             assert (got - 1).abs().max() > 1e-2, got  # a value that can move
@@ -163,7 +163,7 @@ def test_segments_with_carry_equal_one_full_forward():
         full = model(tokens, positions, doc, 1, 9)
         carry, counts = None, []
         for a, b in ((1, 3), (4, 6), (7, 9)):
-            seg = model(tokens, positions, doc, a, b, carry)
+            seg = model(tokens, positions, doc, a, b, carry=carry)
             carry = LoopCarry(*(t.clone() for t in seg.carry.detach()))
             counts.append(seg.counts_LTE)
     # The segmented run executes the same kernels on the same shapes in the same order; only the
@@ -179,7 +179,7 @@ def test_segment_backward_reaches_only_the_routers_of_its_loops():
     model = debug_model(num_loops=9)
     tokens, positions, doc = batch()
     carry = model(tokens, positions, doc, 1, 3).carry.detach()
-    out = model(tokens, positions, doc, 4, 6, carry)
+    out = model(tokens, positions, doc, 4, 6, carry=carry)
     out.logits_BSV.logsumexp(-1).mean().backward()
     for layer in model.layers:
         with_grad = [t for t, r in enumerate(layer.moe.routers) if r.grad is not None]
@@ -307,7 +307,7 @@ def test_one_compiled_block_serves_every_loop():
         compiled = model(tokens, positions, doc, 1, 2)
         frames = counter.frame_count
         assert frames <= 3
-        out = model(tokens, positions, doc, 3, 4, compiled.carry.detach())
+        out = model(tokens, positions, doc, 3, 4, carry=compiled.carry.detach())
         assert counter.frame_count == frames
         torch.testing.assert_close(out.logits_BSV, eager, rtol=0, atol=0)  # eager-backend tracing
     finally:

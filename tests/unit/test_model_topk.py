@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 
 
@@ -33,7 +34,7 @@ def test_topk_only_when_asked_and_matches_routing():
     a = model.args
     plain = model(*_batch())
     assert plain.topk_LTBSK is None
-    out = model(*_batch(), return_topk=True)
+    out = model(*_batch(), request=LoopRequest(return_topk=True))
     assert out.topk_LTBSK.shape == (a.n_layers, a.num_loops, 2, 16, a.routed_top_k)
     assert out.topk_LTBSK.dtype == torch.int64
     torch.testing.assert_close(out.logits_BSV, plain.logits_BSV, rtol=0, atol=0)
@@ -46,10 +47,12 @@ def test_topk_only_when_asked_and_matches_routing():
 @torch.no_grad()
 def test_topk_per_loop_range_equals_full_forward():
     model = _model()
-    full = model(*_batch(), return_topk=True)
+    full = model(*_batch(), request=LoopRequest(return_topk=True))
     carry, pieces = None, []
     for t in range(1, model.num_loops + 1):
-        out = model(*_batch(), loop_start=t, loop_end=t, carry=carry, return_topk=True)
+        out = model(
+            *_batch(), loop_start=t, loop_end=t, carry=carry, request=LoopRequest(return_topk=True)
+        )
         carry = out.carry
         pieces.append(out.topk_LTBSK)
     assert torch.equal(torch.cat(pieces, dim=1), full.topk_LTBSK)
@@ -59,7 +62,7 @@ def test_topk_per_loop_range_equals_full_forward():
 @torch.no_grad()
 def test_topk_through_activation_checkpoint_wrappers(mode):
     ref = _model()
-    expected = ref(*_batch(), return_topk=True).topk_LTBSK
+    expected = ref(*_batch(), request=LoopRequest(return_topk=True)).topk_LTBSK
     model = _model()
     apply_activation_checkpointing(model, mode)
-    assert torch.equal(model(*_batch(), return_topk=True).topk_LTBSK, expected)
+    assert torch.equal(model(*_batch(), request=LoopRequest(return_topk=True)).topk_LTBSK, expected)

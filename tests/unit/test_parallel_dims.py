@@ -1,6 +1,7 @@
 """ParallelDims: degrees, one message per broken rule (at config time), meshes by name, dry run."""
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -212,3 +213,22 @@ def test_dry_run_rejects_a_bad_layout_before_building_anything():
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert "config error: parallelism.ep = 4: must divide dp_shard = 6" in result.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+def test_dry_run_converts_float8_experts_and_lays_them_out_under_ep():
+    # The trainer's order (float8 converters on the meta model, then EP and FSDP around them), so
+    # a float8 layout with EP is checked on a CPU machine before any GPU runs it (a one-GPU check
+    # cannot: EP needs as many ranks as its degree).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
+    cmd = [sys.executable, "-m", "torchtitan_loom.train", "--parallelism.dry_run"]
+    cmd += ["--parallelism.dry_run_world_size", "8", "--parallelism.ep", "2"]
+    cmd += ["--float8.enable", "--float8.emulate", "--float8.experts"]
+    cmd += ["--training.global_batch_size", "64"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "(dp_shard = dp_shard_mod_ep 4 × ep 2)" in out
+    assert "2 routed-expert modules -> mxfp8_emulated grouped GEMM" in out
+    # 4 experts per ep rank, FSDP over efsdp = 4: one expert per rank, names unchanged.
+    assert "layers.0.moe.experts.w13  (8, 256, 128) -> (1, 256, 128)  _S(0, 2), S(0)" in out

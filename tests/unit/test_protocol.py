@@ -96,8 +96,9 @@ class LoopedDenseToy(nn.Module):
         doc_ids_BS,
         loop_start=1,
         loop_end=None,
+        *,
         carry=None,
-        observe=None,
+        request=None,
     ):
         loop_end = self.num_loops if loop_end is None else loop_end
         z_BSD = self.embed(tokens_BS) if carry is None else carry  # the carry is the stream itself

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate, next_token
+from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
 from torchtitan_loom.models.loom.attention import KVCache
 
@@ -52,12 +53,20 @@ def test_cached_step_logits_match_the_full_forward():
         full = model(seq, pos, torch.zeros_like(seq)).logits_BSV
         cache = KVCache()
         parts = [
-            model(seq[:, :5], pos[:, :5], torch.zeros_like(seq[:, :5]), cache=cache).logits_BSV
+            model(
+                seq[:, :5],
+                pos[:, :5],
+                torch.zeros_like(seq[:, :5]),
+                request=LoopRequest(cache=cache),
+            ).logits_BSV
         ]
         for i in range(5, 11):
             parts.append(
                 model(
-                    seq[:, i : i + 1], pos[:, i : i + 1], torch.zeros_like(seq[:, :1]), cache=cache
+                    seq[:, i : i + 1],
+                    pos[:, i : i + 1],
+                    torch.zeros_like(seq[:, :1]),
+                    request=LoopRequest(cache=cache),
                 ).logits_BSV
             )
     cached = torch.cat(parts, dim=1)
@@ -75,9 +84,9 @@ def test_cache_refuses_capacity_and_overlong_input():
     cache = KVCache()
     x = torch.zeros(1, 6, dtype=torch.long)
     with torch.no_grad():
-        model(x, torch.arange(6)[None], x, cache=cache)
+        model(x, torch.arange(6)[None], x, request=LoopRequest(cache=cache))
         with pytest.raises(ValueError, match="max_seq_len=8"):
-            model(x[:, :3], torch.arange(6, 9)[None], x[:, :3], cache=cache)
+            model(x[:, :3], torch.arange(6, 9)[None], x[:, :3], request=LoopRequest(cache=cache))
 
 
 def test_generate_stops_at_max_seq_len_and_eos():

@@ -123,11 +123,6 @@ def float8_errors(cfg: JobConfig) -> list[str]:
     from torchtitan_loom.components.quantization.float8 import float8_problems
 
     plan, errors = float8_problems(cfg.float8, cfg.training.device)
-    if cfg.float8.experts and cfg.parallelism.ep > 1:
-        errors.append(
-            f"float8.experts = true with parallelism.ep = {cfg.parallelism.ep}: float8 routed experts "
-            f"are not supported with expert parallelism yet; set float8.experts = false or ep = 1"
-        )
     if plan is not None and plan.experts_kernel == "mxfp8_emulated" and cfg.compile.enable:
         # Measured (torch 2.13, torchao 0.18, CPU): inductor fails compiling its backward.
         errors.append(

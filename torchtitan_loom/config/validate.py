@@ -105,11 +105,8 @@ def _auto_layout(
         for k in _FREE_DEGREES
         if f"parallelism.{k}" in cfg.given and getattr(cfg.parallelism, k) != -1
     }
-    no_ep = cfg.float8.enable and cfg.float8.experts  # float8 experts do not run under EP yet
 
     def allowed(dims: ParallelDims) -> bool:
-        if no_ep and dims.ep > 1:
-            return False
         return all(getattr(dims, k) == v for k, v in pinned.items())
 
     ranked = rank_layouts(cfg, args, world_size, allowed)

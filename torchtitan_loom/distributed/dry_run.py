@@ -1,15 +1,17 @@
 """``--parallelism.dry_run``: lay a validated config out on W ranks inside ONE process, print it, exit.
 
-The model is built on the meta device and parallelized exactly as the trainer would, over a fake
-process group (no communication, no memory), as rank 0 of W. The report: the mesh layout, how the
-global batch splits over the data-parallel ranks, rank 0's shard of every parameter (layers that
-match layer 0 are folded into one line), then the cost estimate of distributed/estimate.py (memory,
+The model is built on the meta device, converted (float8) and parallelized exactly as the trainer
+would, over a fake process group (no communication, no memory), as rank 0 of W. The report: the
+mesh layout, how the global batch splits over the data-parallel ranks, the float8 conversion (what
+became float8, e.g. routed experts under expert parallelism), rank 0's shard of every parameter
+(layers that match layer 0 are folded into one line), then the cost estimate of distributed/estimate.py (memory,
 communication, FLOPs, step time, MFU, the fastest layouts) when the spec has a cost model.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,8 +23,15 @@ from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.protocols import Sharding, get_train_spec
 
 
-def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
-    """The dry-run report of `cfg` on `dims.world_size` ranks (builds nothing real)."""
+def dry_run(
+    cfg: Any,
+    model_args: Any,
+    dims: ParallelDims,
+    convert: Callable[[torch.nn.Module], str] | None = None,
+) -> str:
+    """The dry-run report of `cfg` on `dims.world_size` ranks (builds nothing real). `convert`: the
+    trainer's model conversion (float8), run on the meta model before parallelism; its line is
+    reported."""
     world_size = dims.world_size
     t = cfg.training
     lines = [
@@ -50,6 +59,8 @@ def dry_run(cfg: Any, model_args: Any, dims: ParallelDims) -> str:
         spec = get_train_spec(cfg.model.name)
         with torch.device("meta"):
             model = spec.model_cls(model_args)
+        if convert is not None:  # the trainer's order: converters, then parallelism around them
+            lines.append(convert(model))
         if spec.parallelize_fn is not None:
             model = spec.parallelize_fn(model, dims, cfg).model
         lines += _shard_report(model, spec.sharding)

@@ -29,6 +29,7 @@ from torchtitan_loom.components.runtime.train_state import StepAbandoned, StepRe
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.depth_sampling import DepthSampler
 from torchtitan_loom.distributed import utils as dist_utils
+from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.protocols import ModelProtocol, UpdatesAfterStep
 
 Batch = dict[str, torch.Tensor]
@@ -151,7 +152,7 @@ class SegmentedStep:
                     loop_start=a,
                     loop_end=b,
                     carry=carries[m],
-                    observe=observe,
+                    request=LoopRequest(observe=observe),
                 )
             ce_sum = token_ce_sum(out.logits_BSV, mb["labels"])
             loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / aux_divisor

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_loom.data_contract import IGNORE_INDEX
+from torchtitan_loom.loop_request import LoopRequest
 
 # The criteria, implemented by settle_score below.
 CRITERIA = ("kl", "confidence")
@@ -92,7 +93,7 @@ def adaptive_pass(
             loop_start=t,
             loop_end=t,
             carry=carry,
-            hold=hold,
+            request=LoopRequest(hold=hold),
         )
         carry = out.carry
         logp_BSV = F.log_softmax(out.logits_BSV.float(), dim=-1)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.data_contract import real_tokens
+from torchtitan_loom.loop_request import LoopRequest
+from torchtitan_loom.protocols import ModelProtocol
 
 
 class LoopByLoop:
@@ -29,7 +30,7 @@ class LoopByLoop:
 
     def __init__(
         self,
-        model: Any,
+        model: ModelProtocol,
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
@@ -44,8 +45,8 @@ class LoopByLoop:
         for a model without routed experts)."""
         model = self.model
         n_layers, n_experts = model.routing or (0, 0)
-        # return_topk is a keyword of routed models only (protocols.ModelProtocol.__call__).
-        topk = {"return_topk": True} if n_experts > 0 else {}
+        # The expert ids are asked of routed models only (protocols.ModelProtocol.__call__).
+        request = LoopRequest(return_topk=n_experts > 0)
         carry, ids_per_loop = None, []
         for loop in range(1, self.num_loops + 1):
             with self.autocast():
@@ -56,7 +57,7 @@ class LoopByLoop:
                     loop_start=loop,
                     loop_end=loop,
                     carry=carry,
-                    **topk,
+                    request=request,
                 )
             carry = out.carry
             if out.topk_LTBSK is not None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_loom.components.evaluation.adaptive_exit import settle_score, threshold_problem
+from torchtitan_loom.loop_request import DecodeCache, LoopRequest
 from torchtitan_loom.protocols import DecodesIncrementally, ExitsPerToken
 
 
@@ -137,7 +138,13 @@ def generate(
             if depth_used is not None:
                 depth_used.loops_per_token += used_B.tolist()
         else:
-            out = model(tokens_BS, positions_BS, doc_ids_BS, loop_end=loops, cache=cache)
+            out = model(
+                tokens_BS,
+                positions_BS,
+                doc_ids_BS,
+                loop_end=loops,
+                request=LoopRequest(cache=cache),
+            )
             logits_BV = out.logits_BSV[:, -1]
         tok_B = next_token(logits_BV, cfg, generator)
         if eos_id is not None:
@@ -160,7 +167,7 @@ def _adaptive_step(
     model: Any,
     tokens_B1: torch.Tensor,
     positions_B1: torch.Tensor,
-    cache: Any,
+    cache: DecodeCache,
     cfg: SamplingConfig,
     max_loops: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,8 +189,7 @@ def _adaptive_step(
             loop_start=t,
             loop_end=t,
             carry=carry,
-            cache=cache,
-            hold=hold,
+            request=LoopRequest(cache=cache, hold=hold),
         )
         carry = out.carry
         logp_B1V = F.log_softmax(out.logits_BSV.float(), dim=-1)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_loom.data_contract import PAD_DOC_ID
+from torchtitan_loom.loop_request import KVAppender
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.target import KernelTarget
 
@@ -165,7 +166,8 @@ def build_cache_mask(past_len: int, new_len: int, device: torch.device) -> torch
 
 
 class KVCache:
-    """Keys and values of every (layer, loop) already computed, for incremental decoding.
+    """Keys and values of every (layer, loop) already computed, for incremental decoding
+    (a loop_request.DecodeCache).
 
     A LOOM layer runs once per loop with other inputs each time, so each (layer, loop) has its
     own K/V. The Looping-Residual memories are per position (no mixing across tokens), so a new
@@ -218,6 +220,7 @@ def attend(
     k_BSKd: torch.Tensor,
     v_BSKd: torch.Tensor,
     mask: Any,
+    *,
     target: KernelTarget | None = None,
 ) -> torch.Tensor:
     """Softmax(q k^T / sqrt(d)) v under the document-causal `mask`; returns [B, S, H, d].
@@ -302,12 +305,13 @@ class GatedAttention(nn.Module):
         h_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMask,
-        kv_slot: KVSlot | None = None,
+        kv_slot: KVAppender | None = None,
     ) -> torch.Tensor:
         """Attention branch output a = W_o A (before the residual gain), [B, S, D].
 
-        With `kv_slot` (incremental decoding) the keys/values of earlier positions come from the
-        cache and `mask` holds a `build_cache_mask` kernel mask.
+        With `kv_slot` (a decoding cache's or an exit hold's, loop_request.KVStore) the keys and
+        values go through it: with a cache, those of earlier positions come from it and `mask`
+        holds a `build_cache_mask` kernel mask.
         """
         B, S, _ = h_BSD.shape
         H, K, d = self.n_heads, self.n_kv_heads, self.head_dim
@@ -319,7 +323,7 @@ class GatedAttention(nn.Module):
         if kv_slot is not None:
             k_BSKd, v_BSKd = kv_slot.append(k_BSKd, v_BSKd)
             backend = "sdpa"
-        attn_BSHd = attend(backend, q_BSHd, k_BSKd, v_BSKd, mask.kernel, self.kernel_target)
+        attn_BSHd = attend(backend, q_BSHd, k_BSKd, v_BSKd, mask.kernel, target=self.kernel_target)
         # where, not a product: an exact 0 for padding queries whatever the kernel gave them.
         attn_BSHd = torch.where(mask.real_BS11, attn_BSHd, attn_BSHd.new_zeros(()))
         gated_BSHd = torch.sigmoid(gate.view(B, S, H, d)) * attn_BSHd

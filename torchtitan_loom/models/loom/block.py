@@ -13,13 +13,14 @@ Legend: B batch rows, S sequence length, D model dim, E routed experts, K routed
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from torchtitan_loom.loop_request import KVAppender
 from torchtitan_loom.models.loom.args import LoomModelArgs
-from torchtitan_loom.models.loom.attention import GatedAttention, KVSlot
+from torchtitan_loom.models.loom.attention import AttentionMask, GatedAttention
 from torchtitan_loom.models.loom.looping_residual import Memory, looping_residual_write
 from torchtitan_loom.models.loom.moe import LoomMoE
 
@@ -43,6 +44,19 @@ class RMSNormAffine(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.eps, self.weight)
+
+
+class BlockInput(NamedTuple):
+    """What a block reads besides the stream, the two memories and its loop's router: the call's
+    RoPE tables and mask, the residual gain `gamma` (0-d fp32), this (layer, loop)'s K/V slot (a
+    decoding cache's or an exit hold's; None in training), and what to hand out besides."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    attn_mask: AttentionMask
+    gamma: torch.Tensor
+    kv_slot: KVAppender | None = None
+    return_topk: bool = False
+    return_branches: bool = False
 
 
 class BlockOutput(NamedTuple):
@@ -85,19 +99,15 @@ class LoomBlock(nn.Module):
     def forward(
         self,
         x_BSD: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attn_mask: Any,
-        router_w_ED: torch.Tensor,
-        gamma: torch.Tensor,
         l_mem: Memory,
         h_mem: Memory,
-        return_topk: bool = False,
-        kv_slot: KVSlot | None = None,
-        return_branches: bool = False,
+        router_w_ED: torch.Tensor,
+        inp: BlockInput,
     ) -> BlockOutput:
-        """Run the block once. `gamma` is a 0-d fp32 tensor; `router_w_ED` is this loop's router;
-        `kv_slot` is this (layer, loop)'s entry of a KVCache when decoding incrementally."""
-        a_BSD = self.attention(rms_norm(x_BSD, self.eps), rope, attn_mask, kv_slot)
+        """Run the block once (layer l, loop t). `router_w_ED` is loop t's router, a tensor argument
+        of its own: a parallelize hook may replace it (models/loom/infra/parallelize.py)."""
+        gamma = inp.gamma
+        a_BSD = self.attention(rms_norm(x_BSD, self.eps), inp.rope, inp.attn_mask, inp.kv_slot)
         o_BSD = gamma * a_BSD
         if self.looping_residual:
             r_BSD, l_mem, h_mem = looping_residual_write(o_BSD, l_mem, h_mem, self.beta)
@@ -106,9 +116,9 @@ class LoomBlock(nn.Module):
             x_BSD = x_BSD + o_BSD
         moe_in_BSD = rms_norm(x_BSD, self.eps)
         m_BSD, kept_E, z_sq = self.moe(moe_in_BSD, router_w_ED)
-        expert_BSK = self.moe.select(moe_in_BSD, router_w_ED) if return_topk else None
+        expert_BSK = self.moe.select(moe_in_BSD, router_w_ED) if inp.return_topk else None
         # Values only: observing must not add outputs to the autograd graph (nor FSDP's hooks on them).
-        branches = (a_BSD.detach(), m_BSD.detach()) if return_branches else None
+        branches = (a_BSD.detach(), m_BSD.detach()) if inp.return_branches else None
         if self.ffn_branch_norm is not None:
             m_BSD = self.ffn_branch_norm(m_BSD)
         x_BSD = x_BSD + gamma * m_BSD
@@ -117,4 +127,13 @@ class LoomBlock(nn.Module):
         rms_BS1 = x_BSD.detach().float().pow(2).mean(dim=-1, keepdim=True).sqrt()
         if self.per_layer_out_norm:
             x_BSD = rms_norm(x_BSD, self.eps)
-        return BlockOutput(x_BSD, l_mem, h_mem, kept_E, z_sq, rms_BS1, expert_BSK, branches)
+        return BlockOutput(
+            x_BSD=x_BSD,
+            l_mem=l_mem,
+            h_mem=h_mem,
+            kept_E=kept_E,
+            z_sq=z_sq,
+            rms_BS1=rms_BS1,
+            expert_BSK=expert_BSK,
+            branches=branches,
+        )

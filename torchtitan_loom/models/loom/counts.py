@@ -1,5 +1,6 @@
-"""Parameter and FLOP counts of a LoomTransformer (passed as nn.Module: this file sits below model.py): what the start line, the metrics' MFU and the
-cost model read (LOOM_SPEC.md §2 "active incl. head and embedding").
+"""Parameter and FLOP counts of a LoomTransformer, from the parts model.py hands in (this file
+sits below it): what the start line, the metrics' MFU and the cost model read (LOOM_SPEC.md §2
+"active incl. head and embedding").
 
 Legend: L layers, H loops, E routed experts, k routed top-k, V vocab, D model dim.
 """
@@ -7,7 +8,6 @@ Legend: L layers, H loops, E routed experts, k routed top-k, V vocab, D model di
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
 
 import torch
 from torch import nn
@@ -16,21 +16,28 @@ from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.block import LoomBlock
 
 
-def count_params(model: nn.Module) -> dict[str, int]:
-    """{"total", "active"}: total = every parameter (all H routers included).
+def count_params(
+    params: Iterable[nn.Parameter], blocks: Iterable[LoomBlock], outer_VD: Iterable[torch.Tensor]
+) -> dict[str, int]:
+    """{"total", "active"}: total = every parameter in `params` (all H routers included).
 
-    active = per token: for each of the L layers the attention (wqkv, wo), k of the E routed
+    active = per token: for each of the L `blocks` the attention (wqkv, wo), k of the E routed
     experts, the shared experts, ONE router and the ffn_branch_rms weight; plus the embedding
-    row and the output head (V*D each, spec §2 "active incl. head and embedding").
+    row and the output head (`outer_VD`: their weights, V*D each, spec §2 "active incl. head and
+    embedding").
     """
-    total = sum(p.numel() for p in model.parameters())
-    per_layer = sum(_active_matmul_params(layer) + _norm_params(layer) for layer in _blocks(model))
-    embedding = cast(nn.Embedding, model.tok_embeddings).weight
-    head_and_embedding = _head(model).numel() + embedding.numel()
-    return {"total": total, "active": per_layer + head_and_embedding}
+    total = sum(p.numel() for p in params)
+    per_layer = sum(_active_matmul_params(layer) + _norm_params(layer) for layer in blocks)
+    return {"total": total, "active": per_layer + sum(w.numel() for w in outer_VD)}
 
 
-def count_flops_per_token(model: nn.Module, seq_len: int, head_calls: int = 1) -> float:
+def count_flops_per_token(
+    args: LoomModelArgs,
+    blocks: Iterable[LoomBlock],
+    head_VD: torch.Tensor,
+    seq_len: int,
+    head_calls: int = 1,
+) -> float:
     """Training FLOPs per token (forward + backward) over all H loops:
 
         6 * (P_loop * H + V * D * head_calls) + 12 * L * H * n_heads * head_dim * seq_len
@@ -41,20 +48,10 @@ def count_flops_per_token(model: nn.Module, seq_len: int, head_calls: int = 1) -
     attention scores and values (QK^T and AV, 2 matmuls x 2 FLOPs x 3 for fwd+bwd, no causal
     discount, TorchTitan convention). The embedding lookup and the norms are not counted.
     """
-    args = cast(LoomModelArgs, model.args)
-    p_loop = sum(_active_matmul_params(layer) for layer in _blocks(model))
-    head = _head(model).numel()
+    p_loop = sum(_active_matmul_params(layer) for layer in blocks)
+    head = head_VD.numel()
     attention = 12 * args.n_layers * args.num_loops * args.n_heads * args.head_dim * seq_len
     return float(6 * (p_loop * args.num_loops + head * head_calls) + attention)
-
-
-# model is a LoomTransformer; nn.Module's __getattr__ types its attributes as Tensor | Module.
-def _blocks(model: nn.Module) -> Iterable[LoomBlock]:
-    return cast("Iterable[LoomBlock]", model.layers)
-
-
-def _head(model: nn.Module) -> torch.Tensor:
-    return cast(nn.Linear, model.output).weight
 
 
 def _active_matmul_params(layer: LoomBlock) -> int:

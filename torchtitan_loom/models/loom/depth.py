@@ -44,6 +44,7 @@ def check_inputs(
     doc_ids_BS: torch.Tensor,
     loop_start: int,
     loop_end: int,
+    *,
     carry_z_BSD: torch.Tensor | None,
     max_seq_len: int,
     num_loops: int,

@@ -56,18 +56,19 @@ class Float8GroupedExperts(Experts):
         self.kernel = kernel
 
     def extra_repr(self) -> str:
-        E, D, I = self.w2.shape
-        return (
-            f"experts={E}, dim={D}, inter={I}, kernel={self.kernel.name}, "
-            f"alignment={self.kernel.alignment}"
-        )
+        return f"kernel={self.kernel.name}, alignment={self.kernel.alignment}"
 
-    def forward(
-        self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None
+    def compute(
+        self,
+        x_AD: torch.Tensor,
+        counts_E: torch.Tensor,
+        w13_E2ID: torch.Tensor,
+        w2_EDI: torch.Tensor,
+        sizes_E: list[int] | None = None,
     ) -> torch.Tensor:
         """Apply expert e to the rows of its group; rows are grouped by expert, group sizes counts_E."""
         device = x_AD.device.type
-        y_AD = swiglu_grouped(x_AD, counts_E, self.w13, self.w2, self.kernel)
+        y_AD = swiglu_grouped(x_AD, counts_E, w13_E2ID, w2_EDI, self.kernel)
         # Hand back the dtype a high-precision matmul would give here: autocast's, else the input's.
         return y_AD.to(
             torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype

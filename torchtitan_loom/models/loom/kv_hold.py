@@ -4,7 +4,8 @@ A token that exits after loop e stops changing. Tokens still looping attend to i
 (layer, loop), so its keys and values there must be defined: they are a copy of its own K/V of
 loop e in the same layer (as recurrent-depth models with early exit do: Huginn's K/V reuse,
 Mixture-of-Recursions' recursion-wise cache). ``KVHold`` is the one place that substitutes them:
-it stands in every attention call's K/V slot (over a decoding KVCache or alone), keeps the K/V of
+it stands in every attention call's K/V slot (over a decoding cache or alone: it and the cache are
+both a loop_request.KVStore, it an ExitHold, the cache a DecodeCache), keeps the K/V of
 the latest loop per layer, and after each loop the caller marks the tokens that exit there.
 
 Its own stream, memory and experts still run (the math of the other tokens does not read them:
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan_loom.models.loom.attention import KVCache
+from torchtitan_loom.loop_request import DecodeCache
 
 
 class KVHold:
     """Held K/V of the tokens that exited (``exit``), per layer, for the positions of one call."""
 
-    def __init__(self, cache: KVCache | None = None) -> None:
+    def __init__(self, cache: DecodeCache | None = None) -> None:
         self.cache = cache
         self.exited_BS: torch.Tensor | None = None
         self.latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -1,4 +1,4 @@
-"""What LoomTransformer's loops hand back, by name (model.py: ``_run_loop`` for one loop,
+"""What LoomTransformer's loops read and hand back, by name (model.py: ``_run_loop`` for one loop,
 ``_run_loops`` for the range of one forward call), instead of positional tuples.
 
 Legend: B batch rows, S sequence length, D model dim, L layers, T loops of the range, E routed
@@ -11,7 +11,34 @@ from typing import NamedTuple
 
 import torch
 
+from torchtitan_loom.loop_request import KVAppender, KVStore, LoopRequest
+from torchtitan_loom.models.loom.attention import AttentionMask
+from torchtitan_loom.models.loom.block import BlockInput
 from torchtitan_loom.models.loom.looping_residual import Memory
+
+
+class LoopCall(NamedTuple):
+    """What every loop of one forward call reads: the embedding (re-injected from loop 2 on), the
+    RoPE tables, mask and residual gain gamma (0-d fp32) every block shares, where the attention
+    calls put their K/V (the request's hold, else its cache, else None) and the request."""
+
+    e_BSD: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    attn_mask: AttentionMask
+    gamma: torch.Tensor
+    kv: KVStore | None
+    request: LoopRequest
+
+    def block_input(self, kv_slot: KVAppender | None) -> BlockInput:
+        """One block's input in this call, given its K/V slot."""
+        return BlockInput(
+            self.rope,
+            self.attn_mask,
+            self.gamma,
+            kv_slot=kv_slot,
+            return_topk=self.request.return_topk,
+            return_branches=self.request.observe is not None,
+        )
 
 
 class OneLoop(NamedTuple):

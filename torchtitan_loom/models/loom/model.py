@@ -10,18 +10,19 @@ untied head, layout-independent init (LOOM_SPEC.md §2-§4, §14).
     logits = W_out z
 
 Legend: B batch rows, S sequence length, D model dim, V vocab, L layers, T loops in the range,
-E routed experts, K routed top-k.
+E routed experts, K routed top-k, N observed branches per layer.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
 
+from torchtitan_loom.loop_request import DecodeCache, ExitHold, LoopRequest
 from torchtitan_loom.models.loom.args import LoomModelArgs
 from torchtitan_loom.models.loom.attention import (
     AttentionMask,
@@ -31,17 +32,23 @@ from torchtitan_loom.models.loom.attention import (
     resolve_attn_backend,
     rope_cos_sin,
 )
-from torchtitan_loom.models.loom.block import BRANCHES, LoomBlock, rms_norm
+from torchtitan_loom.models.loom.block import BRANCHES, BlockOutput, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.counts import count_flops_per_token, count_params
 from torchtitan_loom.models.loom.depth import check_beyond, check_inputs, router_index
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.kv_hold import KVHold
-from torchtitan_loom.models.loom.loop_result import LoopRange, OneLoop
+from torchtitan_loom.models.loom.loop_result import LoopCall, LoopRange, OneLoop
 from torchtitan_loom.models.loom.looping_residual import LoopCarry, Memory, empty_memory
 from torchtitan_loom.models.loom.moe import LoomMoE
 from torchtitan_loom.models.loom.target import KernelTarget, target_of
 from torchtitan_loom.models.loom.weight_init import init_parameters
 from torchtitan_loom.protocols import ModelOutput, Routing
+
+if TYPE_CHECKING:  # annotations only: a region's arguments and result keep their types
+    from typing_extensions import TypeVarTuple, Unpack
+
+    RegionArgs = TypeVarTuple("RegionArgs")
+RegionResult = TypeVar("RegionResult")
 
 
 def residual_gain(args: LoomModelArgs) -> float:
@@ -54,6 +61,25 @@ def residual_gain(args: LoomModelArgs) -> float:
 def inject_gain(t: int, args: LoomModelArgs) -> float:
     """g_t = clamp(lambda / (t sqrt(L)), 0, 1), the embedding weight at the start of loop t >= 2."""
     return min(1.0, max(0.0, args.cycle_scale_lambda / (t * math.sqrt(args.n_layers))))
+
+
+def _past_len(req: LoopRequest, loop_start: int, new_len: int, max_seq_len: int) -> int:
+    """Positions the request's cache holds before this call (0 without one), checked against
+    the hold and max_seq_len."""
+    if req.hold is not None and req.hold.cache is not req.cache:
+        raise ValueError("hold must wrap the cache of the call (new_exit_hold(cache))")
+    past = 0 if req.cache is None else req.cache.past_len(loop_start)
+    if past + new_len > max_seq_len:
+        raise ValueError(
+            f"cached {past} + new {new_len} positions exceed max_seq_len={max_seq_len}"
+        )
+    return past
+
+
+def _stack_asked(parts: Sequence[torch.Tensor | None], dim: int) -> torch.Tensor | None:
+    """The parts stacked along `dim`; None when they were not asked for (every part None)."""
+    asked = [p for p in parts if p is not None]
+    return torch.stack(asked, dim=dim) if asked else None
 
 
 class LoomTransformer(nn.Module):
@@ -89,7 +115,7 @@ class LoomTransformer(nn.Module):
         check_beyond(policy)
         self.beyond_policy = policy
 
-    def new_exit_hold(self, cache: KVCache | None = None) -> KVHold:
+    def new_exit_hold(self, cache: DecodeCache | None = None) -> ExitHold:
         """An empty hold for per-token exits (models/loom/kv_hold.py), over `cache` when decoding."""
         return KVHold(cache)
 
@@ -121,7 +147,7 @@ class LoomTransformer(nn.Module):
         them it is 1 by construction."""
         return carry.rms_BS1[..., 0]
 
-    def new_decode_cache(self) -> KVCache:
+    def new_decode_cache(self) -> DecodeCache:
         """An empty cache for incremental decoding (components/evaluation/sampling.py)."""
         if self.args.capacity_factor != 0:
             raise ValueError(
@@ -144,25 +170,26 @@ class LoomTransformer(nn.Module):
         doc_ids_BS: torch.Tensor,
         loop_start: int = 1,
         loop_end: int | None = None,
+        *,
         carry: LoopCarry | None = None,
-        return_topk: bool = False,
-        cache: KVCache | None = None,
-        observe: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        hold: KVHold | None = None,
+        request: LoopRequest | None = None,
     ) -> ModelOutput:
         """Run loops [loop_start, loop_end] (1-based, global; loop_end None = H; past H only under
         a beyond policy, set_beyond_policy).
 
         loop_start = 1 starts from the embedding and needs carry=None; loop_start > 1 continues
-        from `carry` (the state after loop_start - 1). return_topk=True also returns the routed
-        expert ids (analysis only). See protocols.ModelOutput for the fields.
-        `cache` (incremental decoding): the tokens continue the cached positions of every row (one
-        document per row, doc_ids ignored); their K/V are appended to it. Nothing else is cached:
-        the Looping-Residual memories are per position, so the new positions start them fresh.
-        `hold` (per-token exit, models/loom/kv_hold.py): the K/V of the tokens it marks exited are
-        held at their exit loop's; over `cache` when decoding (hold.cache is cache).
+        from `carry` (the state after loop_start - 1). `request` (loop_request.LoopRequest; None
+        asks for nothing) names the optional modes: the routed expert ids (return_topk, analysis
+        only), an observer of the branch outputs (observe), incremental decoding (cache: the
+        tokens continue the cached positions of every row, one document per row, doc_ids ignored;
+        their K/V are appended. Nothing else is cached: the Looping-Residual memories are per
+        position, so the new positions start them fresh) and per-token exit (hold,
+        models/loom/kv_hold.py: the K/V of the tokens it marks exited are held at their exit
+        loop's; over the cache when decoding, hold.cache is cache). See protocols.ModelOutput
+        for the fields.
         """
         args = self.args
+        req = LoopRequest() if request is None else request
         loop_end = args.num_loops if loop_end is None else loop_end
         check_inputs(
             tokens_BS,
@@ -170,64 +197,54 @@ class LoomTransformer(nn.Module):
             doc_ids_BS,
             loop_start,
             loop_end,
-            None if carry is None else carry.z_BSD,
-            args.max_seq_len,
-            args.num_loops,
-            self.beyond_policy,
+            carry_z_BSD=None if carry is None else carry.z_BSD,
+            max_seq_len=args.max_seq_len,
+            num_loops=args.num_loops,
+            beyond=self.beyond_policy,
         )
-        if hold is not None and hold.cache is not cache:
-            raise ValueError("hold must wrap the cache of the call (new_exit_hold(cache))")
-        past = 0 if cache is None else cache.past_len(loop_start)
-        if past + tokens_BS.shape[1] > args.max_seq_len:
-            raise ValueError(
-                f"cached {past} + new {tokens_BS.shape[1]} positions exceed "
-                f"max_seq_len={args.max_seq_len}"
-            )
-
+        past = _past_len(req, loop_start, tokens_BS.shape[1], args.max_seq_len)
         # The embedding is recomputed every call: later loops re-inject it (spec §6 item 2).
         e_BSD = self.tok_embeddings(tokens_BS) * math.sqrt(args.dim)
         if carry is None:
             z_BSD, h_mem = e_BSD, empty_memory(e_BSD)
         else:
             z_BSD, h_mem = carry.z_BSD, Memory(carry.h_num_BSD, carry.h_den_BS1)
-        rope = rope_cos_sin(positions_BS, args.head_dim, args.rope_theta)
-        if cache is None:
-            attn_mask = build_attention_mask(self.attention_backend(e_BSD), doc_ids_BS)
-        else:  # causal over the cached positions; every new position is a real query
-            attn_mask = AttentionMask(
-                build_cache_mask(past, tokens_BS.shape[1], tokens_BS.device),
-                torch.ones_like(doc_ids_BS, dtype=torch.bool)[:, :, None, None],
-            )
-        gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
-
-        loops = self._region(
-            "segment",
-            self._run_loops,
-            loop_start,
-            loop_end,
-            z_BSD,
-            e_BSD,
-            h_mem,
-            rope,
-            attn_mask,
-            gamma,
-            return_topk,
-            cache if hold is None else hold,
-            observe,
-        )
+        call = self._loop_call(e_BSD, positions_BS, doc_ids_BS, past, req)
+        loops = self._region("segment", self._run_loops, loop_start, loop_end, z_BSD, h_mem, call)
         if args.router_z_loss_coef > 0:
             aux_loss = args.router_z_loss_coef * loops.z_sq_X.sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
-        logits_BSV = self.output(loops.z_BSD).float()
         return ModelOutput(
-            logits_BSV,
+            self.output(loops.z_BSD).float(),
             LoopCarry(loops.z_BSD, loops.h_mem.num_BSD, loops.h_mem.den_BS1, loops.rms_BS1),
             aux_loss,
             counts_LTE=loops.counts_LTE,
             topk_LTBSK=loops.topk_LTBSK,
             observed_LTNK=loops.observed_LTNK,
         )
+
+    def _loop_call(
+        self,
+        e_BSD: torch.Tensor,
+        positions_BS: torch.Tensor,
+        doc_ids_BS: torch.Tensor,
+        past: int,
+        req: LoopRequest,
+    ) -> LoopCall:
+        """What every loop of the call reads (loop_result.LoopCall); `past`: cached positions."""
+        args = self.args
+        rope = rope_cos_sin(positions_BS, args.head_dim, args.rope_theta)
+        if req.cache is None:
+            attn_mask = build_attention_mask(self.attention_backend(e_BSD), doc_ids_BS)
+        else:  # causal over the cached positions; every new position is a real query
+            attn_mask = AttentionMask(
+                build_cache_mask(past, doc_ids_BS.shape[1], doc_ids_BS.device),
+                torch.ones_like(doc_ids_BS, dtype=torch.bool)[:, :, None, None],
+            )
+        gamma = torch.full((), residual_gain(args), dtype=torch.float32, device=e_BSD.device)
+        kv = req.cache if req.hold is None else req.hold
+        return LoopCall(e_BSD, rope, attn_mask, gamma, kv, req)
 
     def observation_layout(self) -> tuple[int, tuple[str, ...]]:
         """(L, names of the N branch outputs) of ModelOutput.observed_LTNK, in order."""
@@ -263,122 +280,81 @@ class LoomTransformer(nn.Module):
             self.args.attn_backend, target.device_type, dtype, target.flash_attn
         )
 
-    def _region(self, scope: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
+    def _region(
+        self,
+        scope: str,
+        fn: Callable[[Unpack[RegionArgs]], RegionResult],
+        *fn_args: Unpack[RegionArgs],
+    ) -> RegionResult:
         """fn(*fn_args), through the wrapper registered for `scope` if any (see region_wrappers)."""
         wrapper = self.region_wrappers.get(scope)
         return fn(*fn_args) if wrapper is None else wrapper(fn, *fn_args)
 
     def _run_loops(
-        self,
-        loop_start,
-        loop_end,
-        z_BSD,
-        e_BSD,
-        h_mem,
-        rope,
-        attn_mask,
-        gamma,
-        return_topk=False,
-        cache=None,
-        observe=None,
-    ):
-        """Loops [loop_start, loop_end] (loop_result.LoopRange)."""
+        self, loop_start: int, loop_end: int, z_BSD: torch.Tensor, h_mem: Memory, call: LoopCall
+    ) -> LoopRange:
+        """Loops [loop_start, loop_end] from the stream and H-axis memory before loop_start."""
         per_loop: list[OneLoop] = []
         for t in range(loop_start, loop_end + 1):
-            loop = self._region(
-                "loop",
-                self._run_loop,
-                t,
-                z_BSD,
-                e_BSD,
-                h_mem,
-                rope,
-                attn_mask,
-                gamma,
-                return_topk,
-                cache,
-                observe,
-            )
+            loop = self._region("loop", self._run_loop, t, z_BSD, h_mem, call)
             z_BSD, h_mem = loop.z_BSD, loop.h_mem
             per_loop.append(loop)
         return LoopRange(
-            z_BSD,
-            h_mem,
-            torch.stack([loop.counts_LE for loop in per_loop], dim=1),
-            torch.cat([loop.z_sq_L for loop in per_loop]),
-            torch.stack([loop.topk_LBSK for loop in per_loop], dim=1) if return_topk else None,
-            None if observe is None else torch.stack([p.observed_LNK for p in per_loop], dim=1),
-            per_loop[-1].rms_BS1,
+            z_BSD=z_BSD,
+            h_mem=h_mem,
+            counts_LTE=torch.stack([loop.counts_LE for loop in per_loop], dim=1),
+            z_sq_X=torch.cat([loop.z_sq_L for loop in per_loop]),
+            topk_LTBSK=_stack_asked([loop.topk_LBSK for loop in per_loop], dim=1),
+            observed_LTNK=_stack_asked([loop.observed_LNK for loop in per_loop], dim=1),
+            rms_BS1=per_loop[-1].rms_BS1,
         )
 
-    def _run_loop(
-        self,
-        t,
-        z_BSD,
-        e_BSD,
-        h_mem,
-        rope,
-        attn_mask,
-        gamma,
-        return_topk=False,
-        cache=None,
-        observe=None,
-    ):
-        """Loop t (1-based): injection, the L blocks, the final RMSNorm (loop_result.OneLoop)."""
+    def _run_loop(self, t: int, z_BSD: torch.Tensor, h_mem: Memory, call: LoopCall) -> OneLoop:
+        """Loop t (1-based): injection, the L blocks, the final RMSNorm."""
         args = self.args
         if t >= 2 and args.embed_inject_mode == "loop_start_mix_soft":
             g = inject_gain(t, args)
-            z_BSD = (1.0 - g) * z_BSD + g * e_BSD
+            z_BSD = (1.0 - g) * z_BSD + g * call.e_BSD
         l_mem = empty_memory(z_BSD)
-        counts_per_layer, z_terms, topk_per_layer, observed_per_layer = [], [], [], []
-        for i, layer in enumerate(self.layers):
+        router = router_index(t, args.num_loops, args.router_per_loop, self.beyond_policy)
+        observe = call.request.observe
+        counts_per_layer, z_terms, topk_per_layer = [], [], []
+        observed_per_layer: list[torch.Tensor] = []
+        for i, layer in enumerate(self._blocks()):
+            inp = call.block_input(None if call.kv is None else call.kv.slot(i, t))
             # Picked here, outside the block, so the block sees the router as a plain tensor.
-            router_w_ED = layer.moe.routers[
-                router_index(t, args.num_loops, args.router_per_loop, self.beyond_policy)
-            ]
-            kv_slot = None if cache is None else cache.slot(i, t)
-            z_BSD, l_mem, h_mem, kept_E, z_sq, rms_BS1, expert_BSK, branches = self._region(
-                "block",
-                layer,
-                z_BSD,
-                rope,
-                attn_mask,
-                router_w_ED,
-                gamma,
-                l_mem,
-                h_mem,
-                return_topk,
-                kv_slot,
-                observe is not None,
-            )
-            counts_per_layer.append(kept_E)
-            z_terms.append(z_sq)
-            topk_per_layer.append(expert_BSK)
-            if (
-                observe is not None
-            ):  # outside the (compiled) block: observe is the caller's function
-                observed_per_layer.append(torch.stack([observe(x_BSD) for x_BSD in branches]))
-        topk_LBSK = torch.stack(topk_per_layer) if return_topk else None
-        observed_LNK = torch.stack(observed_per_layer) if observe is not None else None
+            router_w_ED = layer.moe.routers[router]
+            out: BlockOutput = self._region("block", layer, z_BSD, l_mem, h_mem, router_w_ED, inp)
+            z_BSD, l_mem, h_mem = out.x_BSD, out.l_mem, out.h_mem
+            counts_per_layer.append(out.kept_E)
+            z_terms.append(out.z_sq)
+            topk_per_layer.append(out.expert_BSK)
+            # Outside the (compiled) block: observe is the caller's function.
+            if observe is not None and out.branches is not None:
+                observed_per_layer.append(torch.stack([observe(x_BSD) for x_BSD in out.branches]))
         return OneLoop(  # rms_BS1: the last block's, before its output norm and the loop's
-            rms_norm(z_BSD, args.norm_eps),
-            h_mem,
-            torch.stack(counts_per_layer),
-            torch.stack(z_terms),
-            topk_LBSK,
-            observed_LNK,
-            rms_BS1,
+            z_BSD=rms_norm(z_BSD, args.norm_eps),
+            h_mem=h_mem,
+            counts_LE=torch.stack(counts_per_layer),
+            z_sq_L=torch.stack(z_terms),
+            topk_LBSK=_stack_asked(topk_per_layer, dim=0),
+            observed_LNK=_stack_asked(observed_per_layer, dim=0),
+            rms_BS1=out.rms_BS1,
         )
 
     # ------------------------------------------------------------------ counts
 
     def param_counts(self) -> dict[str, int]:
         """{"total", "active"} parameters (models/loom/counts.py)."""
-        return count_params(self)
+        return count_params(
+            self.parameters(), self._blocks(), (self.tok_embeddings.weight, self.output.weight)
+        )
 
     def flops_per_token(self, seq_len: int, head_calls: int = 1) -> float:
         """Training FLOPs per token over all H loops (models/loom/counts.py)."""
-        return count_flops_per_token(self, seq_len, head_calls)
+        return count_flops_per_token(
+            self.args, self._blocks(), self.output.weight, seq_len, head_calls
+        )
 
     # ------------------------------------------------------------------ init
 

@@ -149,11 +149,14 @@ def expert_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
 
 
 class Experts(nn.Module):
-    """The routed-experts interface LoomMoE calls, one per implementation: the plain experts below,
-    expert parallelism (infra/expert_parallel.py) and a low-precision grouped GEMM
-    (models/loom/float8_experts.py). Every one holds E SwiGLU experts packed under the same names
-    and shapes, w13 [E, 2I, D] (gate rows then up rows) and w2 [E, D, I], so checkpoints, the init
-    rules and the parameter counts do not depend on which one runs."""
+    """The routed-experts interface LoomMoE calls, one per implementation: the plain experts below
+    and a low-precision grouped GEMM (models/loom/float8_experts.py); expert parallelism
+    (infra/expert_parallel.py) wraps either. Every one holds E SwiGLU experts packed under the same
+    names and shapes, w13 [E, 2I, D] (gate rows then up rows) and w2 [E, D, I], so checkpoints, the
+    init rules and the parameter counts do not depend on which one runs.
+
+    An implementation's math is `compute` on weights it is given, so a wrapper that holds the
+    weights elsewhere (expert parallelism: this rank's shards) runs the same math around it."""
 
     # Every implementation registers these two parameters (declared here for their type).
     w13: nn.Parameter
@@ -163,9 +166,39 @@ class Experts(nn.Module):
     """True: with capacity on, forward takes only the kept assignments, in E fixed slots of C rows
     (moe.capacity_slots) and ``capacity=C``; False: every assignment, grouped by expert."""
 
+    def compute(
+        self,
+        x_AD: torch.Tensor,
+        counts_E: torch.Tensor,
+        w13_E2ID: torch.Tensor,
+        w2_EDI: torch.Tensor,
+        sizes_E: list[int] | None = None,
+    ) -> torch.Tensor:
+        """The experts' math: expert e (weights w13_E2ID[e], w2_EDI[e]) on the rows of group e
+        (rows grouped by expert, group sizes counts_E; `sizes_E` the same as Python ints when the
+        caller has them on the host)."""
+        raise NotImplementedError
+
+    def compute_dtype(self, device_type: str, weight_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype `compute` wants its rows in for weights of `weight_dtype`; None: the rows' own."""
+        return None
+
+    def skips_rows_past_groups(
+        self, device_type: str, dtype: torch.dtype, compiling: bool, dim: int, inter: int
+    ) -> bool:
+        """True when `compute` takes rows past the last group (sum(counts_E) < rows), leaving their
+        outputs unwritten; False: the groups must cover every row."""
+        return False
+
+    def fallback(
+        self, device_type: str, dtype: torch.dtype, compiling: bool, dim: int, inter: int
+    ) -> str | None:
+        """Why `compute` runs the per-expert loop for these inputs, or None."""
+        return None
+
     def input_dtype(self, x_ND: torch.Tensor) -> torch.dtype:
         """The dtype LoomMoE casts the rows to before gathering them (one [A, D] copy, not two)."""
-        return x_ND.dtype
+        return self.compute_dtype(x_ND.device.type, self.w13.dtype) or x_ND.dtype
 
     def set_kernel_device(self, device_type: str | None) -> None:
         """Choose the GEMM path for ``device_type`` instead of the rows' device (None: the rows');
@@ -173,13 +206,14 @@ class Experts(nn.Module):
 
     def gemm_fallback(self, device_type: str, dtype: torch.dtype, compiling: bool) -> str | None:
         """Why these experts will run the per-expert loop on this device and dtype, or None."""
-        return None
+        _, dim, inter = self.w2.shape
+        return self.fallback(device_type, dtype, compiling, dim, inter)
 
     def forward(
         self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None
     ) -> torch.Tensor:
         """Rows grouped by expert (group sizes counts_E, int64 [E]) -> expert outputs, same order."""
-        raise NotImplementedError
+        return self.compute(x_AD, counts_E, self.w13, self.w2)
 
 
 class RoutedExperts(Experts):
@@ -192,24 +226,36 @@ class RoutedExperts(Experts):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter))
 
-    def input_dtype(self, x_ND: torch.Tensor) -> torch.dtype:
-        return expert_dtype(x_ND.device.type, self.w13.dtype)
+    def compute(
+        self,
+        x_AD: torch.Tensor,
+        counts_E: torch.Tensor,
+        w13_E2ID: torch.Tensor,
+        w2_EDI: torch.Tensor,
+        sizes_E: list[int] | None = None,
+    ) -> torch.Tensor:
+        return run_experts(
+            x_AD, counts_E, w13_E2ID, w2_EDI, self.impl, sizes_E, device_type=self.kernel_device
+        )
 
-    def set_kernel_device(self, device_type: str | None) -> None:
-        self.kernel_device = device_type
+    def compute_dtype(self, device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
+        return expert_dtype(device_type, weight_dtype)
 
-    def gemm_fallback(self, device_type: str, dtype: torch.dtype, compiling: bool) -> str | None:
-        _, dim, inter = self.w2.shape
+    def skips_rows_past_groups(
+        self, device_type: str, dtype: torch.dtype, compiling: bool, dim: int, inter: int
+    ) -> bool:
+        # The grouped GEMM stops at the last offset; the loop splits every row into a group.
+        kernel = self.kernel_device or device_type
+        return gemm_path(kernel, dtype, compiling, dim, inter, self.impl)[0] == "grouped"
+
+    def fallback(
+        self, device_type: str, dtype: torch.dtype, compiling: bool, dim: int, inter: int
+    ) -> str | None:
         path, why = gemm_path(device_type, dtype, compiling, dim, inter, self.impl)
         return why if path == "loop" else None
 
-    def forward(
-        self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None
-    ) -> torch.Tensor:
-        """Apply expert e to the rows of its group; rows are grouped by expert, group sizes counts_E."""
-        return run_experts(
-            x_AD, counts_E, self.w13, self.w2, self.impl, device_type=self.kernel_device
-        )
+    def set_kernel_device(self, device_type: str | None) -> None:
+        self.kernel_device = device_type
 
 
 def run_experts(

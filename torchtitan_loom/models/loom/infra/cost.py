@@ -48,6 +48,9 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
     B, S = t.micro_batch_size, t.seq_len
     compute_dtype = DTYPES[t.mixed_precision_param]
     c = compute_dtype.itemsize
+    # Float8 experts quantise the rows as they come (the fp32 residual stream), so under EP the
+    # rows travel in fp32; plain experts get them cast to the compute dtype first.
+    row_bytes = _F32 if cfg.float8.enable and cfg.float8.experts else c
     device = "cpu" if t.device == "cpu" else "cuda"
     backend = resolve_attn_backend(args.attn_backend, device, compute_dtype, flash_attn_available())
     acts = _Activations(args, B, S, c, backend)
@@ -74,7 +77,7 @@ def loom_cost(args: LoomModelArgs, dims: ParallelDims, cfg: Any) -> ModelCost:
             a2a = tuple(
                 (f"experts {what}", L * T, nbytes)
                 for what, nbytes in all_to_alls_per_call(
-                    rows, args.dim, E, c, recompute=mode != "none"
+                    rows, args.dim, E, row_bytes, recompute=mode != "none"
                 )
             )
         return SegmentCost(

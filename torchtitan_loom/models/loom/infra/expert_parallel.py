@@ -1,9 +1,12 @@
 """Expert parallelism: routed-expert weights sharded over the `ep` mesh, tokens sent to their owners.
 
-`apply_expert_parallel(model, ep_mesh)` replaces every layer's `moe.experts` (RoutedExperts) with
-an `ExpertParallelExperts` that has the same forward signature and meaning, so LoomMoE does not
-change. Its w13 [E, 2I, D] and w2 [E, D, I] become DTensors `Shard(0)` over the 1-D ep mesh: ep
-rank j owns the contiguous experts [j*E/ep, (j+1)*E/ep) ("block j"). Parameter names stay
+`apply_expert_parallel(model, ep_mesh)` wraps every layer's `moe.experts`, whichever kind is
+installed (plain RoutedExperts, float8 grouped experts, any moe.Experts), in an
+`ExpertParallelExperts` with the same forward signature and meaning, so LoomMoE does not change.
+The wrapper takes the weights over: w13 [E, 2I, D] and w2 [E, D, I] become its DTensors `Shard(0)`
+over the 1-D ep mesh (ep rank j owns the contiguous experts [j*E/ep, (j+1)*E/ep), "block j"), and
+the wrapped module, kept as its child `local` with no parameters of its own, is asked only for its
+math (`Experts.compute` on this rank's shards, its row dtype and GEMM path). Parameter names stay
 `layers.{l}.moe.experts.w13` / `.w2`, so checkpoints and the init rules match any layout.
 
 Dispatch protocol of one MoE call (rows x_AD already grouped by expert ascending, counts_E):
@@ -15,13 +18,14 @@ Dispatch protocol of one MoE call (rows x_AD already grouped by expert ascending
   3. dispatch: all_to_all_single (autograd) sends block j of x_AD to rank j. The received rows are
      source-major (for each source, its rows per local expert); one gather regroups them
      local-expert-major (for each local expert, its rows from every source in rank order).
-  4. the local experts run on the regrouped rows with the model's own math
-     (`models.loom.moe.run_experts`, grouped GEMM or the per-expert loop).
+  4. the local experts run on the regrouped rows with the wrapped module's math (`compute`: the
+     plain grouped GEMM or per-expert loop, or a float8 grouped GEMM).
   5. combine: the inverse gather restores source-major order, and a second all_to_all_single
      returns every row to its source in its original position, so out_AD lines up with x_AD.
 Backward is the same two all_to_alls in reverse (autograd through the functional collectives).
 Under torch.compile (fullgraph off with EP) step 2 is the one graph break of a capacity-off call; the rows are
-cast to the experts' compute dtype before step 3 (bf16 under autocast or FSDP mixed precision).
+cast to the wrapped experts' row dtype before step 3 (plain experts: bf16 under autocast or FSDP
+mixed precision; float8 experts quantise the rows as they come, so they travel unchanged).
 Weight gradients land on the local shards: the forward uses `to_local()` of the DTensor params.
 
 Capacity keep/drop (LOOM_SPEC §14) is decided by LoomMoE on the LOCAL tokens, so expert
@@ -32,14 +36,14 @@ slots (`takes_capacity_slots`, moe.capacity_slots: E slots of C rows, padding we
 the call makes NO host sync:
   1. kept counts exchange: an all_to_all of kept_E (device tensors, equal splits) gives recv_WL;
   2. dispatch: an all_to_all_single with equal splits of [L, C] rows per peer (no split sizes);
-  3. the received [W, L, C] slots are put in (local expert, source, slot) order; the grouped GEMM
-     gets the valid rows first (one stable sort on the device) with device offsets and skips the
-     padding; the per-expert loop runs on every slot (padding rows carry weight 0);
+  3. the received [W, L, C] slots are put in (local expert, source, slot) order; math that skips rows past its groups (the plain grouped GEMM) gets the valid rows
+     first (one stable sort on the device) with device offsets and skips the padding; any other
+     (the per-expert loop, float8's padded groups) runs on every slot, W*C rows per expert;
   4. padding rows are zeroed (forward and backward), the inverse gather and a second equal-split
      all_to_all bring the slots home.
 The padding travels (E·C rows per rank and call instead of the kept ones: at capacity factor f the
 all-to-all moves f·N·K rows, today's capacity-off dispatch N·K) but the grouped GEMM computes only
-kept rows (fewer FLOPs than dispatching dropped rows with weight 0 did); the loop computes all E·C.
+kept rows (fewer FLOPs than dispatching dropped rows with weight 0 did); the others compute all E·C.
 
 Backends: the same collectives (all_to_all_single with uneven, possibly empty splits) run on nccl
 and on gloo, so there is one code path for both.
@@ -58,40 +62,65 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from torchtitan_loom.models.loom.moe import (
-    Experts,
-    RoutedExperts,
-    expert_dtype,
-    gemm_path,
-    run_experts,
-)
+from torchtitan_loom.models.loom.moe import Experts
 
 if TYPE_CHECKING:
     from torchtitan_loom.models.loom.model import LoomTransformer
 
 
-class ExpertParallelExperts(RoutedExperts):
-    """RoutedExperts with w13/w2 sharded `Shard(0)` over a 1-D ep mesh: the same Experts interface,
-    GEMM path and dtype rule (inherited), its rows dispatched to the experts' owners."""
+class ExpertParallelExperts(Experts):
+    """Any Experts with w13/w2 sharded `Shard(0)` over a 1-D ep mesh: the same Experts interface,
+    its rows dispatched to the experts' owners, the wrapped module's math run on the local shards."""
 
-    def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh):
-        # nn.Module's init only: RoutedExperts.__init__ would allocate the full weights this replaces.
-        Experts.__init__(self)
-        self.impl = experts.impl
-        self.kernel_device = experts.kernel_device  # see models/loom/target.py
+    takes_capacity_slots = True  # LoomMoE may hand over the kept assignments in fixed slots
+
+    def __init__(self, experts: Experts, ep_mesh: DeviceMesh):
+        super().__init__()
         self.ep_mesh = ep_mesh
-        # src_data_rank=None: each rank keeps its own slice, no communication. The model's init is
-        # layout-independent (the same full tensor everywhere), and on meta there is no data at all.
+        # The weights move here, sharded; the wrapped module keeps its math (no parameters, so the
+        # names and the state dict stay moe.experts.w13 / .w2). src_data_rank=None: each rank keeps
+        # its own slice, no communication (the init is layout-independent; on meta there is no data).
         for name in ("w13", "w2"):
             full = getattr(experts, name)
             shard = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            delattr(experts, name)
             self.register_parameter(name, nn.Parameter(shard, requires_grad=full.requires_grad))
+        self.local = experts
 
     def extra_repr(self) -> str:
         E, W = self.w13.shape[0], self.ep_mesh.size()
-        return f"experts={E}, local_experts={E // W}, ep={W}, impl={self.impl}"
+        return f"experts={E}, local_experts={E // W}, ep={W}"
 
-    takes_capacity_slots = True  # LoomMoE may hand over the kept assignments in fixed slots
+    # The math and its choices are the wrapped module's.
+    def compute(
+        self,
+        x_AD: torch.Tensor,
+        counts_E: torch.Tensor,
+        w13_E2ID: torch.Tensor,
+        w2_EDI: torch.Tensor,
+        sizes_E: list[int] | None = None,
+    ) -> torch.Tensor:
+        return self.local.compute(x_AD, counts_E, w13_E2ID, w2_EDI, sizes_E)
+
+    def compute_dtype(self, device_type: str, weight_dtype: torch.dtype) -> torch.dtype | None:
+        return self.local.compute_dtype(device_type, weight_dtype)
+
+    def skips_rows_past_groups(
+        self, device_type: str, dtype: torch.dtype, compiling: bool, dim: int, inter: int
+    ) -> bool:
+        return self.local.skips_rows_past_groups(device_type, dtype, compiling, dim, inter)
+
+    def fallback(
+        self, device_type: str, dtype: torch.dtype, compiling: bool, dim: int, inter: int
+    ) -> str | None:
+        return self.local.fallback(device_type, dtype, compiling, dim, inter)
+
+    def set_kernel_device(self, device_type: str | None) -> None:
+        self.local.set_kernel_device(device_type)
+
+    def _shards(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts' weights (autograd reaches the DTensors through to_local)."""
+        return cast(DTensor, self.w13).to_local(), cast(DTensor, self.w2).to_local()
 
     def forward(
         self, x_AD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None = None
@@ -101,6 +130,9 @@ class ExpertParallelExperts(RoutedExperts):
         With `capacity` C: the rows are E slots of C (slot c of expert e valid when c < counts_E[e]);
         padding rows come back as zeros, and no host sync is made.
         """
+        # Rows travel in the math's dtype (plain experts: bf16 under autocast or FSDP mixed
+        # precision, half the all-to-all bytes of fp32, and the grouped GEMM takes them).
+        x_AD = x_AD.to(self.input_dtype(x_AD))
         if capacity is not None:
             return self._forward_slots(x_AD, counts_E, capacity)
         group = self.ep_mesh.get_group()
@@ -108,9 +140,6 @@ class ExpertParallelExperts(RoutedExperts):
         E = counts_E.numel()
         L = E // W
 
-        # Rows travel in the experts' compute dtype (bf16 under autocast or FSDP mixed precision):
-        # half the all-to-all bytes of fp32, and run_experts then takes the grouped GEMM.
-        x_AD = x_AD.to(expert_dtype(x_AD.device.type, self.w13.dtype))
         # 1. counts exchange: the E/W counts for block j go to rank j.
         recv_WL = funcol.all_to_all_single(counts_E.contiguous(), None, None, group).view(W, L)
         # 2. the one host sync of this call.
@@ -121,16 +150,9 @@ class ExpertParallelExperts(RoutedExperts):
             x_AD.contiguous(), recv_splits, send_splits, group
         )
         order_R, back_R = _local_expert_order(recv_WL, sum(recv_splits))
-        # 4. local experts on their rows (weights: this rank's shards, autograd reaches the DTensors).
-        y_RD = run_experts(
-            recv_RD[order_R],
-            recv_WL.sum(0),
-            cast(DTensor, self.w13).to_local(),  # both DTensors (see __init__)
-            cast(DTensor, self.w2).to_local(),
-            self.impl,
-            local_sizes_L,
-            device_type=self.kernel_device,
-        )
+        # 4. local experts on their rows.
+        w13, w2 = self._shards()
+        y_RD = self.local.compute(recv_RD[order_R], recv_WL.sum(0), w13, w2, local_sizes_L)
         # 5. back to source-major order, then home.
         return funcol.all_to_all_single_autograd(
             y_RD[back_R].contiguous(), send_splits, recv_splits, group
@@ -140,46 +162,26 @@ class ExpertParallelExperts(RoutedExperts):
         group, W = self.ep_mesh.get_group(), self.ep_mesh.size()
         E, D = kept_E.numel(), x_XD.shape[1]
         L = E // W
-        dtype = expert_dtype(x_XD.device.type, self.w13.dtype)
         # 1.-2. kept counts and the slots, equal splits (block j = experts of rank j).
         recv_WL = funcol.all_to_all_single(kept_E.contiguous(), None, None, group).view(W, L)
-        recv_RD = funcol.all_to_all_single_autograd(x_XD.to(dtype).contiguous(), None, None, group)
+        recv_RD = funcol.all_to_all_single_autograd(x_XD.contiguous(), None, None, group)
         # 3. (local expert, source, slot) order of the received (source, local expert, slot) rows.
         device = x_XD.device
-        by_expert_R = (
-            torch.arange(W * L * C, device=device).view(W, L, C).transpose(0, 1).reshape(-1)
-        )
-        w13, w2 = cast(DTensor, self.w13).to_local(), cast(DTensor, self.w2).to_local()
-        kernel = (
-            self.kernel_device
-        )  # the GEMM path is chosen as run_experts chooses it (models/loom/target.py)
-        path, _ = gemm_path(
-            kernel or device.type, dtype, torch.compiler.is_compiling(), D, w2.shape[2], self.impl
-        )
-        if path == "loop":  # every slot computed: group sizes W*C, known here
-            y_RD = run_experts(
-                recv_RD[by_expert_R],
-                recv_WL.new_full((L,), W * C),
-                w13,
-                w2,
-                self.impl,
-                [W * C] * L,
-                device_type=kernel,
-            )
-            return funcol.all_to_all_single_autograd(
-                y_RD[_inverse(by_expert_R)].contiguous(), None, None, group
-            )
-        valid_WLC = torch.arange(C, device=device) < recv_WL.unsqueeze(-1)
-        valid_R = valid_WLC.transpose(0, 1).reshape(-1)
-        first_R = torch.argsort(
-            (~valid_R).to(torch.uint8), stable=True
-        )  # valid rows first, order kept
-        order_R, valid_R = by_expert_R[first_R], valid_R[first_R].unsqueeze(-1)
-        # The grouped GEMM leaves rows past its last offset unwritten: zero them both ways.
-        rows_RD = torch.where(valid_R, recv_RD[order_R], 0)
-        y_RD = torch.where(
-            valid_R, run_experts(rows_RD, recv_WL.sum(0), w13, w2, self.impl, device_type=kernel), 0
-        )
+        order_R = torch.arange(W * L * C, device=device).view(W, L, C).transpose(0, 1).reshape(-1)
+        valid_R = (torch.arange(C, device=device) < recv_WL.unsqueeze(-1)).transpose(0, 1)
+        valid_R = valid_R.reshape(-1)
+        w13, w2 = self._shards()
+        compiling = torch.compiler.is_compiling()
+        if self.local.skips_rows_past_groups(device.type, x_XD.dtype, compiling, D, w2.shape[2]):
+            first_R = torch.argsort((~valid_R).to(torch.uint8), stable=True)  # valid rows first
+            order_R, valid_R = order_R[first_R], valid_R[first_R]
+            counts_L, sizes_L = recv_WL.sum(0), None
+        else:  # every slot computed: group sizes W*C, known here
+            counts_L, sizes_L = recv_WL.new_full((L,), W * C), [W * C] * L
+        # Padding rows zeroed both ways (a grouped GEMM leaves rows past its groups unwritten).
+        valid_R1 = valid_R.unsqueeze(-1)
+        rows_RD = torch.where(valid_R1, recv_RD[order_R], 0)
+        y_RD = torch.where(valid_R1, self.local.compute(rows_RD, counts_L, w13, w2, sizes_L), 0)
         # 4. home.
         return funcol.all_to_all_single_autograd(
             y_RD[_inverse(order_R)].contiguous(), None, None, group
@@ -264,11 +266,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
         experts = moe.experts
         if isinstance(experts, ExpertParallelExperts):
             raise ValueError(f"expert parallelism is already applied to layer {index}")
-        if not isinstance(experts, RoutedExperts):
-            raise ValueError(
-                f"layer {index}: moe.experts is {type(experts).__name__}; expert parallelism supports the "
-                "plain RoutedExperts only (not yet composed with float8 grouped experts)"
-            )
         num_experts = experts.w13.shape[0]
         if num_experts % ep != 0:
             raise ValueError(

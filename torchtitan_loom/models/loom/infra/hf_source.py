@@ -4,8 +4,8 @@ spec has one).
 
 ``modeling_loom.py`` is GENERATED from the package's own source: every module model.py needs,
 found by following its imports (module-level and lazy, within models/loom/ outside infra/, plus
-data_contract.py), each after the modules it imports from, with the package-internal imports
-removed; then the two output types of protocols.py, model.py and the thin wrapper of
+the generic data_contract.py and loop_request.py), each after the modules it imports from, with
+the package-internal imports removed; then the two output types of protocols.py, model.py and the thin wrapper of
 hf_wrapper_template.py. One copy of the same math, no list of files kept by hand (a module the
 model starts to import is stitched in by construction); it imports nothing from torchtitan_loom.
 """
@@ -28,7 +28,7 @@ WRAPPER_SOURCE = "models/loom/infra/hf_wrapper_template.py"
 
 def _stitched(rel: str) -> bool:
     """A module whose source goes into the modeling file (protocols.py: only PROTOCOL_NAMES)."""
-    return rel == "data_contract.py" or (
+    return rel in ("data_contract.py", "loop_request.py") or (
         rel.startswith("models/loom/")
         and not rel.startswith("models/loom/infra/")
         and not rel.endswith("__init__.py")
