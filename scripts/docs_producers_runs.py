@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from docs_context import (
@@ -71,8 +73,8 @@ def train_duration(ctx: Context) -> str:
 
 
 def install_duration(ctx: Context) -> str:
-    # A new virtual environment in the work folder, downloading every package as a new machine does
-    # (a wheel cache made the figure a third of what a newcomer waits).
+    # A new virtual environment in the work folder; no pip cache, so only the machine's own wheel
+    # folders (pip config find-links, if any) can spare a download, and the text says which.
     pip = "/tmp/venv/bin/python -m pip install -q --no-cache-dir"
     base = ctx.runner.run(f"python -m venv /tmp/venv && {pip} torch==2.13.0 && {pip} -e .")
     extras = ctx.runner.run(f'{pip} -e ".[dev,eval,hf,data,wandb]"')
@@ -80,9 +82,25 @@ def install_duration(ctx: Context) -> str:
         f"Installing into a new virtual environment took {duration(base.wall_s)} of wall time "
         f"({duration(base.cpu_s)} of CPU time) for the first command and {duration(extras.wall_s)} "
         f"({duration(extras.cpu_s)} of CPU time) more for the test extras (lm-eval, transformers, datasets, "
-        f"wandb), downloading every package (no wheel cache; the network's speed counts) with other "
-        f"jobs on the cores."
+        f"wandb), with other jobs on the cores; {_wheel_source()}"
     )
+
+
+def _wheel_source() -> str:
+    """Where pip found the packages: a local wheel folder (find-links) makes an install a fraction
+    of what a newcomer downloading torch (the CPU wheel alone is ~190 MB) waits."""
+    links = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if links:
+        return (
+            f"pip could take packages from this machine's wheel folder ({links}) instead of "
+            "downloading them; over a network add the download of torch (~190 MB for the CPU wheel) "
+            "and the extras."
+        )
+    return "every package downloaded (no pip cache), so the network's speed counts."
 
 
 def suite_duration(ctx: Context) -> str:

@@ -9,6 +9,14 @@ is a pure function of (training.seed, step): every rank draws the same D with no
 a resumed run draws the depths the uninterrupted run would have. The expected loops and head
 calls per step feed the FLOPs per token of the log line and the dry run's estimate.
 
+Depth past H (training.sample_depth_max > H): the step's segments go on past the model's H
+loops, the segments of H followed by those of the loops H + 1 .. max (so H stays a segment end and
+the first segments are the fixed-H run's), and D is drawn from the ends in [min, max] (min 0
+meaning H: every step trains the full depth, some steps more). Loops past H run under the "last"
+beyond-H policy (router H; BEYOND_POLICY), the tools' default, so the depth report, generate and
+lm_eval read such a model as trained. Huginn draws from a heavy-tailed distribution with a cap;
+uniform over the segment ends is the plainest distribution whose support reaches the cap.
+
 No torch, and below every layer that uses it (config checks, the estimate, the step).
 """
 
@@ -19,28 +27,52 @@ from typing import Any
 
 from torchtitan_loom.protocols import segments as segment_ranges
 
+# The router policy of the loops past H that training.sample_depth_max trains (models/loom/depth.py
+# names what it means; the tools default to it too).
+BEYOND_POLICY = "last"
 
-def depth_sampling_errors(minimum: int, seg_len: int, args: Any) -> list[str]:
-    """training.sample_depth_min against the model's H (args None: the model check failed)."""
-    if minimum == 0:
-        return []
+
+def step_segments(num_loops: int, seg_len: int, maximum: int) -> list[tuple[int, int]]:
+    """The backprop segments a step may run: those of the H loops, then (maximum > H) those of
+    loops H + 1 .. maximum, cut the same way."""
+    extra = maximum - num_loops
+    more = [] if extra <= 0 else segment_ranges(extra, seg_len)
+    return segment_ranges(num_loops, seg_len) + [(a + num_loops, b + num_loops) for a, b in more]
+
+
+def depth_sampling_errors(minimum: int, maximum: int, seg_len: int, args: Any) -> list[str]:
+    """training.sample_depth_min / _max against the model's H (args None: the model check failed)."""
+    errors = []
     if minimum < 0:
-        return [
+        errors.append(
             f"training.sample_depth_min = {minimum}: must be ≥ 0 (0 = every step runs all H loops)"
-        ]
+        )
+    if maximum < 0:
+        errors.append(
+            f"training.sample_depth_max = {maximum}: must be ≥ 0 (0 = H, no loop past the model's H)"
+        )
     H = getattr(args, "num_loops", None)
-    if H is None:
-        return []
-    ends = [b for _, b in segment_ranges(H, seg_len)]
-    if minimum > H:
+    if errors or H is None or (minimum == 0 and maximum == 0):
+        return errors
+    if 0 < maximum < H:
         return [
-            f"training.sample_depth_min = {minimum}: at most H = {H} (model.num_loops); "
+            f"training.sample_depth_max = {maximum}: 0 or ≥ H = {H} (model.num_loops); it is the "
+            f"deepest loop a step may run (fewer loops: training.sample_depth_min)"
+        ]
+    top = max(H, maximum)
+    ends = [b for _, b in step_segments(H, seg_len, maximum)]
+    key = "training.sample_depth_min"
+    if minimum > top:
+        return [
+            f"{key} = {minimum}: at most {top} (model.num_loops or training.sample_depth_max); "
             f"a step ends at a segment end ({', '.join(map(str, ends))})"
         ]
-    if len(ends) == 1 or minimum > ends[-2]:  # one choice left: nothing is sampled
+    # One choice left: nothing is sampled (a maximum past H leaves H and more: minimum 0 is fine;
+    # minimum = maximum > H is no draw but a recipe: every step trains its loops past H).
+    if minimum > 0 and len([b for b in ends if b >= minimum]) < 2 and top == H:
         return [
-            f"training.sample_depth_min = {minimum}: only one depth is ≥ it ({H}, the segment ends "
-            f"are {', '.join(map(str, ends))} with bp_segment_len = {seg_len}): set it to 0, or "
+            f"{key} = {minimum}: only one depth is in [{minimum}, {top}] (the segment ends are "
+            f"{', '.join(map(str, ends))} with bp_segment_len = {seg_len}): set it to 0, or "
             f"lower, to sample"
         ]
     return []
@@ -76,18 +108,37 @@ class DepthSampler:
         ]
 
 
-def sampler_of(segments: list[tuple[int, int]], minimum: int, seed: int) -> DepthSampler | None:
-    """The run's sampler, or None when every step runs all loops."""
-    return DepthSampler(segments, minimum, seed) if minimum > 0 else None
+def sampler_of(
+    segments: list[tuple[int, int]], minimum: int, seed: int, num_loops: int
+) -> DepthSampler | None:
+    """The run's sampler over its step_segments, or None when every step runs all of them (the
+    minimum 0 is H: with no segment past H, one choice)."""
+    sampler = DepthSampler(segments, minimum or num_loops, seed)
+    return sampler if len(sampler.choices) > 1 else None
+
+
+def training_depth(t: Any, num_loops: int) -> tuple[list[tuple[int, int]], DepthSampler | None]:
+    """A run's segments and sampler from its [training] section (the trainer, the start report
+    and the estimate read the same)."""
+    segs = step_segments(num_loops, t.bp_segment_len, t.sample_depth_max)
+    return segs, sampler_of(segs, t.sample_depth_min, t.seed, num_loops)
+
+
+def depth_key(t: Any) -> str:
+    """The keys a depth-sampling line names, as set."""
+    keys = [f"training.sample_depth_min = {t.sample_depth_min}"] if t.sample_depth_min else []
+    if t.sample_depth_max:
+        keys.append(f"training.sample_depth_max = {t.sample_depth_max}")
+    return ", ".join(keys)
 
 
 def flops_per_token(
     model: Any, seq_len: int, segments: list[tuple[int, int]], sampler: Any
 ) -> float:
-    """Training FLOPs per token of a step, expected over the sampled depths (all H loops without
+    """Training FLOPs per token of a step, expected over the sampled depths (every segment without
     a sampler): the loops' share scales with the mean depth, the head with the mean segments."""
-    if sampler is None:
-        return float(model.flops_per_token(seq_len, head_calls=len(segments)))
     no_head = model.flops_per_token(seq_len, head_calls=0)
     head = model.flops_per_token(seq_len, head_calls=1) - no_head
+    if sampler is None:
+        return no_head * segments[-1][1] / model.num_loops + head * len(segments)
     return no_head * sampler.mean_loops() / model.num_loops + head * sampler.mean_segments()

@@ -46,7 +46,7 @@ ADVICE = {
     ("components/runtime/run_folder.py", "--job.overwrite"): FOLLOWED,
     ("components/runtime/run_folder.py", "job.dump_folder"): FOLLOWED,
     ("components/checkpoint/resolve.py", "--job.overwrite"): FOLLOWED,
-    ("tools/export_format.py", "--job.config_file"): FOLLOWED,
+    ("components/checkpoint/found.py", "--job.config_file"): FOLLOWED,
     ("tools/generate.py", "--exit"): FOLLOWED,
     ("tools/generate.py", "--exit-threshold"): FOLLOWED,
     ("tools/generate.py", "--temperature"): FOLLOWED,

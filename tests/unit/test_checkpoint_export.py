@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_checkpoint import CPU, make_trainer, run  # tests/unit is on sys.path
 
-from torchtitan_loom.components.checkpoint import CheckpointError, layout
+from torchtitan_loom.components.checkpoint import CheckpointError, found, layout
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import export as export_tool
@@ -164,7 +164,7 @@ def test_export_round_trip_verify_and_same_logits(trained, tmp_path, capsys):
         and info["args"]["num_loops"] == 3
     )
     assert (out / "config.toml").exists()
-    model = export_tool.load_exported_model(str(out))
+    model = found.find(str(out)).build()
     batch = next(iter(t.dataloader))
     with torch.no_grad():
         want = t.model(batch["input_ids"], batch["positions"], batch["doc_ids"]).logits_BSV

@@ -104,10 +104,8 @@ def write_nonfinite_step(trainer, step):
     """A checkpoint of a NaN model with valid checksums (as an older version could have written)."""
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
-    tmp = layout.temp_dir(trainer.checkpointer.root, step, "periodic")
-    trainer.checkpointer.writer._save(
-        step, "periodic", tmp, True, False
-    )  # bypasses save()'s finiteness guard
+    target = layout.SaveTarget.of(trainer.checkpointer.root, step, "periodic")
+    trainer.checkpointer.writer._save(target, False)  # bypasses save()'s finiteness guard
 
 
 def test_nonfinite_model_is_never_saved_and_never_loaded(tiny_pack, tmp_path, capsys, straight):

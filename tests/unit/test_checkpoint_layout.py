@@ -18,9 +18,8 @@ from torchtitan_loom.components.checkpoint import layout
 
 def fake_ckpt(root, step, kind="periodic", complete=True, tmp=False):
     """A directory that looks like a DCP checkpoint (``.metadata`` + a data file)."""
-    path = (
-        layout.temp_dir(str(root), step, kind) if tmp else layout.final_dir(str(root), step, kind)
-    )
+    target = layout.SaveTarget.of(str(root), step, kind)
+    path = target.tmp if tmp else target.final
     os.makedirs(path)
     content = f"{kind} {step}"
     with open(os.path.join(path, "__0_0.distcp"), "w") as fh:
@@ -71,7 +70,7 @@ def test_commit_marks_and_renames_replacing_an_older_save_of_the_step(tmp_path):
     with open(os.path.join(tmp, "new.txt"), "w") as fh:
         fh.write("new")
     assert not layout.is_complete(tmp)
-    layout.commit(tmp, layout.final_dir(root, 4, "periodic"), {"step": 4})
+    layout.commit(tmp, layout.SaveTarget.of(root, 4, "periodic").final, {"step": 4})
     assert not os.path.exists(tmp)
     assert layout.is_complete(old) and os.path.exists(os.path.join(old, "new.txt"))
     assert sorted(os.listdir(root)) == ["step-4"]  # the replaced copy was removed
@@ -81,8 +80,10 @@ def test_clone_links_files_and_survives_pruning_of_its_source(tmp_path):
     root = str(tmp_path)
     src = fake_ckpt(tmp_path, 6)
     os.makedirs(os.path.join(root, layout.SNAPSHOT_DIR))
-    snap = layout.final_dir(root, 6, "snapshot")
-    layout.clone(src, layout.temp_dir(root, 6, "snapshot"), snap, {"step": 6, "kind": "snapshot"})
+    snap = layout.SaveTarget.of(root, 6, "snapshot").final
+    layout.clone(
+        src, layout.SaveTarget.of(root, 6, "snapshot").tmp, snap, {"step": 6, "kind": "snapshot"}
+    )
     assert layout.is_complete(snap)
     assert json.load(open(os.path.join(snap, layout.MARKER)))["kind"] == "snapshot"
     layout.prune(root, keep_latest_k=1, snapshot_keep=1, keep_paths=set())

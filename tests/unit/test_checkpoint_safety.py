@@ -12,7 +12,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.unit.test_checkpoint import make_trainer, run
-from torchtitan_loom.components.checkpoint import CheckpointError, integrity, layout, load_full
+from torchtitan_loom.components.checkpoint import (
+    CheckpointError,
+    found,
+    integrity,
+    layout,
+    load_full,
+)
 from torchtitan_loom.tools import export as export_tool
 from torchtitan_loom.tools import generate as generate_tool
 from torchtitan_loom.tools.loading import LoadError, load_tokenizer
@@ -176,8 +182,8 @@ def test_export_file_name_stays_inside_the_export_and_model_pt_is_plain_tensors(
     capsys.readouterr()
     assert generate_tool.main([str(out), "--prompt", "the cat", "--max-new-tokens", "2"]) == 2
     assert "must name a file inside" in one_error_line(capsys, "generate error:")
-    with pytest.raises(export_tool.ExportError, match="must name a file inside"):
-        export_tool.load_exported_model(str(out))
+    with pytest.raises(found.NotACheckpoint, match="must name a file inside"):
+        found.find(str(out)).build()
 
     mark = tmp_path / "CODE_RAN"  # a model.pt that asks for code: weights_only refuses it, one line
     torch.save({"w": Payload(mark)}, out / "model.pt")

@@ -32,7 +32,7 @@ def test_draws_are_a_function_of_seed_and_step_and_cover_every_choice():
     assert set(draws) == {2, 3}  # loop 3 ends before the minimum 4: never a depth
     assert draws != [DepthSampler(segs, 4, seed=1).segments_at(s) for s in range(1, 201)]
     assert a.mean_loops() == 7.5 and a.segment_weights() == [1.0, 1.0, 0.5]
-    assert sampler_of(segs, 0, 0) is None
+    assert sampler_of(segs, 0, 0, 9) is None
 
 
 def test_expected_flops_scale_the_loops_by_the_mean_depth_and_the_head_by_the_mean_segments():
@@ -112,11 +112,11 @@ def test_the_run_identity_holds_the_minimum(tiny_pack, tmp_path):
         (["--training.sample_depth_min", "-1"], "training.sample_depth_min = -1: must be ≥ 0"),
         (
             ["--training.sample_depth_min", "4", "--training.bp_segment_len", "1"],
-            "training.sample_depth_min = 4: at most H = 3",
+            "training.sample_depth_min = 4: at most 3 (model.num_loops",
         ),
         (
             ["--training.sample_depth_min", "1", "--training.bp_segment_len", "3"],
-            "training.sample_depth_min = 1: only one depth is ≥ it",
+            "training.sample_depth_min = 1: only one depth is in [1, 3]",
         ),
     ],
 )

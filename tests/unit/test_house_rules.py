@@ -24,10 +24,6 @@ MAX_FUNCTION_LINES = 80
 # Every exception to the two limits, in one place: "file" or "file::Qualified.name" -> why it is
 # allowed for now. A key that no longer breaks its limit fails the test (remove it then).
 EXCEPTIONS = {
-    "torchtitan_loom/components/checkpoint/resolve.py::choose": (
-        "issue 44 item 1 replaces the three ways to find a checkpoint with one checkpoint value; "
-        "this function is what it replaces"
-    ),
     "torchtitan_loom/launch.py::run": (
         "one launch's refusals in the order it meets them (argv, config, run folder, process "
         "group, agreement), each with its exit code; the first-run behaviour merged this wave "

@@ -88,7 +88,7 @@ def test_a_save_into_a_planted_temporary_link_is_refused_mid_run(tiny_pack, tmp_
     outside.mkdir()
     (outside / "keep.txt").write_text("precious\n")
     os.symlink(
-        outside, layout.temp_dir(t.checkpointer.root, 2, "periodic")
+        outside, layout.SaveTarget.of(t.checkpointer.root, 2, "periodic").tmp
     )  # planted after the launch check
     with pytest.raises(
         CheckpointError, match=r"step 2 not saved: .*\.tmp-step-2 is a symbolic link"

@@ -145,6 +145,7 @@ def test_every_documented_command_runs_after_the_readmes_first_command(tmp_path,
     other training command the docs show, typed next in the same folder, must pass the config
     checks that look at its run folder (the data of a corpus the reader has not packed, or a GPU
     this machine lacks, are not this check's)."""
+    from torchtitan_loom.components.checkpoint import names
     from torchtitan_loom.components.runtime import run_folder
     from torchtitan_loom.config import ConfigError
     from torchtitan_loom.config.validate import resolve
@@ -153,7 +154,7 @@ def test_every_documented_command_runs_after_the_readmes_first_command(tmp_path,
     first = load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")])
     os.makedirs(first.job.dump_folder)
     finished = {"identity": run_folder.identity(first), "status": "finished", "step": 180}
-    (tmp_path / first.job.dump_folder / run_folder.RUN_JSON).write_text(json.dumps(finished))
+    (tmp_path / first.job.dump_folder / names.RUN_JSON).write_text(json.dumps(finished))
     checked = 0
     for page, line in _train_commands():
         words = shlex.split(line.replace("$NODE", "0"))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from torchtitan_loom import train
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import layout, names
 from torchtitan_loom.components.runtime import run_folder
 
 
@@ -185,7 +185,7 @@ def test_a_finished_run_is_refused_before_torch_is_imported(tmp_path):
 
     args = ["--job.dump_folder", str(tmp_path), "--training.steps", "4"]
     finished = {"identity": run_folder.identity(load_config(args)), "status": "finished", "step": 4}
-    (tmp_path / run_folder.RUN_JSON).write_text(json.dumps(finished))
+    (tmp_path / names.RUN_JSON).write_text(json.dumps(finished))
     code = (
         "import sys\nfrom torchtitan_loom.config.early import answer_early\n"
         f"try:\n    answer_early({args!r})\nexcept SystemExit as e:\n"

@@ -247,8 +247,8 @@ def test_analyze_without_out_writes_under_the_run_folder(dump, tmp_path, monkeyp
 def test_a_checkpoint_file_linked_to_an_identical_copy_outside_is_refused(dump, tmp_path, capsys):
     """Issue 34: a .distcp replaced by a link to an identical copy outside the folder loaded
     without a word. Nothing is damaged, but loading never reads outside the checkpoint: the tools
-    refuse it with one line, and a resume skips that checkpoint (checkpoint_problem)."""
-    from torchtitan_loom.components.checkpoint.resolve import checkpoint_problem
+    refuse it with one line, and a resume skips that checkpoint (its found.at(...).problem)."""
+    from torchtitan_loom.components.checkpoint import found
 
     step = dump / "checkpoint" / "step-2"
     copy = tmp_path / "copy.distcp"
@@ -259,4 +259,4 @@ def test_a_checkpoint_file_linked_to_an_identical_copy_outside_is_refused(dump, 
     assert generate_tool.main([str(step), "--prompt", "the", "--max-new-tokens", "1"]) == 2
     err = error_line(capsys, "generate error:")
     assert "__0_0.distcp" in err and "a checkpoint holds only its own files" in err, err
-    assert "symbolic link" in checkpoint_problem(str(step))
+    assert "symbolic link" in found.at(str(step)).problem

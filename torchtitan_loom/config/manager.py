@@ -16,6 +16,7 @@ import types
 import typing
 from typing import Any
 
+from torchtitan_loom.components.checkpoint import names
 from torchtitan_loom.config.aliases import ALIASES, AliasError, translate
 from torchtitan_loom.config.errors import ConfigError
 from torchtitan_loom.config.schema import JobConfig, model_section
@@ -284,8 +285,8 @@ def _run_record(path: str) -> bool:
     """Whether ``path`` is a run folder's own config.toml (run.json beside it): its config_file
     line records where the run's values came from, it names no file to read."""
     folder = os.path.dirname(os.path.abspath(path))
-    return os.path.basename(path) == "config.toml" and os.path.isfile(
-        os.path.join(folder, "run.json")
+    return os.path.basename(path) == names.CONFIG_TOML and os.path.isfile(
+        os.path.join(folder, names.RUN_JSON)
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES
+from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES, DEFAULT_FOLDER
 from torchtitan_loom.components.quantization.recipes import DENSE_RECIPES, EXPERT_RECIPES
 from torchtitan_loom.config.fields import opt
 from torchtitan_loom.distributed.choices import (
@@ -52,7 +52,7 @@ class Checkpoint:
         "Save DCP checkpoints under <dump_folder>/<folder> and resume from the newest "
         "complete one there at start (any world size).",
     )
-    folder: str = opt("checkpoint", "Checkpoint sub-folder of job.dump_folder.")
+    folder: str = opt(DEFAULT_FOLDER, "Checkpoint sub-folder of job.dump_folder.")
     interval: int = opt(500, "Save step-N/ every N steps (and always at the last step).")
     keep_latest_k: int = opt(
         2,

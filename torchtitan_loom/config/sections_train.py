@@ -50,7 +50,15 @@ class Training:
         "Depth training: 0 = every step runs all H loops; N ≥ 1 = each step runs only its first "
         "D loops, D drawn uniformly from the backprop segments' last loops that are ≥ N (whole "
         "segments; Huginn's per-step depth sampling), from (training.seed, step), so a resume "
-        "draws the same depths (depth_sampling.py).",
+        "draws the same depths (depth_sampling.py). With sample_depth_max, 0 = H.",
+    )
+    sample_depth_max: int = opt(
+        0,
+        "Depth past H: 0 = no step runs past the model's H loops; N > H = a step's segments go on "
+        "to loop N (loops H+1..N cut into bp_segment_len segments, their routers the 'last' "
+        "beyond-H policy: router H) and D is drawn from the segment ends in [sample_depth_min or "
+        "H, N], so the loops past H are trained (sample_depth_min = N: every step runs N loops) "
+        "(depth_sampling.py).",
     )
     max_norm: float = opt(
         1.0, "Gradient clip on the global L2 norm before every optimizer step; ≤ 0 disables."

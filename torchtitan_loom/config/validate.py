@@ -257,7 +257,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         args = resolve_model_args(cfg)
     except ConfigError as exc:
         errors.append(str(exc))
-    errors += depth_sampling_errors(t.sample_depth_min, t.bp_segment_len, args)
+    errors += depth_sampling_errors(t.sample_depth_min, t.sample_depth_max, t.bp_segment_len, args)
     dims = _parallel_dims(cfg, world_size, args, errors)
     errors += _batch_errors(cfg, dims)
     errors += _eval_and_metrics_errors(cfg, world_size)

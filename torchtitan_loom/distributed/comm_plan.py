@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from torchtitan_loom.depth_sampling import step_segments
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
 from torchtitan_loom.model_cost import FsdpUnit, ModelCost, SegmentCost
-from torchtitan_loom.protocols import segments
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -160,7 +160,8 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
     world = dims.world_size
     out: list[Collective] = []
-    for a, b in segments(num_loops, t.bp_segment_len):
+    ranges = step_segments(num_loops, t.bp_segment_len, t.sample_depth_max)
+    for a, b in ranges:
         seg = cost.segment(a, b)
         out += _gradient_collectives(cfg, cost, seg, dims, micro)
         for what, calls, nbytes in seg.all_to_alls:
@@ -170,9 +171,9 @@ def predict(cfg: Any, cost: ModelCost, dims: ParallelDims, num_loops: int) -> li
         out.append(Collective("all_reduce", "step statistics", "dp", world, world, 1, 4 * 8))
     out.append(Collective("all_reduce", "valid tokens", "dp", world, world, 1, 8))
     if cost.expert_counts:
-        out.append(
-            Collective("all_reduce", "expert counts", "dp", world, world, 1, cost.expert_counts * 8)
-        )
+        # One column per loop a step may run (the step's counts_LHE): past H with sample_depth_max.
+        n_counts = cost.expert_counts // num_loops * ranges[-1][1]
+        out.append(Collective("all_reduce", "expert counts", "dp", world, world, 1, n_counts * 8))
     return out
 
 

@@ -24,13 +24,13 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from torchtitan_loom.depth_sampling import sampler_of
+from torchtitan_loom.depth_sampling import depth_key, training_depth
 from torchtitan_loom.distributed import comm_plan
 from torchtitan_loom.distributed.comm_plan import Collective
 from torchtitan_loom.distributed.parallel_dims import ParallelDims
 from torchtitan_loom.distributed.utils import DTYPES
 from torchtitan_loom.model_cost import ModelCost
-from torchtitan_loom.protocols import get_train_spec, segments
+from torchtitan_loom.protocols import get_train_spec
 
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)
@@ -81,7 +81,8 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     t, hw = cfg.training, cfg.estimate
     pb, rb = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
-    segs = [cost.segment(a, b) for a, b in segments(model_args.num_loops, t.bp_segment_len)]
+    loop_ranges, sampler = training_depth(t, model_args.num_loops)
+    segs = [cost.segment(a, b) for a, b in loop_ranges]
     if dims.fsdp_enabled:
         gathered = [comm_plan.padded_numel(u, comm_plan.shard_degree(u, dims)) for u in cost.units]
         local = sum(g // comm_plan.shard_degree(u, dims) for g, u in zip(gathered, cost.units))
@@ -121,9 +122,6 @@ def estimate(cfg: Any, model_args: Any, dims: ParallelDims, cost: Any = None) ->
     collectives = comm_plan.predict(cfg, cost, dims, model_args.num_loops)
     # Depth sampling: segment j runs on a fraction of the steps (memory and collectives above
     # are the deepest step's, the worst case).
-    sampler = sampler_of(
-        segments(model_args.num_loops, t.bp_segment_len), t.sample_depth_min, t.seed
-    )
     runs = [1.0] * len(segs) if sampler is None else sampler.segment_weights()
     flops = micro * sum(w * s.flops for w, s in zip(runs, segs))
     recompute = micro * sum(w * s.recompute_flops for w, s in zip(runs, segs))
@@ -162,7 +160,7 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
     per rank or for the whole step over all ranks."""
     est = estimate(cfg, model_args, dims)
     t, hw = cfg.training, cfg.estimate
-    n_seg = len(segments(model_args.num_loops, t.bp_segment_len))
+    n_seg = len(training_depth(t, model_args.num_loops)[0])
     micro = t.global_batch_size // dims.dp // t.micro_batch_size
     lines = [
         "estimate per rank (a roofline, not a measurement; a figure for all ranks says so)",
@@ -187,12 +185,12 @@ def report(cfg: Any, model_args: Any, dims: ParallelDims) -> list[str]:
             lines.append(
                 "    (expert all-to-all: the rows a rank receives follow the routing; their mean is shown)"
             )
-    sampler = sampler_of(
-        segments(model_args.num_loops, t.bp_segment_len), t.sample_depth_min, t.seed
-    )
+    ranges, sampler = training_depth(t, model_args.num_loops)
+    if sampler is None and ranges[-1][1] > model_args.num_loops:
+        lines.append(f"  depth past H ({depth_key(t)}): every step runs {ranges[-1][1]} loops")
     if sampler is not None:
         lines.append(
-            f"  depth sampling (training.sample_depth_min = {t.sample_depth_min}): a step runs "
+            f"  depth sampling ({depth_key(t)}): a step runs "
             f"{sampler.depths()} loops, "
             f"{sampler.mean_loops():.2f} on average; FLOPs and time are the expected ones, memory "
             "and communication the deepest step's"

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import torch
 
+from torchtitan_loom.components.checkpoint import names
 from torchtitan_loom.components.evaluation.loop_by_loop import LoopByLoop
 from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.protocols import ModelProtocol
@@ -29,18 +30,6 @@ ANALYSIS_DIR = "analysis"
 
 class AnalyzeError(ValueError):
     """Bad input to the tool: reported as one line, exit code 2."""
-
-
-def _run_config(ckpt: str) -> dict[str, Any]:
-    path = os.path.join(ckpt, "config.toml")
-    if not os.path.isfile(path):
-        return {}
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # Python 3.10
-        import tomli as tomllib
-    with open(path, "rb") as fh:
-        return tomllib.load(fh)
 
 
 @torch.no_grad()
@@ -118,18 +107,21 @@ def analyze(
 ) -> str:
     """Measure ``ckpt_arg`` on the held-out data and write the report; returns report.md's path.
     ``out`` None: the run's own folder (see the module doc)."""
-    from torchtitan_loom.components.checkpoint.layout import read_json
+    from torchtitan_loom.components.checkpoint import found
     from torchtitan_loom.components.data import build_eval_loader, bundled_corpus_path
     from torchtitan_loom.components.data.pack_format import PackError, open_pack
-    from torchtitan_loom.tools.export import ExportError, load_checkpoint_model
+    from torchtitan_loom.config.errors import ConfigError
+    from torchtitan_loom.config.toml_file import read_toml
 
     progress = progress or Progress("analyze")
     try:
-        model, info, ckpt = load_checkpoint_model(ckpt_arg)
-    except (ExportError, OSError) as exc:
+        ck = found.find(ckpt_arg)
+        model, run = ck.build(), read_toml(ck.config_path) if ck.config_path else {}
+    except (found.NotACheckpoint, ConfigError, OSError) as exc:
         raise AnalyzeError(str(exc)) from None
-    run = _run_config(ckpt)
-    info = dict(info, step=(read_json(os.path.join(ckpt, "meta.json")) or {}).get("step"))
+    if ck.note:
+        print(f"warning: {ck.note}", file=sys.stderr)
+    ckpt, info = ck.folder, dict(ck.model_args or {}, step=ck.step)
     out, owner = (out, out) if out is not None else default_out(ckpt, run, info["step"])
     out_files.below(out, owner, AnalyzeError)  # before the slow part: a planted link fails now
     check_out_links(out)
@@ -214,6 +206,6 @@ def check_out_links(out: str) -> None:
 def _metrics_path(ckpt: str, run: dict[str, Any]) -> str:
     """The run's metrics.jsonl: beside the checkpoint folder (<dump>/checkpoint/step-N), else in the
     dump folder its config names."""
-    near = os.path.normpath(os.path.join(ckpt, os.pardir, os.pardir, "metrics.jsonl"))
-    named = os.path.join(run.get("job", {}).get("dump_folder", ""), "metrics.jsonl")
+    near = os.path.normpath(os.path.join(ckpt, os.pardir, os.pardir, names.METRICS_JSONL))
+    named = os.path.join(run.get("job", {}).get("dump_folder", ""), names.METRICS_JSONL)
     return near if os.path.isfile(near) or not os.path.isfile(named) else named

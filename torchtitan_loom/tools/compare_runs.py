@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from torchtitan_loom.components.checkpoint import names
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.config.manager import ConfigError
 from torchtitan_loom.config.toml_file import flatten, read_toml
@@ -93,7 +94,7 @@ class Group:
 
 
 def is_run_folder(path: str) -> bool:
-    return all(os.path.isfile(os.path.join(path, f)) for f in ("run.json", "metrics.jsonl"))
+    return all(os.path.isfile(os.path.join(path, f)) for f in (names.RUN_JSON, names.METRICS_JSONL))
 
 
 class RunRef(NamedTuple):
@@ -149,7 +150,7 @@ def study_runs(folder: str) -> list[tuple[str, str, float | None]]:
 
 def flat_config(run: str, warn: Warn) -> dict[str, Any]:
     """The run's config.toml as dotted keys ({} with a warning when it is missing or unreadable)."""
-    path = os.path.join(run, "config.toml")
+    path = os.path.join(run, names.CONFIG_TOML)
     if not os.path.isfile(path):
         warn(f"{path}: missing; the run's seed and config are unknown")
         return {}
@@ -190,12 +191,12 @@ def _number(row: dict[str, Any], key: str) -> float | None:
 def summarize(ref: RunRef, warn: Warn) -> RunSummary:
     """One run folder's numbers (what exists; None for what it did not log)."""
     path = ref.path
-    rows = history(list(metrics_rows(os.path.join(path, "metrics.jsonl"), warn)))
+    rows = history(list(metrics_rows(os.path.join(path, names.METRICS_JSONL), warn)))
     config = flat_config(path, warn)
     recorded: dict[str, Any] = {}  # run.json's model sizes (trainers since they are recorded)
     launch_s: float | None = None  # the launches' seconds, when every one of them ended
     try:
-        run = json.loads(safe_files.read_text(os.path.join(path, "run.json")))
+        run = json.loads(safe_files.read_text(os.path.join(path, names.RUN_JSON)))
         status, step = str(run.get("status")), int(run.get("step") or 0)
         recorded = run.get("model") if isinstance(run.get("model"), dict) else {}
         resolved = run.get("resolved") if isinstance(run.get("resolved"), dict) else config
@@ -203,7 +204,7 @@ def summarize(ref: RunRef, warn: Warn) -> RunSummary:
         if secs and all(_number({"s": s}, "s") is not None for s in secs):
             launch_s = float(sum(secs))
     except (OSError, ValueError, AttributeError, TypeError, RecursionError):
-        warn(f"{os.path.join(path, 'run.json')}: unreadable; its status is unknown")
+        warn(f"{os.path.join(path, names.RUN_JSON)}: unreadable; its status is unknown")
         status, step = "unknown", max((r["step"] for r in rows), default=0)
         resolved = config
     seen = [(r["step"], t) for r in rows if (t := _number(r, "tokens_seen")) is not None]

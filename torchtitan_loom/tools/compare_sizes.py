@@ -8,6 +8,7 @@ import dataclasses
 import os
 from typing import Any
 
+from torchtitan_loom.components.checkpoint import names
 from torchtitan_loom.config.manager import ConfigError, load_config
 from torchtitan_loom.tools.compare_runs import RunSummary, Warn
 
@@ -22,7 +23,7 @@ def model_sizes(runs: list[RunSummary], warn: Warn) -> None:
 
     built: dict[str, tuple[int, int, float]] = {}
     for run in runs:
-        path = os.path.join(run.path, "config.toml")
+        path = os.path.join(run.path, names.CONFIG_TOML)
         if run.params is not None and run.flops_per_token is not None:
             continue  # recorded by the trainer in run.json
         if not run.config:  # flat_config said why

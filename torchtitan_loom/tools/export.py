@@ -4,9 +4,10 @@
 
 CKPT is a checkpoint directory (``.../checkpoint/step-N``), a checkpoint folder or a run's
 dump folder (the newest complete checkpoint inside is used; it is resolved once, and ``--verify``
-checks that same step even when the run saves a newer one meanwhile). OUT must be absent or empty
-unless ``--force`` (an existing export is never overwritten by accident); this is checked before
-the checkpoint is read. ``--force`` removes only the regular files an export writes (either
+checks that same step even when the run saves a newer one meanwhile), or an export folder (read
+as a checkpoint, components/checkpoint/found.py: re-exported, say in another dtype). OUT must be
+absent or empty unless ``--force`` (an existing export is never overwritten by accident); this is
+checked before the checkpoint is read. ``--force`` removes only the regular files an export writes (either
 format's names, see EXPORT_NAMES) and leaves anything else in OUT; a symbolic link at such a name,
 or OUT itself a link when ``--force`` would clear it, is refused (one line, exit 2), never written
 or removed through (tools/out_files.py). OUT receives:
@@ -22,7 +23,8 @@ expert bias, which decides routing). ``--verify``
 reads the written file back and compares every tensor bit for bit with the DCP source (cast the
 same way). ``--format hf`` writes a Hugging Face folder instead (tools/hf_export.py): config.json,
 a generated standalone modeling_loom.py, model.safetensors and the pack's HF tokenizer files. The checkpoint is read without a process group, so any world size's checkpoint works
-on one CPU process. ``load_exported_model(OUT)`` rebuilds the model from the export.
+on one CPU process. ``found.find(OUT).build()`` (components/checkpoint/found.py) rebuilds the
+model from the export, as from any checkpoint.
 """
 
 from __future__ import annotations
@@ -31,26 +33,23 @@ import argparse
 import dataclasses
 import os
 import sys
+
+if __name__ == "__main__":  # a bad command line or an occupied OUT is answered before torch
+    from torchtitan_loom.tools.export_cli import answer_early
+
+    answer_early(sys.argv[1:], __doc__.split("\n\n")[0])
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from torchtitan_loom.components.checkpoint import integrity, layout
-from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
-from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
+from torchtitan_loom.components.checkpoint import found, integrity, layout, names
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_for_inference
-from torchtitan_loom.tools.export_format import (
-    ExportError,
-    find_checkpoint,
-    give_umask_mode,
-    model_spec,
-    read_export,
-)
+from torchtitan_loom.tools.export_cli import build_parser
+from torchtitan_loom.tools.export_format import ExportError, give_umask_mode
 from torchtitan_loom.tools.hf_export import HF_NAMES, export_hf
 from torchtitan_loom.tools.loading import LoadError, TokenizerFileError, load, load_tokenizer
 from torchtitan_loom.tools.out_files import check_out as _check_out
@@ -58,7 +57,7 @@ from torchtitan_loom.tools.out_files import clear_out, make_out
 
 # Every name an export writes, in either format: what --force may replace (out_files.py).
 EXPORT_NAMES = frozenset(
-    {"model.safetensors", "model.pt", MODEL_ARGS_FILE, "config.toml", *HF_NAMES}
+    {"model.safetensors", "model.pt", names.MODEL_ARGS_JSON, names.CONFIG_TOML, *HF_NAMES}
 )
 
 
@@ -70,15 +69,40 @@ def cast_for_export(
     return {name: t.contiguous().clone() for name, t in cast_for_inference(spec, sd, dtype).items()}
 
 
-def _checkpoint_model(ckpt: str) -> dict[str, torch.Tensor]:
+def find(path: str, step: int | None = None) -> found.FoundCheckpoint:
+    """The verified checkpoint (or export) ``path`` names (found.find); ExportError otherwise. A
+    warning it carries (a checkpoint that predates checksums) is said on stderr."""
     try:
-        sd = load_full(ckpt, prefix="model.")
-    except CheckpointError as exc:  # a refused pickle (safe_read.py) or no model entries
+        ck = found.find(path, step)
+    except found.NotACheckpoint as exc:
         raise ExportError(str(exc)) from None
-    bad = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))
-    if bad:
-        raise ExportError(f"{ckpt}: non-tensor model entries {bad[:5]}")
-    return sd
+    if ck.note:
+        print(f"warning: {ck.note}", file=sys.stderr)
+    return ck
+
+
+def _tensors(ck: found.FoundCheckpoint) -> dict[str, torch.Tensor]:
+    try:
+        return ck.tensors()
+    except found.NotACheckpoint as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _spec(ck: found.FoundCheckpoint) -> tuple[Any, Any]:
+    try:
+        return ck.spec()
+    except found.NotACheckpoint as exc:
+        raise ExportError(str(exc)) from None
+
+
+def read_export(out: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(model_args.json payload, tensors) of the export folder ``out``."""
+    ck = find(out)
+    if not ck.is_export:
+        raise ExportError(
+            f"{out}: no {names.MODEL_ARGS_JSON} naming a model file; not an export directory"
+        )
+    return dict(ck.model_args or {}), _tensors(ck)
 
 
 def check_out(out: str, force: bool) -> None:
@@ -100,18 +124,14 @@ def export(ckpt: str, out: str, dtype: str = "fp32", force: bool = False) -> str
     if dtype not in SHORT_DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(SHORT_DTYPES)}")
     check_out(out, force)
-    return _export(find_checkpoint(ckpt), out, dtype, force)
+    return _export(find(ckpt), out, dtype, force)
 
 
-def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
-    """``export`` of the checkpoint directory ``ckpt`` that find_checkpoint already verified."""
-    info = read_model_args(ckpt)
-    if info is None:
-        raise ExportError(
-            f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be exported"
-        )
-    spec, args = model_spec(info)
-    tensors = cast_for_export(spec, _checkpoint_model(ckpt), SHORT_DTYPES[dtype])
+def _export(ck: found.FoundCheckpoint, out: str, dtype: str, force: bool) -> str:
+    """``export`` of the checkpoint ``ck`` that ``find`` already verified."""
+    spec, args = _spec(ck)
+    info = ck.model_args or {}
+    tensors = cast_for_export(spec, _tensors(ck), SHORT_DTYPES[dtype])
     prepare_out(out, force)
     save_file: Callable[..., Any] | None
     try:
@@ -131,24 +151,23 @@ def _export(ckpt: str, out: str, dtype: str, force: bool) -> str:
     finally:
         if os.path.lexists(tmp) and not os.path.islink(tmp):
             os.remove(tmp)
-    meta = layout.read_json(os.path.join(ckpt, "meta.json")) or {}
     layout.write_json(
-        os.path.join(out, MODEL_ARGS_FILE),
+        os.path.join(out, names.MODEL_ARGS_JSON),
         {
             "name": info["name"],
             "flavor": info.get("flavor"),
             "args": dataclasses.asdict(args),
             "dtype": dtype,
-            "step": meta.get("step"),
-            "source": os.path.abspath(ckpt),
+            "step": ck.step,
+            "source": os.path.abspath(ck.folder),
             "file": name,
         },
     )
-    written = [name, MODEL_ARGS_FILE]
-    if os.path.isfile(os.path.join(ckpt, "config.toml")):
-        text = safe_files.read_text(os.path.join(ckpt, "config.toml"))
-        safe_files.atomic_write(os.path.join(out, "config.toml"), text, owner=out)
-        written.append("config.toml")
+    written = [name, names.MODEL_ARGS_JSON]
+    if ck.config_path is not None:
+        text = safe_files.read_text(ck.config_path)
+        safe_files.atomic_write(os.path.join(out, names.CONFIG_TOML), text, owner=out)
+        written.append(names.CONFIG_TOML)
     give_umask_mode(out, written)
     return path
 
@@ -167,19 +186,21 @@ def verify(ckpt: str | None, out: str) -> int:
     if ckpt is None:
         ckpt = info.get("source")
         if not isinstance(ckpt, str):
-            raise ExportError(f"{out}: {MODEL_ARGS_FILE} records no source; name the checkpoint")
-    return _verify(
-        find_checkpoint(ckpt, step if isinstance(step, int) else None), info, exported, out
-    )
+            raise ExportError(
+                f"{out}: {names.MODEL_ARGS_JSON} records no source; name the checkpoint"
+            )
+    return _verify(find(ckpt, step if isinstance(step, int) else None), info, exported, out)
 
 
-def _verify(ckpt: str, info: dict[str, Any], exported: dict[str, torch.Tensor], out: str) -> int:
-    """``verify`` against the checkpoint directory ``ckpt`` that find_checkpoint already verified."""
-    spec, _ = model_spec(info)
-    source = _checkpoint_model(ckpt)
+def _verify(
+    ck: found.FoundCheckpoint, info: dict[str, Any], exported: dict[str, torch.Tensor], out: str
+) -> int:
+    """``verify`` against the checkpoint ``ck`` that ``find`` already verified."""
+    spec, _ = _spec(ck)
+    source = _tensors(ck)
     bad = integrity.nonfinite_names(source)
     if bad:
-        raise ExportError(f"{ckpt}: non-finite weights in the checkpoint ({', '.join(bad)})")
+        raise ExportError(f"{ck.folder}: non-finite weights in the checkpoint ({', '.join(bad)})")
     expected = cast_for_export(spec, source, SHORT_DTYPES[info["dtype"]])
     problems = [f"{k}: missing from the export" for k in sorted(expected.keys() - exported.keys())]
     problems += [f"{k}: not in the checkpoint" for k in sorted(exported.keys() - expected.keys())]
@@ -193,86 +214,27 @@ def _verify(ckpt: str, info: dict[str, Any], exported: dict[str, torch.Tensor], 
             problems.append(f"{k}: values differ")
     if problems:
         raise ExportError(
-            f"verification of {out} against {ckpt} failed:\n  " + "\n  ".join(problems[:20])
+            f"verification of {out} against {ck.folder} failed:\n  " + "\n  ".join(problems[:20])
         )
     return len(expected)
 
 
-def load_exported_model(out: str, device: str | torch.device = "cpu") -> nn.Module:
-    """The model rebuilt from an export (fp32 parameters holding the exported values), in eval mode."""
-    info, tensors = read_export(out)
-    spec, args = model_spec(info)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()  # fills non-persistent buffers (e.g. RoPE tables); weights are replaced
-    model.load_state_dict(tensors, strict=True)
-    return model.eval()
-
-
-def load_checkpoint_model(
-    ckpt: str, device: str | torch.device = "cpu"
-) -> tuple[nn.Module, dict[str, Any], str]:
-    """(model in eval mode, model_args.json payload, checkpoint directory) straight from a DCP
-    checkpoint (``ckpt`` as for ``export``), without a process group."""
-    ckpt = find_checkpoint(ckpt)
-    info = read_model_args(ckpt)
-    if info is None:
-        raise ExportError(
-            f"{ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom can be read"
-        )
-    spec, args = model_spec(info)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()  # fills non-persistent buffers; the weights are replaced below
-    model.load_state_dict(_checkpoint_model(ckpt), strict=True)
-    return model.eval(), info, ckpt
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0, or 2 with one ``export error:`` message."""
-    parser = argparse.ArgumentParser(
-        prog="python -m torchtitan_loom.tools.export", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "ckpt", help="checkpoint directory (step-N), checkpoint folder or run dump folder"
-    )
-    parser.add_argument("out", help="output directory")
-    parser.add_argument(
-        "--dtype", default="fp32", choices=tuple(SHORT_DTYPES), help="parameter dtype of the export"
-    )
-    parser.add_argument(
-        "--verify", action="store_true", help="re-read the export and compare it bit for bit"
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="overwrite the files of an existing export in OUT "
-        "(without it, OUT must be absent or empty)",
-    )
-    parser.add_argument(
-        "--format",
-        default="safetensors",
-        choices=("safetensors", "hf"),
-        help="safetensors: model file + model_args.json; hf: a transformers folder "
-        "(AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True))",
-    )
+    parser = build_parser(__doc__.split("\n\n")[0])
     ns = parser.parse_args(argv)
     if ns.format == "hf":
         return _main_hf(ns)
     try:
         check_out(ns.out, ns.force)  # before the checkpoint is read (checksums read every byte)
         print(f"export: reading the model of {ns.ckpt} ...", flush=True)
-        ckpt = find_checkpoint(ns.ckpt)  # once: --verify checks this step, whatever comes after
-        path = _export(ckpt, ns.out, ns.dtype, ns.force)
-        print(f"exported {ckpt} → {path} ({ns.dtype})")
+        ck = find(ns.ckpt)  # once: --verify checks this step, whatever comes after
+        path = _export(ck, ns.out, ns.dtype, ns.force)
+        print(f"exported {ck.folder} → {path} ({ns.dtype})")
         if ns.verify:
-            print(f"export: verifying {path} against {ckpt} ...", flush=True)
+            print(f"export: verifying {path} against {ck.folder} ...", flush=True)
             info, exported = read_export(ns.out)
-            count = _verify(ckpt, info, exported, ns.out)
+            count = _verify(ck, info, exported, ns.out)
             print(f"verified: {count} tensors bit-identical to the checkpoint")
     except (ExportError, OSError) as exc:
         print(shorten_line(f"export error: {exc}"), file=sys.stderr)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_loom.components.checkpoint import names
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.protocols import get_train_spec, portable_args
@@ -72,9 +73,7 @@ def logged_eval_loss(metrics_path: str, step: int) -> float | None:
 def metrics_file(loaded: Loaded) -> str | None:
     """metrics.jsonl of the run the checkpoint belongs to (an export remembers its source)."""
     sources = [loaded.checkpoint]
-    from torchtitan_loom.components.checkpoint import layout
-
-    info = layout.read_json(os.path.join(loaded.checkpoint, "model_args.json")) or {}
+    info = (loaded.on_disk.model_args if loaded.on_disk is not None else None) or {}
     if info.get("source"):
         sources.append(info["source"])
     if loaded.config is not None:
@@ -82,7 +81,7 @@ def metrics_file(loaded: Loaded) -> str | None:
     for src in sources:
         folder = run_folder(src)
         if folder is not None:
-            return os.path.join(folder, "metrics.jsonl")
+            return os.path.join(folder, names.METRICS_JSONL)
     return None
 
 

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torchtitan_loom.components.checkpoint import names
+
 # The --beyond flag of the tools that run a checkpoint to a depth (generate, lm_eval): one text.
 BEYOND_HELP = (
     "which router a loop past H uses: last (router H, the default) or cycle (routers 1..H again)"
@@ -141,7 +143,7 @@ def check_tokenizer_json(path: str) -> None:
 def not_a_run(path: str, missing: str) -> str:
     """Why ``path`` is no run folder: one of its run files is there but is no regular file (a FIFO,
     a link to a device: never read), else ``missing`` (the words for files not there)."""
-    for name in ("run.json", "metrics.jsonl"):
+    for name in (names.RUN_JSON, names.METRICS_JSONL):
         file = os.path.join(path, name)
         if os.path.lexists(file) and not os.path.isfile(file):
             kind = file_kind(file)

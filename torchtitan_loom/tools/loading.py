@@ -20,18 +20,10 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.components.checkpoint import integrity, layout
-from torchtitan_loom.components.checkpoint.resolve import MODEL_ARGS_FILE, read_model_args
+from torchtitan_loom.components.checkpoint import found, names
 from torchtitan_loom.components.data import pack_tokenizer as pack_tok
 from torchtitan_loom.components.data.pack_tokenizer import TokenizerError
 from torchtitan_loom.components.data.tokenizer import Tokenizer
-from torchtitan_loom.protocols import portable_args
-from torchtitan_loom.tools.export_format import (
-    ExportError,
-    find_checkpoint,
-    model_spec,
-    read_export,
-)
 from torchtitan_loom.tools.input_files import LoadError, TokenizerFileError, check_tokenizer_json
 
 __all__ = ["LoadError", "Loaded", "TokenizerFileError", "load", "load_tokenizer"]
@@ -50,64 +42,32 @@ class Loaded:
     tokenizer: Tokenizer | None
     flavor: str | None = None
     name: str = "loom"
+    on_disk: found.FoundCheckpoint | None = None  # what was read (components/checkpoint/found.py)
 
 
-def is_export_dir(path: str) -> bool:
-    info = layout.read_json(os.path.join(path, MODEL_ARGS_FILE))
-    return info is not None and "file" in info
-
-
-def resolve_checkpoint(path: str) -> str:
-    """The export folder or the complete DCP directory that ``path`` names (LoadError otherwise)."""
-    if not os.path.exists(path):
-        raise LoadError(
-            f"checkpoint {path}: no such file or directory; pass a run folder, a step-N "
-            "checkpoint directory or an export folder"
-        )
-    if is_export_dir(path):
-        linked = integrity.link_problem(path)
-        if linked:  # loading never reads through a link out of the folder (a copy or not)
-            raise LoadError(f"checkpoint {linked}")
-        return path
+def resolve_checkpoint(path: str) -> found.FoundCheckpoint:
+    """The export folder or the complete, verified DCP directory ``path`` names (found.find);
+    LoadError otherwise. A warning it carries is said on stderr."""
     try:
-        ckpt = find_checkpoint(path)
-    except ExportError as exc:
+        ck = found.find(path)
+    except found.NotACheckpoint as exc:
         raise LoadError(f"checkpoint {exc}") from None
-    linked = integrity.link_problem(ckpt)
-    if linked:
-        raise LoadError(f"checkpoint {linked}")
-    note = integrity.unverified_note(ckpt)
-    if note:
-        print(f"warning: {note}", file=sys.stderr)
-    return ckpt
+    if ck.note:
+        print(f"warning: {ck.note}", file=sys.stderr)
+    return ck
 
 
-def _build(spec: Any, args: Any, tensors: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
-    with torch.device("meta"):
-        model = spec.model_cls(portable_args(spec, args, decoding=True))
-    model.to_empty(device=device)
-    tensors = {k: v.float() if torch.is_floating_point(v) else v for k, v in tensors.items()}
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise LoadError(
-            f"checkpoint tensors do not fit the model: missing {sorted(missing)[:4]}, "
-            f"unexpected {sorted(unexpected)[:4]}"
-        )
-    return model.eval()
-
-
-def _read_config(directory: str) -> Any | None:
-    path = os.path.join(directory, "config.toml")
-    if not os.path.isfile(path):
+def _read_config(path: str | None) -> Any | None:
+    """The run's JobConfig from a checkpoint's config.toml; None without one or for one of
+    another version (the model still loads; the holdout check says it cannot run)."""
+    if path is None:
         return None
     from torchtitan_loom.config import ConfigError, load_config
 
     try:
         return load_config(["--job.config_file", path])
     except ConfigError:
-        return (
-            None  # a config of another version: the model still loads, the holdout check cannot run
-        )
+        return None
 
 
 def _pack_path(config: Any | None) -> Path | None:
@@ -173,48 +133,31 @@ def load(
     path: str, device: str = "cpu", tokenizer: str | None = None, need_tokenizer: bool = True
 ) -> Loaded:
     """Resolve ``path``, rebuild the model in fp32 with capacity off, find config, pack and tokenizer."""
-    from torchtitan_loom.components.checkpoint.state import CheckpointError, load_full
-
-    ckpt = resolve_checkpoint(path)
-    info: dict[str, Any] | None  # model_args.json's payload
-    if is_export_dir(ckpt):
-        try:
-            info, tensors = read_export(ckpt)
-        except ExportError as exc:
-            raise LoadError(str(exc)) from None
-        config = _read_config(ckpt)
-        step = info.get("step")
-        export_dir: str | None = ckpt
-    else:
-        info = read_model_args(ckpt)
-        if info is None:
-            raise LoadError(
-                f"checkpoint {ckpt}: no {MODEL_ARGS_FILE}; only checkpoints written by torchtitan_loom load"
-            )
-        try:
-            tensors = load_full(ckpt, prefix="model.")
-        except CheckpointError as exc:  # a refused pickle (safe_read.py)
-            raise LoadError(f"checkpoint {exc}") from None
-        config = _read_config(ckpt)
-        step = (layout.read_json(os.path.join(ckpt, "meta.json")) or {}).get("step")
-        export_dir = None
-    spec, args = model_spec(info)
-    model = _build(spec, args, tensors, device)
+    ck = resolve_checkpoint(path)
+    try:
+        spec, args = ck.spec()
+        model = ck.build(device, decoding=True)
+    except found.NotACheckpoint as exc:
+        raise LoadError(f"checkpoint {exc}") from None
+    config = _read_config(ck.config_path)
+    export_dir = ck.folder if ck.is_export else None
     try:
         pack = _pack_path(config)
     except Exception as exc:  # a missing or broken pack only matters for the tokenizer
         raise LoadError(f"the checkpoint's training pack cannot be opened: {exc}") from None
     tok = load_tokenizer(pack, tokenizer, args.vocab_size, export_dir) if need_tokenizer else None
+    info = ck.model_args or {}
     return Loaded(
         model=model,
         args=args,
-        checkpoint=ckpt,
-        step=step,
+        checkpoint=ck.folder,
+        step=ck.step,
         config=config,
         pack_path=pack,
         tokenizer=tok,
         flavor=info.get("flavor"),
-        name=info["name"],
+        name=str(ck.spec_name),
+        on_disk=ck,
     )
 
 
@@ -252,7 +195,7 @@ def run_folder(checkpoint: str) -> str | None:
     """The run's dump folder (the one holding metrics.jsonl) above a step-N directory."""
     d = os.path.abspath(checkpoint)
     for _ in range(4):
-        if os.path.isfile(os.path.join(d, "metrics.jsonl")):
+        if os.path.isfile(os.path.join(d, names.METRICS_JSONL)):
             return d
         d = os.path.dirname(d)
     return None

@@ -44,7 +44,7 @@ import sys
 import time
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import layout, names
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.components.runtime.run_folder import RunFolderError, live_run, read_run
@@ -132,7 +132,7 @@ def _flat(cfg: JobConfig) -> dict[str, Any]:
 def changed_since(run: PlannedRun, cfg: JobConfig) -> str | None:
     """The line saying how the run folder's recorded config.toml differs from the study's config
     for it (keys other than MAY_DIFFER), else None."""
-    path = os.path.join(run.folder, "config.toml")
+    path = os.path.join(run.folder, names.CONFIG_TOML)
     if not os.path.isfile(path):
         return None
     try:

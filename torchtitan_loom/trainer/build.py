@@ -29,11 +29,11 @@ from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.components.runtime.train_state import TrainState
 from torchtitan_loom.config import JobConfig, to_toml
 from torchtitan_loom.config.validate import Resolved
+from torchtitan_loom.depth_sampling import BEYOND_POLICY, depth_key, training_depth
 from torchtitan_loom.depth_sampling import flops_per_token as expected_flops
-from torchtitan_loom.depth_sampling import sampler_of
 from torchtitan_loom.distributed import utils as dist_utils
 from torchtitan_loom.distributed.model_wrappers import apply_checkpoint_and_compile
-from torchtitan_loom.protocols import ModelProtocol, get_train_spec, segments
+from torchtitan_loom.protocols import ExitsPerToken, ModelProtocol, get_train_spec
 from torchtitan_loom.trainer.parts import (
     ModelParts,
     Services,
@@ -128,7 +128,7 @@ def _start_report(s: Setting, model: ModelProtocol) -> None:
     """The model and layout at a glance, within seconds of start, before any allocation."""
     if s.info.rank != s.cfg.metrics.log_rank:
         return
-    n_segments = len(segments(model.num_loops, s.cfg.training.bp_segment_len))
+    n_segments = len(training_depth(s.cfg.training, model.num_loops)[0])
     for line in start_report(
         s.cfg,
         s.parallel_dims,
@@ -144,8 +144,14 @@ def _start_report(s: Setting, model: ModelProtocol) -> None:
 def build_training(s: Setting, model: ModelProtocol) -> TrainingParts:
     """Segments, optimizer, schedule, spike guard, train state, divergence, data, metrics."""
     cfg, t, sched, g = s.cfg, s.cfg.training, s.cfg.lr_scheduler, s.cfg.spike_guard
-    loops = segments(model.num_loops, t.bp_segment_len)
-    depth = sampler_of(loops, t.sample_depth_min, t.seed)
+    loops, depth = training_depth(t, model.num_loops)
+    if loops[-1][1] > model.num_loops:  # training.sample_depth_max: loops past H
+        if not isinstance(model, ExitsPerToken):
+            raise ValueError(
+                f"training.sample_depth_max = {t.sample_depth_max}: model "
+                f"{cfg.model.name!r} runs no loop past its H; set it to 0"
+            )
+        model.set_beyond_policy(BEYOND_POLICY)
     optimizer = build_optimizer(cast(nn.Module, model), cfg.optimizer)
     state = TrainState()
     data_path = cfg.data.path or bundled_corpus_path(cfg.data.cache_dir or None, log=s.log)
@@ -153,7 +159,7 @@ def build_training(s: Setting, model: ModelProtocol) -> TrainingParts:
     training = TrainingParts(
         segments=loops,
         depth=depth,
-        diagnostics=build_diagnostics(cfg.metrics, model, len(loops), s.device),
+        diagnostics=build_diagnostics(cfg.metrics, model, len(loops), s.device, loops[-1][1]),
         optimizer=optimizer,
         lr_scheduler=build_lr_scheduler(
             optimizer,
@@ -204,10 +210,12 @@ def _log_layout(s: Setting, model: ModelProtocol, training: TrainingParts) -> No
     depth = training.depth
     if depth is not None:
         s.log(
-            f"depth sampling (training.sample_depth_min = {t.sample_depth_min}): each step runs "
+            f"depth sampling ({depth_key(t)}): each step runs "
             f"{depth.depths()} loops, drawn uniformly per step "
             f"({depth.mean_loops():.2f} on average)"
         )
+    elif training.segments[-1][1] > model.num_loops:
+        s.log(f"depth past H ({depth_key(t)}): every step runs {training.segments[-1][1]} loops")
     if info.world_size > 1:
         s.log(
             "parallelism: "

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torchtitan_loom import launch
-from torchtitan_loom.components.checkpoint import CheckpointManager
+from torchtitan_loom.components.checkpoint import CheckpointManager, names
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 from torchtitan_loom.components.data import TrainLoader
 from torchtitan_loom.components.observability.metrics import peak_flops
@@ -141,7 +141,7 @@ class Trainer:
             setting.info.rank == 0
         ):  # after the resume succeeded: a refused one leaves the run as it was
             dump = cfg.job.dump_folder
-            safe_files.atomic_write(os.path.join(dump, "config.toml"), to_toml(cfg), dump)
+            safe_files.atomic_write(os.path.join(dump, names.CONFIG_TOML), to_toml(cfg), dump)
             counts = self.model.param_counts()
             sizes = {
                 "params": counts["total"],

@@ -69,7 +69,8 @@ class StepParts:
     after_optimizer_step: Callable[[], None] | None = None
     """Called after each optimizer step (float8: the tensorwise scales' precompute)."""
     depth: DepthSampler | None = None
-    """training.sample_depth_min: how many of the segments step s runs (None: all of them)."""
+    """training.sample_depth_min / _max: how many of the segments step s runs (None: all of them;
+    with sample_depth_max, ``segments`` go on past the model's H)."""
 
 
 class SegmentedStep:
@@ -94,9 +95,11 @@ class SegmentedStep:
             .reshape(1)
         )
         n_layers, n_experts = p.model.routing or (0, 0)
+        # One column per loop a step may run (past H with training.sample_depth_max).
+        n_loops = p.segments[-1][1]
         out = StepResult(
             counts_LHE=torch.zeros(
-                n_layers, p.model.num_loops, n_experts, dtype=torch.int64, device=p.device
+                n_layers, n_loops, n_experts, dtype=torch.int64, device=p.device
             ),
             lr=p.optimizer.param_groups[0]["lr"],
         )

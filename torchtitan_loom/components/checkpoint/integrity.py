@@ -25,9 +25,9 @@ import os
 import zlib
 from typing import Any
 
-CHECKSUMS = "CHECKSUMS.json"
+from torchtitan_loom.components.checkpoint.names import CHECKSUMS, MARKER
+
 FORMAT = 2  # of the COMPLETE marker: 1 = before checksums, 2 = CHECKSUMS.json required
-MARKER = "COMPLETE"  # layout.MARKER (not imported: layout imports nothing torch-side either way)
 _CHUNK = 8 << 20
 _QUICK_MAX_BYTES = 1 << 20
 
@@ -119,7 +119,8 @@ def write_checksums(root: str) -> dict[str, Any]:
     return payload
 
 
-def _marker(root: str) -> tuple[dict | None, str | None]:
+def read_marker(root: str) -> tuple[dict | None, str | None]:
+    """(the completion marker, None), or (None, one line saying why it cannot be read)."""
     from torchtitan_loom.components.runtime.safe_files import UnsafePathError, read_text
 
     try:
@@ -145,19 +146,23 @@ def _is_format_1(root: str, marker: dict) -> bool:
     )
 
 
-def unverified_note(root: str) -> str | None:
-    """One warning line when the checkpoint at ``root`` is of format 1 (no checksums), else None."""
-    marker, _ = _marker(root)
+def unverified_note(root: str, marker: dict | None = None) -> str | None:
+    """One warning line when the checkpoint at ``root`` is of format 1 (no checksums), else None.
+    ``marker``: its completion marker when it was read already (read_marker)."""
+    if marker is None:
+        marker, _ = read_marker(root)
     if marker is None or not _is_format_1(root, marker):
         return None
     return f"checkpoint {root} predates checksums (format 1): loaded unverified"
 
 
-def verify(root: str, quick: bool = False) -> str | None:
-    """None when the checkpoint at ``root`` matches its checksums, else one line naming the file."""
-    marker, problem = _marker(root)
+def verify(root: str, quick: bool = False, marker: dict | None = None) -> str | None:
+    """None when the checkpoint at ``root`` matches its checksums, else one line naming the file.
+    ``marker``: its completion marker when it was read already (read_marker)."""
     if marker is None:
-        return problem
+        marker, problem = read_marker(root)
+        if marker is None:
+            return problem
     if _is_format_1(root, marker):
         return None  # before checksums: loaded unverified (unverified_note warns)
     fmt = marker.get("format", 2)  # markers of format 2 written before the field existed have none

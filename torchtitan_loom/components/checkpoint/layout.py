@@ -30,16 +30,12 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 
 from torchtitan_loom.components.checkpoint import integrity
+from torchtitan_loom.components.checkpoint.names import DCP_METADATA, INDEX, KEEP, LAYOUT_MD, MARKER
 from torchtitan_loom.components.runtime import safe_files
 
-MARKER = "COMPLETE"
-DCP_METADATA = ".metadata"
 SNAPSHOT_DIR = "snapshots"
 TMP_PREFIX = ".tmp-"
-INDEX = "index.json"
-LAYOUT_MD = "LAYOUT.md"
 ABANDONED = "abandoned"  # checkpoints newer than a load_step resume, moved aside (never loaded)
-KEEP = "KEEP"  # a checkpoint holding this file is never pruned (placed by hand)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)$")
 
@@ -86,16 +82,21 @@ def step_name(step: int) -> str:
     return f"step-{step}"
 
 
-def final_dir(root: str, step: int, kind: str) -> str:
-    """Where the committed checkpoint of ``step`` lives."""
-    base = os.path.join(root, SNAPSHOT_DIR) if kind == "snapshot" else root
-    return os.path.join(base, step_name(step))
+@dataclass(frozen=True)
+class SaveTarget:
+    """Where a save of ``step`` as ``kind`` ("periodic" or "snapshot") is written (``tmp``) and
+    committed (``final``): computed once per save, carried from the write to the commit."""
 
+    step: int
+    kind: str
+    tmp: str
+    final: str
 
-def temp_dir(root: str, step: int, kind: str) -> str:
-    """Where a save of ``step`` is written before its commit."""
-    base = os.path.join(root, SNAPSHOT_DIR) if kind == "snapshot" else root
-    return os.path.join(base, TMP_PREFIX + step_name(step))
+    @classmethod
+    def of(cls, root: str, step: int, kind: str) -> SaveTarget:
+        base = os.path.join(root, SNAPSHOT_DIR) if kind == "snapshot" else root
+        name = step_name(step)
+        return cls(step, kind, os.path.join(base, TMP_PREFIX + name), os.path.join(base, name))
 
 
 def is_complete(path: str) -> bool:

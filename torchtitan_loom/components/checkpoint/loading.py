@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchtitan_loom.components.checkpoint import integrity, layout, resolve
+from torchtitan_loom.components.checkpoint import found, integrity, layout, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
@@ -93,12 +93,12 @@ class Resumer:
 
     def _load_choice(self, choice: resolve.LoadChoice) -> int | None:
         started = time.perf_counter()
-        version = resolve.format_problem(choice.path)
+        ck = choice.on_disk  # read and verified by resolve.choose (found.py)
+        version = resolve.format_problem(ck)
         if version:  # the config check refused it up front; a Trainer built without it is not
             raise ckstate.CheckpointError(version)
-        meta = ckstate.read_metadata(choice.path)
         lines = resolve.compat_errors(
-            choice.path,
+            ck,
             self.p.model_name,
             self.p.flavor,
             self.p.model_args,
@@ -109,7 +109,7 @@ class Resumer:
             raise ckstate.CheckpointError(
                 resolve.explain(choice.path, choice.step, lines, resume=not choice.model_only)
             )
-        saved = layout.read_json(os.path.join(choice.path, resolve.META_FILE)) or {}
+        saved = ck.meta
         had, have = saved.get("optimizer", RECORDED_BEFORE_NAMES), type(self.p.optimizer).__name__
         if not choice.model_only and had != have:
             raise ckstate.CheckpointError(
@@ -119,13 +119,13 @@ class Resumer:
                 f"checkpoint.initial_load_path in a new job.dump_folder"
             )
         if choice.model_only:
-            self._load_model_only(choice.path)
+            self._load_model_only(ck)
             self.p._log(
                 f"warm start: model weights from {choice.path} (optimizer, schedule, data and step "
                 f"start fresh) in {time.perf_counter() - started:.1f} s"
             )
             return None
-        self._load_full(choice.path, meta)
+        self._load_full(ck)
         self.p.loaded_total_steps = saved.get(
             "total_steps"
         )  # training.steps of the run that saved it
@@ -141,13 +141,15 @@ class Resumer:
         )
         return choice.step
 
-    def _load_model_only(self, path: str) -> None:
+    def _load_model_only(self, ck: found.FoundCheckpoint) -> None:
         sd = {"model": ckstate.model_state(self.p.model)}
-        ckstate.dcp_load(sd, path, no_dist=not self.p._distributed)
+        ckstate.dcp_load(sd, ck.folder, no_dist=not self.p._distributed, metadata=ck.dcp_metadata)
         ckstate.set_model_state(self.p.model, sd["model"])
 
-    def _load_full(self, path: str, meta: dict[str, Any]) -> None:
-        keys = set(meta)
+    def _load_full(self, ck: found.FoundCheckpoint) -> None:
+        path = ck.folder
+        md = ck.dcp_metadata
+        keys = set(md.state_dict_metadata if md is not None else ckstate.read_metadata(path))
         opt = ckstate.OptimizerLoad(self.p.model, self.p.optimizer, keys, "optimizer.")
         sd: dict[str, Any] = {
             "model": ckstate.model_state(self.p.model),
@@ -166,7 +168,7 @@ class Resumer:
         sd["rng"] = {
             k: v for k, v in ckstate.rng_state(self.p.device).items() if f"rng.{k}" in keys
         }
-        ckstate.dcp_load(sd, path, no_dist=not self.p._distributed)
+        ckstate.dcp_load(sd, path, no_dist=not self.p._distributed, metadata=md)
         ckstate.set_model_state(self.p.model, sd["model"])
         opt.apply(sd["optimizer"])
         for name, obj in self.p.states.items():

@@ -161,7 +161,7 @@ class CheckpointManager:
         if not stopping:
             return None
         w.wait()
-        return layout.final_dir(self.root, step, "periodic")
+        return layout.SaveTarget.of(self.root, step, "periodic").final
 
     def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
         """Save step ``step`` now (saving.Writer.save)."""

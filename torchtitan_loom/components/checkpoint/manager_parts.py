@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.checkpoint.layout import SaveTarget
 from torchtitan_loom.components.checkpoint.proof import ProofPolicy
 from torchtitan_loom.components.runtime.safe_files import HeldFolder
 
@@ -26,8 +27,7 @@ class PendingSave:
     """The async save in flight: its future and what it saves (committed when it completes)."""
 
     future: Any
-    step: int
-    kind: str
+    target: SaveTarget
     snapshot_too: bool
     started: float
 

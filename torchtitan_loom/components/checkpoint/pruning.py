@@ -42,7 +42,7 @@ class Pruner:
         if p is None or p == self.pruned_for:
             return
         self.pruned_for = p
-        if self.writer.pending is not None and self.writer.pending.step <= p:
+        if self.writer.pending is not None and self.writer.pending.target.step <= p:
             self.writer.wait()  # its async save committed first (no collective: ranks may differ here)
         error = None
         if self.p.rank == 0:

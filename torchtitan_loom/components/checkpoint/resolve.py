@@ -2,7 +2,8 @@
 
 Order: ``checkpoint.load_step N`` (must exist, complete) > the newest complete checkpoint of the
 run's folder that verifies > ``checkpoint.initial_load_path`` (model-only warm start) > nothing
-(fresh start). A folder whose complete checkpoints all fail verification is refused.
+(fresh start). A folder whose complete checkpoints all fail verification is refused. Each
+candidate is read and verified as one value (found.py), which the load then uses as it is.
 ``config/section_checks.py`` calls ``config_errors`` before any process starts, so a checkpoint of a
 different model fails with one message and nothing on disk is touched.
 """
@@ -13,22 +14,24 @@ import dataclasses
 import os
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import integrity, layout
+from torchtitan_loom.components.checkpoint import found, layout, names
 from torchtitan_loom.components.runtime import format_version
 from torchtitan_loom.protocols import get_train_spec
 
-MODEL_ARGS_FILE = "model_args.json"
-META_FILE = "meta.json"
 _MAX_LINES = 12
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadChoice:
-    """The checkpoint directory to load, its step, and whether only the model is taken."""
+    """The checkpoint to load, its step in this run, and whether only the model is taken."""
 
-    path: str
+    on_disk: found.FoundCheckpoint
     step: int | None  # None for a warm start from a directory outside the run
     model_only: bool
+
+    @property
+    def path(self) -> str:
+        return self.on_disk.folder
 
 
 def checkpoint_root(dump_folder: str, folder: str) -> str:
@@ -45,7 +48,7 @@ def choose(
     exclude: dict[str, str] | None = None,
 ) -> tuple[LoadChoice | None, layout.Scan, list[str]]:
     """The checkpoint to load (or None), the scan it came from, and one warning line per newer
-    complete checkpoint that was skipped because it failed verification (checkpoint_problem;
+    complete checkpoint that was skipped because it failed verification (found.at;
     ``verify`` = "full", "quick" or "none") or is in ``exclude`` (path → why it was refused once
     its load began: an entry that is not data, a failed read, non-finite weights), plus one
     when the chosen checkpoint predates checksums.
@@ -53,22 +56,25 @@ def choose(
     Raises ValueError with a user-facing message when ``load_step`` or ``initial_load_path`` point
     at nothing usable, when the explicitly requested ``load_step`` fails verification, or when
     every complete checkpoint fails it (a run that cannot be continued is never restarted in place)."""
-    found = layout.scan(root)
+    scanned = layout.scan(root)
     exclude = exclude or {}
+    seen: dict[str, found.FoundCheckpoint] = {}
 
     def problem(entry: layout.Entry) -> str | None:
         if entry.path in exclude:
             why = exclude[entry.path]
             return why if why.startswith(entry.path) else f"{entry.path}: {why}"
-        if verify == "none":  # unverified, but never read through a link out of the folder
-            return integrity.link_problem(entry.path)
-        return checkpoint_problem(entry.path, quick=verify == "quick")
+        try:
+            seen[entry.path] = ck = found.at(entry.path, verify)
+        except found.NotACheckpoint as exc:
+            return str(exc)
+        return ck.problem
 
     if load_step >= 0:
-        entry = found.find(load_step)
+        entry = scanned.find(load_step)
         if entry is None:
-            have = ", ".join(str(e.step) for e in found.complete) or "none"
-            torn = [e.path for e in found.incomplete if e.step == load_step]
+            have = ", ".join(str(e.step) for e in scanned.complete) or "none"
+            torn = [e.path for e in scanned.incomplete if e.step == load_step]
             extra = f" ({torn[0]} is incomplete)" if torn else ""
             raise ValueError(
                 f"checkpoint.load_step = {load_step}: no complete checkpoint of that step in "
@@ -80,84 +86,52 @@ def choose(
                 f"checkpoint.load_step = {load_step}: checkpoint is corrupt: {bad}; choose "
                 f"another step or -1 (the newest checkpoint that verifies)"
             )
-        return (
-            LoadChoice(entry.path, entry.step, model_only=False),
-            found,
-            _notes(entry.path, [], verify),
-        )
+        ck = seen[entry.path]
+        return LoadChoice(ck, entry.step, model_only=False), scanned, _notes(ck, [])
     skipped: list[str] = []
     newest_bad = ""
-    for entry in reversed(found.complete):
+    for entry in reversed(scanned.complete):
         bad = problem(entry)
         if bad is None:
-            return (
-                LoadChoice(entry.path, entry.step, model_only=False),
-                found,
-                _notes(entry.path, skipped, verify),
-            )
+            ck = seen[entry.path]
+            return LoadChoice(ck, entry.step, model_only=False), scanned, _notes(ck, skipped)
         newest_bad = newest_bad or bad
         skipped.append(f"skipping corrupt checkpoint {entry.path}: {bad}")
     if (
         skipped
     ):  # the run has a history that no checkpoint can continue: never start over on top of it
-        names = ", ".join(os.path.relpath(e.path, root) for e in found.complete)
+        listed = ", ".join(os.path.relpath(e.path, root) for e in scanned.complete)
         raise ValueError(
-            f"every complete checkpoint in {root} is damaged ({names}; the newest: "
+            f"every complete checkpoint in {root} is damaged ({listed}; the newest: "
             f"{newest_bad}): refusing to start over on top of them. Repair or move "
             f"them, or pass --job.overwrite true to start a new run (the old files move to "
             f"replaced-<run_id>/)"
         )
     if initial_load_path:
-        path = warm_start_dir(initial_load_path)
-        bad = (
-            integrity.link_problem(path)
-            if verify == "none"
-            else checkpoint_problem(path, quick=verify == "quick")
-        )
-        if bad:
-            raise ValueError(
-                f"checkpoint.initial_load_path = '{initial_load_path}': checkpoint is corrupt: {bad}"
-            )
-        return LoadChoice(path, None, model_only=True), found, _notes(path, skipped, verify)
-    return None, found, skipped
+        ck = warm_start(initial_load_path, verify)
+        return LoadChoice(ck, None, model_only=True), scanned, _notes(ck, skipped)
+    return None, scanned, skipped
 
 
-def _notes(path: str, lines: list[str], verify: str) -> list[str]:
+def _notes(ck: found.FoundCheckpoint, lines: list[str]) -> list[str]:
     """``lines`` plus the warning that the chosen checkpoint predates checksums (format 1)."""
-    note = integrity.unverified_note(path) if verify != "none" else None
-    return lines + [note] if note else lines
+    return lines + [ck.note] if ck.note else lines
 
 
-def checkpoint_problem(path: str, quick: bool = False) -> str | None:
-    """None when the checkpoint at ``path`` matches its checksums and its DCP metadata is plain
-    data (safe_read.py), else one line naming the file that fails."""
-    bad = integrity.verify(path, quick=quick)
-    if bad is None and os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
-        from torchtitan_loom.components.checkpoint import (
-            safe_read,
-        )  # torch-side; only with a checkpoint
-
-        bad = safe_read.metadata_problem(path)
-    return bad
-
-
-def warm_start_dir(path: str) -> str:
-    """A DCP checkpoint directory, or a checkpoint folder whose newest complete one is used."""
-    if os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
-        marker_expected = os.path.isfile(os.path.join(path, META_FILE))
-        if marker_expected and not layout.is_complete(path):
-            raise ValueError(
-                f"checkpoint.initial_load_path = '{path}': incomplete checkpoint (no "
-                f"{layout.MARKER} marker: its save did not finish)"
-            )
-        return path
-    newest = layout.scan(path).newest() if os.path.isdir(path) else None
-    if newest is None:
+def warm_start(path: str, verify: str = "full") -> found.FoundCheckpoint:
+    """The DCP checkpoint ``checkpoint.initial_load_path`` names (found.find: a step-N directory,
+    or the newest complete one of a checkpoint or run folder), verified; ValueError otherwise."""
+    key = f"checkpoint.initial_load_path = '{path}'"
+    try:
+        ck = found.find(path, verify=verify)
+    except found.NotACheckpoint as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    if ck.is_export:
         raise ValueError(
-            f"checkpoint.initial_load_path = '{path}': not a DCP checkpoint directory (no "
-            f".metadata) and no complete step-N checkpoint inside"
+            f"{key}: an export folder; a warm start reads a DCP checkpoint (the one it was "
+            f"exported from: {(ck.model_args or {}).get('source')})"
         )
-    return newest.path
+    return ck
 
 
 # meta.json's format_version, for the whole checkpoint it describes (the DCP state's keys and
@@ -170,26 +144,20 @@ FORMAT_VERSION = 1
 FORMATS_READ = (1,)
 
 
-def format_problem(path: str) -> str | None:
-    """One line when the checkpoint at ``path`` is of a format this code does not load, by its
+def format_problem(ck: found.FoundCheckpoint) -> str | None:
+    """One line when the checkpoint ``ck`` is of a format this code does not load, by its
     meta.json's format_version (FORMAT_VERSION); None when it loads it."""
-    meta = layout.read_json(os.path.join(path, META_FILE)) or {}
     return format_version.problem(
-        os.path.join(path, META_FILE),
-        meta,
+        os.path.join(ck.folder, names.META_JSON),
+        ck.meta,
         FORMATS_READ,
         "resume it with the torchtitan_loom that wrote it (or a newer one), or pick a checkpoint "
         "of a format this one reads with checkpoint.load_step",
     )
 
 
-def read_model_args(path: str) -> dict[str, Any] | None:
-    """{"name", "flavor", "args"} saved next to the checkpoint, or None for a foreign checkpoint."""
-    return layout.read_json(os.path.join(path, MODEL_ARGS_FILE))
-
-
 def compat_errors(
-    path: str,
+    ck: found.FoundCheckpoint,
     model_name: str,
     flavor: str,
     args: Any,
@@ -197,7 +165,7 @@ def compat_errors(
     *,
     resume: bool,
 ) -> list[str]:
-    """Lines describing why the checkpoint at ``path`` cannot be loaded into this model ([] = fits).
+    """Lines describing why the checkpoint ``ck`` cannot be loaded into this model ([] = fits).
 
     Shapes always have to match. A resume also needs the same model args, apart from the few that
     may change mid-run (state.RESUMABLE_ARG_CHANGES and the spec's relaunch_tunable); a model-only
@@ -208,7 +176,7 @@ def compat_errors(
     )  # torch-heavy; only when a checkpoint exists
 
     lines: list[str] = []
-    saved = read_model_args(path)
+    saved = ck.model_args
     if saved is not None and resume:
         if saved.get("name") != model_name:
             lines.append(f"model.name: checkpoint {saved.get('name')!r}, config {model_name!r}")
@@ -219,9 +187,12 @@ def compat_errors(
             "model." + d
             for d in state.args_differences(saved.get("args", {}), args, ignore=may_change)
         ]
-    shapes = state.shape_mismatches(
-        expected_shapes, state.tensor_shapes(state.read_metadata(path), "model.")
+    meta = (
+        ck.dcp_metadata.state_dict_metadata  # read while verifying it
+        if ck.dcp_metadata is not None
+        else state.read_metadata(ck.folder)
     )
+    shapes = state.shape_mismatches(expected_shapes, state.tensor_shapes(meta, "model."))
     if shapes:
         lines.append(f"{len(shapes)} model tensors differ:")
         lines += ["  " + s for s in shapes[:_MAX_LINES]]
@@ -264,12 +235,12 @@ def config_errors(cfg: Any, args: Any, expected_shapes_fn) -> list[str]:
         return [str(exc)]
     if choice is None:
         return []
-    version = format_problem(choice.path)
+    version = format_problem(choice.on_disk)
     if version:
         return [version]
     try:
         lines = compat_errors(
-            choice.path,
+            choice.on_disk,
             cfg.model.name,
             cfg.model.flavor,
             args,

@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-METADATA = ".metadata"
+from torchtitan_loom.components.checkpoint import names
+
 # What DCP's own .metadata pickles name; each is safe to construct from any arguments.
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -157,7 +158,7 @@ def _check_extents(md: Any, path: str) -> None:
 
 def read_metadata_file(path: str) -> dcp_meta.Metadata:
     """The checkpoint's DCP Metadata, unpickled through the allow-list (UnsafeCheckpoint otherwise)."""
-    file = os.path.join(path, METADATA)
+    file = os.path.join(path, names.DCP_METADATA)
     with open(file, "rb") as fh:
         try:
             md = _MetadataUnpickler(fh, file).load()
@@ -175,19 +176,24 @@ def metadata_problem(path: str) -> str | None:
     try:
         read_metadata_file(path)
     except OSError as exc:
-        return f"{os.path.join(path, METADATA)}: unreadable ({exc.strerror or exc})"
+        return f"{os.path.join(path, names.DCP_METADATA)}: unreadable ({exc.strerror or exc})"
     except UnsafeCheckpoint as exc:
         return str(exc)
     return None
 
 
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose metadata comes through the allow-list (see module doc)."""
+    """FileSystemReader whose metadata comes through the allow-list (see module doc); ``metadata``:
+    the checkpoint's Metadata already read through it (found.py verified it), not read again."""
+
+    def __init__(self, path: str, metadata: dcp_meta.Metadata | None = None) -> None:
+        super().__init__(path)
+        self.checked = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
         if kwargs.get("rank") is not None:  # rank-local metadata: never written by this project
             raise UnsafeCheckpoint(f"{self.path}: per-rank metadata is not supported")
-        md = read_metadata_file(str(self.path))
+        md = self.checked if self.checked is not None else read_metadata_file(str(self.path))
         storage: dcp_meta.StorageMeta | None = getattr(md, "storage_meta", None)
         if storage is None:
             storage = md.storage_meta = dcp_meta.StorageMeta()
@@ -244,14 +250,17 @@ def _first_failure(exc: BaseException) -> BaseException:
     return exc
 
 
-def load(state_dict: dict[str, Any], path: str, no_dist: bool) -> None:
+def load(state_dict: dict[str, Any], path: str, no_dist: bool, metadata: Any | None = None) -> None:
     """``dcp.load`` of ``path`` into ``state_dict`` in place, through SafeReader and SafePlanner.
     Raises UnsafeCheckpoint (one line naming the checkpoint) when a file is not plain data, and
     UnreadableCheckpoint when the read fails otherwise (on every rank alike: DCP gathers the
     ranks' failures). Out-of-memory is no property of the checkpoint and is raised as it is."""
     try:
         dcp.load(
-            state_dict, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist
+            state_dict,
+            storage_reader=SafeReader(path, metadata),
+            planner=SafePlanner(),
+            no_dist=no_dist,
         )
     except (Exception, CheckpointException) as exc:
         refused = _refusal(exc)

@@ -1,9 +1,10 @@
 """The save path of CheckpointManager: what is saved, the atomic write (sync or async), the commit.
 
-A save writes into a temporary folder (layout.temp_dir) and is committed by rank 0 (marker +
-rename, the snapshot copy, the index) once every rank's data is written; a failed write removes
-the temporary folder, keeps every older checkpoint and raises CheckpointSaveError. Pruning is not
-part of a save: it waits for proof (proof.py).
+A save writes into a temporary folder and is committed by rank 0 (marker + rename, the snapshot
+copy, the index) once every rank's data is written: its paths are one layout.SaveTarget, computed
+once and carried from the write to the commit. A failed write removes the temporary folder, keeps
+every older checkpoint and raises CheckpointSaveError. Pruning is not part of a save: it waits for
+proof (proof.py).
 
 Async (``checkpoint.async_mode = "async"``): ``dcp.async_save`` copies the state to CPU memory
 before it returns (so the next optimizer step cannot race the staging) and writes in a background
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.api import (
     CheckpointException,
 )  # a BaseException, not an Exception
 
-from torchtitan_loom.components.checkpoint import disk_space, integrity, layout, resolve
+from torchtitan_loom.components.checkpoint import disk_space, integrity, layout, names, resolve
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts, PendingSave
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
@@ -127,9 +128,9 @@ class Writer:
 
     def _write_sidecars(self, tmp: str, step: int) -> None:
         """Rank 0: the human/tool-readable files next to the DCP data."""
-        safe_files.atomic_write(os.path.join(tmp, "config.toml"), self.p.config_toml)
+        safe_files.atomic_write(os.path.join(tmp, names.CONFIG_TOML), self.p.config_toml)
         layout.write_json(
-            os.path.join(tmp, resolve.MODEL_ARGS_FILE),
+            os.path.join(tmp, names.MODEL_ARGS_JSON),
             {
                 "name": self.p.model_name,
                 "flavor": self.p.flavor,
@@ -138,7 +139,7 @@ class Writer:
         )
         ts = self.p.states.get("train_state")
         layout.write_json(
-            os.path.join(tmp, resolve.META_FILE),
+            os.path.join(tmp, names.META_JSON),
             {
                 format_version.KEY: resolve.FORMAT_VERSION,
                 "step": step,
@@ -159,10 +160,9 @@ class Writer:
         if bad:
             self.p._log(f"warning: not saving step {step}: non-finite weights ({', '.join(bad)})")
             return
-        kind = "periodic" if periodic else "snapshot"
-        tmp = layout.temp_dir(self.p.root, step, kind)
+        target = layout.SaveTarget.of(self.p.root, step, "periodic" if periodic else "snapshot")
         try:
-            self._save(step, kind, tmp, periodic, snapshot)
+            self._save(target, periodic and snapshot)
             self.p.proof.saved(step)
             self.saved.update(
                 {k: step for k, on in (("periodic", periodic), ("snapshot", snapshot)) if on}
@@ -175,7 +175,7 @@ class Writer:
             CheckpointException,
         ) as exc:  # any write failure: clean up, say why, keep the rest
             self.pending = None
-            self._failed(step, tmp, exc)
+            self._failed(step, target.tmp, exc)
 
     def _needed_bytes(self) -> int:
         """About what a checkpoint takes: the newest one on disk, else this rank's state × ranks."""
@@ -228,7 +228,8 @@ class Writer:
             f"checkpoints in {self.p.root} are untouched"
         )
 
-    def _save(self, step: int, kind: str, tmp: str, periodic: bool, snapshot: bool) -> None:
+    def _save(self, target: layout.SaveTarget, snapshot_too: bool) -> None:
+        step, tmp = target.step, target.tmp
         error = None
         if self.p.rank == 0:
             try:
@@ -257,7 +258,7 @@ class Writer:
             if not isinstance(future, Future):  # AsyncSaveResponse: make staging finish now too
                 future.staging_completion.result()
                 future = future.upload_completion
-            self.pending = PendingSave(future, step, kind, periodic and snapshot, started)
+            self.pending = PendingSave(future, target, snapshot_too, started)
             return
         with ckstate.single_process_quiet():
             dcp.save(sd, checkpoint_id=tmp, storage_writer=SafeWriter(tmp), no_dist=no_dist)
@@ -265,29 +266,29 @@ class Writer:
         error = None
         if self.p.rank == 0:
             try:
-                self._commit(step, kind, periodic and snapshot, started)
+                self._commit(target, snapshot_too, started)
             except (Exception, CheckpointException) as exc:
                 error = self._final_error(step, tmp, exc)
         self.p._agree(error)  # committed (or failed, on every rank) before anyone goes on
 
-    def _commit(self, step: int, kind: str, snapshot_too: bool, started: float) -> None:
+    def _commit(self, target: layout.SaveTarget, snapshot_too: bool, started: float) -> None:
         """Rank 0: marker + rename, the snapshot copy, index (pruning waits for proof: _prune)."""
         safe_files.check_held(
             self.p.root
         )  # the folder this run started in, not one swapped in since
+        step = target.step
         marker = {
             "step": step,
-            "kind": kind,
+            "kind": target.kind,
             "world_size": self.p.world_size,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        final = layout.final_dir(self.p.root, step, kind)
-        layout.commit(layout.temp_dir(self.p.root, step, kind), final, marker)
+        final = target.final
+        layout.commit(target.tmp, final, marker)
         where, snap_exc = [final], None
         if snapshot_too:
-            snap, snap_tmp = (
-                f(self.p.root, step, "snapshot") for f in (layout.final_dir, layout.temp_dir)
-            )
+            copy = layout.SaveTarget.of(self.p.root, step, "snapshot")
+            snap, snap_tmp = copy.final, copy.tmp
             try:
                 safe_files.make_dirs(os.path.dirname(snap), self.p.root)
                 layout.clone(final, snap_tmp, snap, dict(marker, kind="snapshot"))
@@ -348,13 +349,12 @@ class Writer:
         p, self.pending = self.pending, None
         if p is None:
             return
-        tmp = layout.temp_dir(self.p.root, p.step, p.kind)
         try:
             p.future.result()  # re-raises a failed save
             if self.p.rank == 0:
-                self._commit(p.step, p.kind, p.snapshot_too, p.started)
+                self._commit(p.target, p.snapshot_too, p.started)
         except (Exception, CheckpointException) as exc:  # as in save()
-            self._failed(p.step, tmp, exc)
+            self._failed(p.target.step, p.target.tmp, exc)
 
     def discard(self, *, wait: bool = False) -> int | None:
         """Never commit the save in flight (the run stops for divergence or an error); returns its
@@ -363,7 +363,7 @@ class Writer:
         p, self.pending = self.pending, None
         if p is None:
             return None
-        self.p.proof.dropped(p.step)
+        self.p.proof.dropped(p.target.step)
         if wait:
             try:
                 p.future.result()
@@ -371,7 +371,7 @@ class Writer:
                 pass  # discarded either way
             if self.p.rank == 0:
                 try:
-                    safe_files.remove_dir(layout.temp_dir(self.p.root, p.step, p.kind), self.p.root)
+                    safe_files.remove_dir(p.target.tmp, self.p.root)
                 except OSError:
                     pass  # a link or an unremovable folder: a .tmp- name is never loaded
-        return p.step
+        return p.target.step

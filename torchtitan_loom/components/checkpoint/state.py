@@ -156,12 +156,13 @@ def read_metadata(path: str) -> dict[str, Any]:
     return safe_read.read_metadata_file(path).state_dict_metadata
 
 
-def dcp_load(sd: dict[str, Any], path: str, no_dist: bool) -> None:
+def dcp_load(sd: dict[str, Any], path: str, no_dist: bool, metadata: Any | None = None) -> None:
     """Fill ``sd`` from the checkpoint at ``path`` without running code from it (safe_read.py);
-    a refused or unreadable file raises CheckpointUnreadable naming it."""
+    a refused or unreadable file raises CheckpointUnreadable naming it. ``metadata``: its DCP
+    Metadata, already read through safe_read (not read again)."""
     try:
         with single_process_quiet():
-            safe_read.load(sd, path, no_dist=no_dist)
+            safe_read.load(sd, path, no_dist=no_dist, metadata=metadata)
     except (safe_read.UnsafeCheckpoint, safe_read.UnreadableCheckpoint) as exc:
         raise CheckpointUnreadable(str(exc)) from None
 
@@ -205,10 +206,13 @@ def args_differences(
     ]
 
 
-def load_full(path: str, prefix: str = "") -> dict[str, Any]:
+def load_full(path: str, prefix: str = "", metadata: Any | None = None) -> dict[str, Any]:
     """Every entry of a DCP checkpoint under ``prefix`` as full (unsharded) CPU values, without a
-    process group: the reference reader for export, verification and tests."""
-    meta = read_metadata(path)
+    process group: the reference reader for export, verification and tests. ``metadata``: its
+    DCP Metadata when it was read already (safe_read.read_metadata_file)."""
+    if metadata is None:
+        metadata = safe_read.read_metadata_file(path)
+    meta = metadata.state_dict_metadata
     sd: dict[str, Any] = {}
     for key, m in meta.items():
         if not key.startswith(prefix):
@@ -219,5 +223,5 @@ def load_full(path: str, prefix: str = "") -> dict[str, Any]:
             sd[key] = None  # bytes entries are replaced by their unpickled value
     if not sd:
         raise CheckpointError(f"{path}: no entries under {prefix!r} in this checkpoint")
-    dcp_load(sd, path, no_dist=True)
+    dcp_load(sd, path, no_dist=True, metadata=metadata)
     return {k[len(prefix) :]: v for k, v in sd.items()}

@@ -267,10 +267,15 @@ class BranchDiagnostics:
 
 
 def build_diagnostics(
-    metrics_cfg: Any, model: Any, num_segments: int, device: torch.device
+    metrics_cfg: Any,
+    model: Any,
+    num_segments: int,
+    device: torch.device,
+    num_loops: int | None = None,
 ) -> BranchDiagnostics:
     """The run's diagnostics from the ``[metrics]`` switches and the model's protocol surface
-    (observation_layout, param_groups, num_loops)."""
+    (observation_layout, param_groups, num_loops); ``num_loops``: the loops a step may run when
+    training.sample_depth_max reaches past the model's H."""
     options = DiagOptions(
         metrics_cfg.diag_interval,
         metrics_cfg.diag_activations,
@@ -285,7 +290,7 @@ def build_diagnostics(
         options,
         branches=branches,
         num_layers=num_layers,
-        num_loops=model.num_loops,
+        num_loops=num_loops or model.num_loops,
         num_segments=num_segments,
         groups=groups,
         param_names=names,

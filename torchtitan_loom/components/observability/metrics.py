@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from torchtitan_loom.components.checkpoint import names
 from torchtitan_loom.components.runtime import safe_files
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ class MetricsLogger:
         dump_folder: str,
         section: Any,
         *,
-        jsonl_name: str = "metrics.jsonl",
+        jsonl_name: str = names.METRICS_JSONL,
         rank: int = 0,
         run_id: str | None = None,
         wandb_config: dict | None = None,

@@ -23,9 +23,8 @@ import torch
 from torchtitan_loom.components.optim.choices import OPTIMIZERS
 from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.depth_sampling import flops_per_token as expected_flops
-from torchtitan_loom.depth_sampling import sampler_of
+from torchtitan_loom.depth_sampling import training_depth
 from torchtitan_loom.model_cost import ModelCost
-from torchtitan_loom.protocols import segments
 
 _GIB = float(1 << 30)
 # Warn on CPU when one step needs more than this share of the RAM, or at least this many seconds.
@@ -67,7 +66,7 @@ def estimate_step(
     rows_per_rank = t.global_batch_size // dims.dp
     activation = 0
     if cost is not None:
-        segs = [cost.segment(a, b) for a, b in segments(num_loops, t.bp_segment_len)]
+        segs = [cost.segment(a, b) for a, b in training_depth(t, num_loops)[0]]
         micro = rows_per_rank // t.micro_batch_size
         activation = (
             max(s.activation_bytes for s in segs)
@@ -150,8 +149,8 @@ def start_report(
     """The start lines for a model still on the meta device (nothing allocated yet); ``cost_fn``:
     the TrainSpec's cost model (None: no activation estimate)."""
     t = cfg.training
-    segs = segments(meta_model.num_loops, t.bp_segment_len)
-    fpt = expected_flops(meta_model, t.seq_len, segs, sampler_of(segs, t.sample_depth_min, t.seed))
+    segs, sampler = training_depth(t, meta_model.num_loops)
+    fpt = expected_flops(meta_model, t.seq_len, segs, sampler)
     cost = None if cost_fn is None else cost_fn(meta_model.args, dims, cfg)
     est = estimate_step(cfg, dims, meta_model.param_counts(), fpt, cost, meta_model.num_loops)
     return start_lines(cfg, est, device, matmul_tflops(device, dtype))

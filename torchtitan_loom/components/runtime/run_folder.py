@@ -29,16 +29,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import layout, names
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import format_version, safe_files
 from torchtitan_loom.components.runtime.resolved import flat_sections, resolved_config
 from torchtitan_loom.protocols import model_args_of, relaunch_tunable_of
 
 LOCK = "RUN.lock"
-RUN_JSON = "run.json"
 # Run files moved aside by job.overwrite (the metrics and checkpoint folders are added per config).
-_RUN_FILES = ("run.json", "config.toml", "metrics.jsonl", "SPIKE_ABORT.txt")
+_RUN_FILES = (names.RUN_JSON, names.CONFIG_TOML, names.METRICS_JSONL, "SPIKE_ABORT.txt")
 
 
 class RunFolderError(RuntimeError):
@@ -64,6 +63,7 @@ def identity(cfg: Any) -> dict[str, Any]:
         "training.global_batch_size": t.global_batch_size,
         "training.bp_segment_len": t.bp_segment_len,
         "training.sample_depth_min": t.sample_depth_min,  # which loops each step trains
+        "training.sample_depth_max": t.sample_depth_max,
         "optimizer.name": cfg.optimizer.name,  # another optimizer cannot continue this one's state
     }
 
@@ -85,7 +85,7 @@ def _as_flavor(flat: dict[str, Any]) -> dict[str, Any]:
 def read_run(dump_folder: str) -> dict[str, Any] | None:
     """run.json, or None when there is none (or it is not JSON); RunFolderError when something
     other than a regular file is there (a FIFO would block, a link to /dev/zero never end)."""
-    path = os.path.join(dump_folder, RUN_JSON)
+    path = os.path.join(dump_folder, names.RUN_JSON)
     try:
         run = json.loads(safe_files.read_text(path))
     except safe_files.UnsafePathError as exc:
@@ -125,6 +125,7 @@ def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
     )
     old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
     old.setdefault("training.sample_depth_min", 0)  # recorded before depth sampling existed
+    old.setdefault("training.sample_depth_max", 0)  # recorded before depth past H existed
     diff = [
         f"{k}: {old.get(k)!r} → {new.get(k)!r}"
         for k in sorted(old.keys() | new.keys())
@@ -286,8 +287,8 @@ def replace_old_run(cfg: Any, log=print) -> str | None:
     """job.overwrite: move the previous run's files to ``replaced-<run_id>/``; returns that path."""
     dump = cfg.job.dump_folder
     run = read_run(dump)
-    names = list(_RUN_FILES) + [cfg.checkpoint.folder, cfg.metrics.tb_folder]
-    present = [n for n in names if os.path.exists(os.path.join(dump, n))]
+    moved = list(_RUN_FILES) + [cfg.checkpoint.folder, cfg.metrics.tb_folder]
+    present = [n for n in moved if os.path.exists(os.path.join(dump, n))]
     if not cfg.job.overwrite or not present:
         return None
     dest = os.path.join(dump, f"replaced-{(run or {}).get('run_id') or new_run_id()}")
@@ -309,7 +310,7 @@ RUN_FORMATS_READ = (1,)
 def version_problem(dump_folder: str, run: dict[str, Any]) -> str | None:
     """One line when run.json is of a format this code does not read (None: it reads it)."""
     return format_version.problem(
-        os.path.join(dump_folder, RUN_JSON),
+        os.path.join(dump_folder, names.RUN_JSON),
         run,
         RUN_FORMATS_READ,
         "continue this run with the torchtitan_loom that wrote it (or a newer one), or start "
@@ -360,7 +361,7 @@ def record_launch(
     if model_args is not None:
         run["resolved"] = resolved_config(cfg, model_args)
     run.update(run_id=run_id, status=status, step=step)
-    path, text = os.path.join(dump, RUN_JSON), json.dumps(run, indent=2, sort_keys=True)
+    path, text = os.path.join(dump, names.RUN_JSON), json.dumps(run, indent=2, sort_keys=True)
     try:
         safe_files.atomic_write(path, text, owner=dump)
     except OSError as exc:
@@ -389,5 +390,5 @@ def _rewrite_in_place(path: str, text: str) -> None:
 def planted_links(dump_folder: str, folders: Sequence[str] = ()) -> list[str]:
     """Symbolic links where a launch writes its run files or the sub-``folders`` it writes into
     (tb/), which a launch refuses (safe_files.py); each writer checks again when it writes."""
-    names = [*_RUN_FILES, *(f + ".partial" for f in _RUN_FILES), LOCK, *folders]
-    return safe_files.planted_links(dump_folder, names) if os.path.isdir(dump_folder) else []
+    written = [*_RUN_FILES, *(f + ".partial" for f in _RUN_FILES), LOCK, *folders]
+    return safe_files.planted_links(dump_folder, written) if os.path.isdir(dump_folder) else []

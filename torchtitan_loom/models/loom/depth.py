@@ -8,7 +8,8 @@ formula of model.inject_gain, the expert bias is per layer). The policies:
     "cycle"  router ((t - 1) mod H) + 1 (the trained sequence of routers again)
 
 The depth report (tools/depth.py) measures both; "last" is the default (docs/studying_depth.md has
-the numbers). Without a policy a forward past H is refused: a trainer never asks for one.
+the numbers), and the policy a trainer sets when training.sample_depth_max trains loops past H
+(depth_sampling.BEYOND_POLICY). Without a policy a forward past H is refused.
 """
 
 from __future__ import annotations
