@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_loom.components.checkpoint import found, integrity, layout, names
+from torchtitan_loom.components.checkpoint import found, integrity, names
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
@@ -151,17 +152,19 @@ def _export(ck: found.FoundCheckpoint, out: str, dtype: str, force: bool) -> str
     finally:
         if os.path.lexists(tmp) and not os.path.islink(tmp):
             os.remove(tmp)
-    layout.write_json(
+    record = {
+        "name": info["name"],
+        "flavor": info.get("flavor"),
+        "args": dataclasses.asdict(args),
+        "dtype": dtype,
+        "step": ck.step,
+        "source": os.path.abspath(ck.folder),
+        "file": name,
+    }  # written as the export's own file (the checkpoint package is entered once: found.find)
+    safe_files.atomic_write(
         os.path.join(out, names.MODEL_ARGS_JSON),
-        {
-            "name": info["name"],
-            "flavor": info.get("flavor"),
-            "args": dataclasses.asdict(args),
-            "dtype": dtype,
-            "step": ck.step,
-            "source": os.path.abspath(ck.folder),
-            "file": name,
-        },
+        json.dumps(record, indent=2, sort_keys=True) + "\n",
+        owner=out,
     )
     written = [name, names.MODEL_ARGS_JSON]
     if ck.config_path is not None:
