@@ -92,9 +92,9 @@ def kernels(trainer: Any, device_type: str, compiling: bool) -> dict[str, str]:
     """The attention backend and the routed experts' kernel the model chose on this device."""
     lines = []
     try:  # a report is worth less than the cell: never let it fail the measurement
-        if trainer.spec.kernel_report_fn is not None:
-            lines = trainer.spec.kernel_report_fn(
-                trainer.model, device_type, trainer.compute_dtype, compiling
+        if trainer.parts.setting.spec.kernel_report_fn is not None:
+            lines = trainer.parts.setting.spec.kernel_report_fn(
+                trainer.model, device_type, trainer.parts.setting.compute_dtype, compiling
             )
     except Exception as exc:
         return {"attention": f"unknown ({failure_reason(exc)})", "expert_kernel": "unknown"}
@@ -112,7 +112,9 @@ def kernels(trainer: Any, device_type: str, compiling: bool) -> dict[str, str]:
     elif experts - {None}:
         expert = f"float8 grouped GEMM {', '.join(sorted(experts - {None}))}"
     else:
-        expert = f"torch._grouped_mm ({str(trainer.compute_dtype).removeprefix('torch.')})"
+        expert = (
+            f"torch._grouped_mm ({str(trainer.parts.setting.compute_dtype).removeprefix('torch.')})"
+        )
     return {"attention": attention.removeprefix("attention backend: "), "expert_kernel": expert}
 
 

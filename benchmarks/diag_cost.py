@@ -40,7 +40,7 @@ from torchtitan_loom.components.observability.diagnostics import build_diagnosti
 from torchtitan_loom.config import load_config  # noqa: E402
 from torchtitan_loom.config.validate import resolve  # noqa: E402
 from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E402
-from torchtitan_loom.train import Trainer  # noqa: E402
+from torchtitan_loom.trainer import Trainer  # noqa: E402
 
 VARIANTS = {  # (diag_activations, diag_rank, diag_grad); None = diagnostics off
     "off": None,
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             names[r % len(names) :] + names[: r % len(names)]
         )  # rotate: no variant always runs first
         for name in order:
-            trainer.step.parts.diagnostics = diagnostics[name]  # the part the step reads
+            trainer.parts.step.parts.diagnostics = diagnostics[name]  # the part the step reads
             _sync(device)
             start = now()
             result = trainer.train_step(next(batches))

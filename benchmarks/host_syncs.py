@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, store: str, argv: list[str], steps: int, out: s
     from torchtitan_loom.config import load_config
     from torchtitan_loom.config.validate import resolve
     from torchtitan_loom.distributed.utils import DistInfo
-    from torchtitan_loom.train import Trainer
+    from torchtitan_loom.trainer import Trainer
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

@@ -91,7 +91,7 @@ def run_cell(argv: list[str], steps: int, rank: int = 0, world: int = 1) -> dict
     from torchtitan_loom.config.validate import resolve
     from torchtitan_loom.distributed.comm_count import CollectiveCounter
     from torchtitan_loom.distributed.utils import DistInfo, pick_device
-    from torchtitan_loom.train import Trainer
+    from torchtitan_loom.trainer import Trainer
 
     if not any(a.startswith("--job.dump_folder") for a in argv):  # leave nothing behind
         argv = argv + ["--job.dump_folder", tempfile.mkdtemp(prefix="memory_time_")]

@@ -47,7 +47,7 @@ from torchtitan_loom.components.observability.metrics import memory_stats, peak_
 from torchtitan_loom.config import ConfigError, load_config  # noqa: E402
 from torchtitan_loom.config.validate import resolve  # noqa: E402
 from torchtitan_loom.distributed.utils import DistInfo, pick_device  # noqa: E402
-from torchtitan_loom.train import Trainer  # noqa: E402
+from torchtitan_loom.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cell_record import (  # noqa: E402
@@ -280,7 +280,7 @@ def run_cell(
             shares = profile_steps(lambda: train_step(next(batches)), PROFILE_STEPS, trace, device)
         t = cfg.training
         # The trainer's own FLOP count and formula (observability/metrics.throughput), as logged.
-        flops_per_token = trainer.flops_per_token
+        flops_per_token = trainer.parts.training.flops_per_token
         rate = throughput(
             steps * t.global_batch_size * t.seq_len, elapsed, flops_per_token, peak_flops(device)
         )

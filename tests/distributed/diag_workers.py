@@ -14,7 +14,7 @@ import torch.distributed as dist
 from gloo_rank import build_trainer, gloo_rank  # next to this file
 
 from torchtitan_loom.components.observability.diagnostics import sample_rows
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
 from rank_collapse_ref import direct_rank_collapse

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from gloo_rank import case_trainers, gloo_rank, load_spec  # next to this file
 from torch.distributed.tensor import DTensor
 
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 
 def record_run(trainer: Trainer, steps: int) -> dict:
@@ -53,7 +53,7 @@ def record_run(trainer: Trainer, steps: int) -> dict:
 
 def init_difference(trainer: Trainer) -> float:
     """max |initial weight - single-process init| over all parameters (full tensors gathered)."""
-    reference_model = trainer.spec.model_cls(trainer.model_args)
+    reference_model = trainer.parts.setting.spec.model_cls(trainer.model_args)
     reference_model.init_weights()
     reference = dict(reference_model.named_parameters())
     worst = 0.0

@@ -17,7 +17,7 @@ from gloo_rank import build_trainer, gloo_rank, load_spec  # next to this file
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.comm_count import CollectiveCounter
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
 from host_syncs import HostSyncCounter

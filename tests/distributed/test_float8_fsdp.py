@@ -15,7 +15,7 @@ import torch
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None, reason="torchao not installed"
@@ -64,7 +64,7 @@ def test_fsdp_float8_all_gather_and_precompute_train_like_one_process(
 ):
     cfg = load_config(common(tiny_pack, tmp_path / "one"))
     tr = Trainer(cfg, resolve(cfg, 1), DistInfo(rank=0, world_size=1, device=torch.device("cpu")))
-    assert not tr.float8_precompute  # no FSDP on one process
+    assert not tr.parts.model_parts.float8_precompute  # no FSDP on one process
     batches = iter(tr.dataloader)
     ref = [tr.train_step(next(batches)).seg_losses[-1] for _ in range(3)]
 

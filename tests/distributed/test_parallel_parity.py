@@ -31,7 +31,7 @@ import torch
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 STEPS = 10
 SHORT = 3  # further variants: the first steps of the same curve

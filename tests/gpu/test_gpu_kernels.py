@@ -121,7 +121,7 @@ def test_real_float8_training_tracks_bf16(recipe, tiny_pack, tmp_path):
     from torchtitan_loom.config import load_config
     from torchtitan_loom.config.validate import resolve
     from torchtitan_loom.distributed.utils import DistInfo
-    from torchtitan_loom.train import Trainer
+    from torchtitan_loom.trainer import Trainer
 
     info = DistInfo(rank=0, world_size=1, device=torch.device(DEVICE, 0))
 

@@ -18,7 +18,7 @@ from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.tools import analyze
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 STEPS, EVAL_EVERY = 4, 2
@@ -103,13 +103,15 @@ def test_diversity_scalars_and_expert_load_only_at_eval(run):
         assert last[f"stream_rms_loop_{t}"] != pytest.approx(1.0, abs=1e-3)
     assert 0 <= last["routing_dead_experts"] <= E
     # The eval's diversity equals a direct recomputation on the same checkpointed model.
-    direct, _ = trainer.held_out.validate(trainer.state.step)
+    direct, _ = trainer.parts.services.held_out.validate(trainer.state.step)
     assert direct["routing_distinct_experts"] == pytest.approx(last["routing_distinct_experts"])
 
 
 def test_tensorboard_scalars_and_images(run):
     dump, trainer, _ = run
-    acc = EventAccumulator(trainer.metrics.tb_dir, size_guidance={"images": 0})  # tb/<launch>/
+    acc = EventAccumulator(
+        trainer.parts.training.metrics.tb_dir, size_guidance={"images": 0}
+    )  # tb/<launch>/
     acc.Reload()
     scalars = acc.Tags()["scalars"]
     for tag in (
@@ -259,14 +261,14 @@ def test_the_eval_line_announces_the_holdout_tokens_it_reads(run, tiny_pack):
         data_path=str(tiny_pack),
         val_path=None,
         seq_len=t.seq_len,
-        vocab_size=trainer.vocab_size,
+        vocab_size=trainer.model.args.vocab_size,
         batch_rows=t.global_batch_size,
         dp_rank=0,
         dp_world=1,
         tokenizer_name=None,
-        device=trainer.device,
-        micro_batches=trainer.micro_batches,
-        autocast=trainer.autocast,
+        device=trainer.parts.setting.device,
+        micro_batches=trainer.parts.setting.micro_batches,
+        autocast=trainer.parts.setting.autocast,
         stop_requested=lambda: 0,
         log=lines_big.append,
     )

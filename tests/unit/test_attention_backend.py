@@ -15,7 +15,7 @@ from torchtitan_loom.models.loom.attention import (
     mask_backend,
     resolve_attn_backend,
 )
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

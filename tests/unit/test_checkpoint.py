@@ -17,7 +17,7 @@ from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -72,7 +72,10 @@ def assert_same_state(t1, t2):
     for i in o1["state"]:
         assert_same_tensors(o1["state"][i], o2["state"][i], f"optimizer state {i}")
     for name in ("lr_scheduler", "dataloader", "spike_guard", "state"):
-        assert getattr(t1, name).state_dict() == getattr(t2, name).state_dict(), name
+        assert (
+            getattr(t1.parts.training, name).state_dict()
+            == getattr(t2.parts.training, name).state_dict()
+        ), name
 
 
 def test_resume_restores_every_state_exactly(tiny_pack, tmp_path):

@@ -12,7 +12,8 @@ from torchtitan_loom.components.checkpoint import CheckpointError, found, layout
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import export as export_tool
-from torchtitan_loom.train import Trainer, main
+from torchtitan_loom.train import main
+from torchtitan_loom.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

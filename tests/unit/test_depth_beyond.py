@@ -37,7 +37,7 @@ def test_segments_past_h_keep_h_a_segment_end_and_the_choices_start_at_h():
 
 def test_a_step_trains_the_loops_past_h_under_router_h(tiny_pack, tmp_path):
     trainer = make_trainer(tiny_pack, tmp_path, "--training.steps", "8", *BEYOND)
-    sampler = trainer.depth
+    sampler = trainer.parts.training.depth
     assert sampler is not None and trainer.segments == step_segments(3, 1, 6)
     assert trainer.model.beyond_policy == "last"
     data = iter(trainer.dataloader)
@@ -142,7 +142,7 @@ def test_minimum_at_the_maximum_trains_every_loop_past_h_every_step(tiny_pack, t
     # (The spike guard off: two steps from init, a fresh loop's loss jumps past its ratio rule.)
     always = ("--training.sample_depth_min", "6", "--spike_guard.enable", "false", *BEYOND)
     trainer = make_trainer(tiny_pack, tmp_path, "--training.steps", "2", *always)
-    assert trainer.depth is None and trainer.segments[-1] == (6, 6)
+    assert trainer.parts.training.depth is None and trainer.segments[-1] == (6, 6)
     data = iter(trainer.dataloader)
     for _ in range(2):
         out = trainer.train_step(next(data))
@@ -151,4 +151,6 @@ def test_minimum_at_the_maximum_trains_every_loop_past_h_every_step(tiny_pack, t
     model = trainer.model
     no_head = model.flops_per_token(32, head_calls=0)
     head = model.flops_per_token(32, head_calls=1) - no_head
-    assert trainer.flops_per_token == pytest.approx(no_head * 2 + head * 6, rel=1e-12)
+    assert trainer.parts.training.flops_per_token == pytest.approx(
+        no_head * 2 + head * 6, rel=1e-12
+    )

@@ -51,7 +51,7 @@ def test_expected_flops_scale_the_loops_by_the_mean_depth_and_the_head_by_the_me
 
 def test_a_step_runs_exactly_the_drawn_segments(tiny_pack, tmp_path):
     trainer = make_trainer(tiny_pack, tmp_path, "--training.steps", "8", *DEPTH)
-    sampler = trainer.depth
+    sampler = trainer.parts.training.depth
     assert sampler is not None and sampler.choices == [1, 2, 3] and sampler.depths() == "1, 2 or 3"
     data = iter(trainer.dataloader)
     router_updates = torch.zeros(3, dtype=torch.int64)
@@ -167,8 +167,8 @@ def test_run_json_records_the_model_sizes_and_each_launchs_seconds(tiny_pack, tm
     assert record["model"] == {
         "params": counts["total"],
         "active_params": counts["active"],
-        "flops_per_token": trainer.flops_per_token,
+        "flops_per_token": trainer.parts.training.flops_per_token,
     }
-    assert trainer.flops_per_token < trainer.model.flops_per_token(32, head_calls=3)
+    assert trainer.parts.training.flops_per_token < trainer.model.flops_per_token(32, head_calls=3)
     (launch,) = record["launches"]
     assert record["status"] == "finished" and 0 < launch["seconds"] < 600 and "ended" in launch

@@ -18,7 +18,7 @@ from torchtitan_loom.components.observability.diagnostics import (
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -79,7 +79,7 @@ def capture_branches(model):
 
 def test_every_statistic_equals_a_direct_computation(tiny_pack, tmp_path):
     tr = make_trainer(tiny_pack, tmp_path)
-    L, _H = tr.model.args.n_layers, tr.num_loops
+    L, _H = tr.model.args.n_layers, tr.model.num_loops
     seen, handles = capture_branches(tr.model)
     batch = next(iter(tr.dataloader))
     valid = [v.reshape(-1) >= 0 for v in batch["doc_ids"].split(4)]  # padding has doc id -1
@@ -87,7 +87,7 @@ def test_every_statistic_equals_a_direct_computation(tiny_pack, tmp_path):
     out = tr.train_step(batch)
     for h in handles:
         h.remove()
-    assert out.diag is not None and set(out.diag) == set(tr.diagnostics.keys())
+    assert out.diag is not None and set(out.diag) == set(tr.parts.training.diagnostics.keys())
 
     # Call order: segment, micro-batch, loop, layer, (attention, moe).
     per = {}  # (branch, layer, loop) -> [x of micro-batch 0, x of micro-batch 1]
@@ -163,8 +163,8 @@ def test_off_steps_keys_and_skipped_segments(tiny_pack, tmp_path):
     )
     batches = iter(tr.dataloader)
     assert tr.train_step(next(batches)).diag is None  # step 1: not a diagnostic step
-    keys = tr.diagnostics.keys()
-    assert len(keys) == tr.model.args.n_layers * tr.num_loops * 2 * 5 and not any(
+    keys = tr.parts.training.diagnostics.keys()
+    assert len(keys) == tr.model.args.n_layers * tr.model.num_loops * 2 * 5 and not any(
         "grad_norm" in k for k in keys
     )
     for _ in range(300):  # segment 1's baseline goes to ~0: step 2's segment 1 is a spike

@@ -17,7 +17,7 @@ import torch
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None, reason="torchao not installed"

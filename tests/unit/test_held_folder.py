@@ -11,7 +11,7 @@ from tests.unit.test_run_folder import argv
 from torchtitan_loom import launch
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.runtime import exit_codes, safe_files
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 
 def _tree(folder):

@@ -10,7 +10,7 @@ from host_syncs import HostSyncCounter
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 HOST_SYNCS_PER_SEGMENT = 1  # the budget

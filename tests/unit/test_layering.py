@@ -1,11 +1,11 @@
 """The package's layering, checked on the source: every import (lazy ones inside functions and string
-imports through importlib included) points down the layers tools → train → config → components →
-models → distributed → protocols (with the data contract); components/ never imports a model (it
-reaches one only through protocols.py); LOOM's math never imports its infra and the infra never
-imports the models.loom package back; no module imports itself back through others (no cycle); and
-no file outside models/loom/ names a LOOM field, attribute or method that the protocols do not
-declare (the args' fields, the carry's, and everything the LOOM modules define on their classes and
-instances, collected from a built model).
+imports through importlib included) points down the layers tools → the trainer (train.py, trainer/,
+launch.py) → config → components → models → distributed → protocols (with the data contract);
+components/ never imports a model (it reaches one only through protocols.py); LOOM's math never
+imports its infra and the infra never imports the models.loom package back; no module imports
+itself back through others (no cycle); and no file outside models/loom/ names a LOOM field,
+attribute or method that the protocols do not declare (the args' fields, the carry's, and
+everything the LOOM modules define on their classes and instances, collected from a built model).
 """
 
 import ast
@@ -26,7 +26,7 @@ PKG = Path(torchtitan_loom.__file__).parent
 # Top to bottom; a module may import its own layer and the ones below it.
 LAYERS = (
     ("tools",),
-    ("train", "trainer_build", "trainer_step", "launch"),
+    ("train", "trainer", "launch"),
     ("config",),
     ("components",),
     ("models",),

@@ -1,4 +1,4 @@
-"""The learned exit (model.exit_head; models/loom/exit_head.py, exit_training.py, the "learned"
+"""The learned exit (model.exit_head; models/loom/exit_head.py, components/exit_training.py, the "learned"
 criterion of components/evaluation/adaptive_exit.py):
 
 - decoding with learned exits equals the whole sequence run with the same exits, token for token;

@@ -12,7 +12,7 @@ from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_loom.distributed.utils import DistInfo
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 

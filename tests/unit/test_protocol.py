@@ -36,7 +36,8 @@ from torchtitan_loom.protocols import (
     UpdatesAfterStep,
     register_train_spec,
 )
-from torchtitan_loom.train import Trainer, main
+from torchtitan_loom.train import main
+from torchtitan_loom.trainer import Trainer
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 

@@ -7,7 +7,8 @@ import torch
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer, main
+from torchtitan_loom.train import main
+from torchtitan_loom.trainer import Trainer
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 

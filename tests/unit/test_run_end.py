@@ -17,7 +17,7 @@ from torchtitan_loom import launch, train
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.observability import metrics
 from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 KEEP_ONE = ("--training.steps", "12", "--checkpoint.keep_latest_k", "1")
 

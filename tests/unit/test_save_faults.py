@@ -16,7 +16,7 @@ from torchtitan_loom import launch
 from torchtitan_loom.components.checkpoint import layout, saving
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter, _NewFilesOnly
 from torchtitan_loom.components.runtime import exit_codes
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 
 def writer_acting_at(step, act):

@@ -17,7 +17,7 @@ import pytest
 from tests.unit.test_checkpoint import assert_same_state, make_trainer, run
 from torchtitan_loom import launch
 from torchtitan_loom.components.checkpoint import layout
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("--training.steps", "5", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0")

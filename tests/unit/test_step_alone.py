@@ -1,4 +1,4 @@
-"""The segmented step is an object built from named parts (trainer_step.StepParts), callable
+"""The segmented step is an object built from named parts (trainer/step.py StepParts), callable
 without a Trainer: built here from a model, optimizer, schedule, guard, state and segments made
 by hand, one step of it equals the Trainer's step on the same batch, bit for bit (one process on
 one CPU runs the same kernels in the same order; nothing may differ)."""
@@ -16,7 +16,7 @@ from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.components.runtime.train_state import TrainState
 from torchtitan_loom.models.loom import LoomTransformer
 from torchtitan_loom.protocols import segments
-from torchtitan_loom.trainer_step import SegmentedStep, StepParts
+from torchtitan_loom.trainer.step import SegmentedStep, StepParts
 
 
 def _split(mb_rows):

@@ -10,7 +10,7 @@ from torchtitan_loom.components.data.pack_writer import PackWriter
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.distributed.utils import DistInfo
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 CPU = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
 SMOLLM_VOCAB = 49_152

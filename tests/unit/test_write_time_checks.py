@@ -15,7 +15,7 @@ from tests.unit.test_run_folder import argv
 from torchtitan_loom import launch
 from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.runtime import safe_files
-from torchtitan_loom.train import Trainer
+from torchtitan_loom.trainer import Trainer
 
 
 def planting(at_step, plant):
@@ -159,7 +159,7 @@ def test_tensorboard_stops_at_a_link_planted_mid_run(tiny_pack, tmp_path, capsys
     dump, outside, seen = tmp_path / "run", tmp_path / "outside", {}
 
     def plant(t):  # the launch folder moved away and replaced by a link to it, elsewhere
-        tb_dir = t.metrics.tb_dir
+        tb_dir = t.parts.training.metrics.tb_dir
         os.rename(tb_dir, outside)
         os.symlink(outside, tb_dir)
         seen["at plant"] = listing(outside)

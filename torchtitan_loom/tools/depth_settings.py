@@ -1,6 +1,6 @@
 """What the depth report reads and how it runs it (tools/depth_run.py measures over it). By default
 exactly what the run's held-out eval reads (components/evaluation/held_out.py, built in
-trainer_build.py): the training pack's holdout epoch, or epoch 0 of data.val_path; eval.tokens
+trainer/build.py): the training pack's holdout epoch, or epoch 0 of data.val_path; eval.tokens
 valid labels, counted per batch of eval.batch_size (else training.global_batch_size) rows, so the
 read stops after the same batch; rows of training.seq_len; forwards of training.micro_batch_size
 rows; MoE capacity dropping as trained. The loss after H loops is then the eval_loss the run

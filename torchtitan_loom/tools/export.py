@@ -31,18 +31,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
+
+if __name__ == "__main__":  # a bad command line or an occupied OUT is answered before torch
+    from torchtitan_loom.tools.export_cli import answer_early
+
+    answer_early(sys.argv[1:], __doc__.split("\n\n")[0])
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from torchtitan_loom.components.checkpoint import found, integrity, layout, names
+from torchtitan_loom.components.checkpoint import found, integrity, names
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.messages import shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_for_inference
+from torchtitan_loom.tools.export_cli import build_parser
 from torchtitan_loom.tools.export_format import ExportError, give_umask_mode
 from torchtitan_loom.tools.hf_export import HF_NAMES, export_hf
 from torchtitan_loom.tools.loading import LoadError, TokenizerFileError, load, load_tokenizer
@@ -145,17 +152,19 @@ def _export(ck: found.FoundCheckpoint, out: str, dtype: str, force: bool) -> str
     finally:
         if os.path.lexists(tmp) and not os.path.islink(tmp):
             os.remove(tmp)
-    layout.write_json(
+    record = {
+        "name": info["name"],
+        "flavor": info.get("flavor"),
+        "args": dataclasses.asdict(args),
+        "dtype": dtype,
+        "step": ck.step,
+        "source": os.path.abspath(ck.folder),
+        "file": name,
+    }  # written as the export's own file (the checkpoint package is entered once: found.find)
+    safe_files.atomic_write(
         os.path.join(out, names.MODEL_ARGS_JSON),
-        {
-            "name": info["name"],
-            "flavor": info.get("flavor"),
-            "args": dataclasses.asdict(args),
-            "dtype": dtype,
-            "step": ck.step,
-            "source": os.path.abspath(ck.folder),
-            "file": name,
-        },
+        json.dumps(record, indent=2, sort_keys=True) + "\n",
+        owner=out,
     )
     written = [name, names.MODEL_ARGS_JSON]
     if ck.config_path is not None:
@@ -215,32 +224,7 @@ def _verify(
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0, or 2 with one ``export error:`` message."""
-    parser = argparse.ArgumentParser(
-        prog="python -m torchtitan_loom.tools.export", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "ckpt", help="checkpoint directory (step-N), checkpoint folder or run dump folder"
-    )
-    parser.add_argument("out", help="output directory")
-    parser.add_argument(
-        "--dtype", default="fp32", choices=tuple(SHORT_DTYPES), help="parameter dtype of the export"
-    )
-    parser.add_argument(
-        "--verify", action="store_true", help="re-read the export and compare it bit for bit"
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="overwrite the files of an existing export in OUT "
-        "(without it, OUT must be absent or empty)",
-    )
-    parser.add_argument(
-        "--format",
-        default="safetensors",
-        choices=("safetensors", "hf"),
-        help="safetensors: model file + model_args.json; hf: a transformers folder "
-        "(AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True))",
-    )
+    parser = build_parser(__doc__.split("\n\n")[0])
     ns = parser.parse_args(argv)
     if ns.format == "hf":
         return _main_hf(ns)

@@ -5,9 +5,9 @@ sampled per step: depth_sampling.py), each in three pieces:
 ``_backward_segment`` (forward/backward of every micro-batch), ``_finish_segment`` (the gradients
 reduced, the segment's one all-reduce of statistics with every rank's stop flag) and ``_update``
 (the decision order non-finite → spike → clip → step, in one place). ``StepParts`` names all it
-reads, so a test builds a step without a Trainer (tests/unit/test_step_alone.py); the Trainer
-(train.py) builds one from its parts and calls it once per step. The model is reached only through
-``protocols.ModelProtocol``.
+reads, so a test builds a step without a Trainer (tests/unit/test_step_alone.py); build.py builds
+one from the Trainer's parts and the Trainer (loop.py) calls it once per step. The model is reached
+only through ``protocols.ModelProtocol``.
 
 Legend (the package's, see protocols.py): B rows, S sequence length, L layers, H loops, T loops of a
 segment, E routed experts.
@@ -38,7 +38,7 @@ Batch = dict[str, torch.Tensor]
 
 @dataclass
 class StepParts:
-    """Everything one step reads or changes, each a part the Trainer built (trainer_build.py)."""
+    """Everything one step reads or changes, each a part the Trainer built (build.py)."""
 
     model: ModelProtocol
     params: list[torch.Tensor]
