@@ -42,6 +42,11 @@ def record_run(trainer: Trainer, steps: int) -> dict:
         "counts": counts[-1],
         "counts_by_step": counts,
         "adam_steps": {k: sorted(v) for k, v in opt_steps.items()},
+        # The learned exit head's weights (model.exit_head; [] without it), gathered whole.
+        "exit_head": [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+            for p in trainer.model.exit_parameters()
+        ],
         # What runs the routed experts: the installed module and what it wraps (EP), per layer
         # (fully_shard names its subclass "FSDP" + the class name).
         "experts": [
