@@ -62,7 +62,7 @@ class ExitTraining:
         return bce_sum / denom_t.to(bce_sum.dtype).reshape(())
 
     def scalars(self) -> dict[str, torch.Tensor]:
-        """exit_head_loss (token-mean BCE over the step's decisions) and exit_head_accuracy, on the
-        device (read when the metrics are written)."""
+        """exit_head_loss (token-mean BCE over this rank's decisions of the step: not reduced over
+        ranks) and exit_head_accuracy, on the device (read when the metrics are written)."""
         n = self.tokens.clamp_min(1.0)
         return {"exit_head_loss": self.loss_sum / n, "exit_head_accuracy": self.correct / n}
