@@ -17,7 +17,7 @@ named functions (no comprehension, generator or lambda), those outside the model
 (models/), how many modules they were in, how many times the
 checkpoint package (components/checkpoint/) was entered from our code outside it (a tool, this
 script; not torch calling back in), how many of its modules those entries went into, and how
-many of the entries were into layout.py.
+many of the entries were into tree.py.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def count_calls(fn: Callable[[], Any]) -> dict[str, int]:
         if path.startswith(CKPT_PKG) and outside:
             calls["checkpoint package entered"] += 1
             entered.add(os.path.basename(path))
-        if path.endswith("checkpoint/layout.py") and outside:
-            calls["layout.py entered"] += 1
+        if path.endswith("checkpoint/tree.py") and outside:
+            calls["tree.py entered"] += 1
 
     sys.setprofile(profile)
     try:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from torchtitan_loom.components.checkpoint import CheckpointError, layout
+from torchtitan_loom.components.checkpoint import CheckpointError, tree
 from torchtitan_loom.components.checkpoint.resolve import checkpoint_root
 from torchtitan_loom.components.checkpoint.state import CheckpointSaveError
 from torchtitan_loom.components.data import PackError
@@ -288,7 +288,7 @@ def _lost_peer(cfg: Any, step: int, why: str, in_step: bool = True) -> Outcome:
     makes an elastic agent restart the group (1 without restarts left: relaunch by hand)."""
     elastic = ElasticRestarts.from_env(os.environ)
     code = exit_codes.RESTART if elastic.restarts_left else exit_codes.FAILED
-    scanned = layout.scan(checkpoint_root(cfg.job.dump_folder, cfg.checkpoint.folder))
+    scanned = tree.scan(checkpoint_root(cfg.job.dump_folder, cfg.checkpoint.folder))
     newest = scanned.newest() if cfg.checkpoint.enable else None
     resume = (
         f"resumes from step {newest.step} ({_steps(newest.step + 1, step)} trained again)"

@@ -71,7 +71,7 @@ class LoopRequest:
     """Also fill ModelOutput.topk_LTBSK (ask a model with ``routing`` only; analysis)."""
     observe: Callable[[torch.Tensor], torch.Tensor] | None = None
     """A pure function of one branch output [B, S, D] returning a 1-D tensor, the same length
-    every call: fills ModelOutput.observed_LTNK (protocols.ModelProtocol.observation_layout)."""
+    every call: fills ModelOutput.observed_LTNK (protocols.ModelProtocol.observed_branches)."""
     cache: DecodeCache | None = None
     """The tokens continue the cached positions of every row (one document per row, doc_ids
     ignored); their K/V are appended (protocols.DecodesIncrementally.new_decode_cache)."""

@@ -48,7 +48,7 @@ class ModelOutput(NamedTuple):
     is set (eval, analysis) on a routed model, else None so training carries nothing extra."""
     observed_LTNK: torch.Tensor | None = None
     """The request's `observe` function applied to each of the N observed branch outputs (see
-    ModelProtocol.observation_layout) of every layer and loop of the range, stacked; None without it."""
+    ModelProtocol.observed_branches) of every layer and loop of the range, stacked; None without it."""
     exit_logit_BS: torch.Tensor | None = None
     """fp32 [B, S] logit of P(loops loop_start.. lower the token's loss), from the detached carry
     (ExitsPerToken.exit_parameters); None without a head or a carry."""
@@ -124,7 +124,7 @@ class ModelProtocol(Protocol):
         only for a model with DecodesIncrementally / ExitsPerToken)."""
         ...
 
-    def observation_layout(self) -> tuple[int, tuple[str, ...]]:
+    def observed_branches(self) -> tuple[int, tuple[str, ...]]:
         """(L, names of the N branch outputs) that `observe` sees in each of L layers in every loop
         (LOOM: attention, moe); (0, ()) for a model that observes nothing."""
         ...
@@ -237,7 +237,7 @@ class GroupedKernel(NamedTuple):
     dim_multiple: int
     """Both weight dims (reduction and output) must be multiples of it."""
     gemm: GroupedGemm
-    layout: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int]]
+    pad_rows: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int]]
     """(counts_E, rows A) -> (dest_A padded row of each row, ends_E int32 group ends, P buffer rows):
     where a model puts its grouped rows so that every group is aligned."""
 

@@ -17,7 +17,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from torchtitan_loom.components.checkpoint import CheckpointManager, layout, load_full
+from torchtitan_loom.components.checkpoint import CheckpointManager, load_full, tree
 from torchtitan_loom.components.optim.optimizer import build_optimizer
 from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.config.schema import Checkpoint, Optimizer
@@ -94,7 +94,7 @@ def check_async_save(rank: int, world: int, dump: str) -> None:
     mgr.wait()
     dist.barrier()
     path = os.path.join(dump, "checkpoint", "step-1")
-    assert layout.is_complete(path)
+    assert tree.is_complete(path)
     saved = load_full(path)
     for k, v in expected.items():
         assert torch.equal(saved["model." + k], v), f"async checkpoint holds a later value of {k}"

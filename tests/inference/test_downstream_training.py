@@ -14,7 +14,7 @@ from conftest import TASKS_DIR
 
 from tests.unit.test_checkpoint import make_trainer
 from tests.unit.test_signals import signal_on_forward
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import lm_eval as eval_tool
@@ -109,7 +109,7 @@ def test_stop_signal_while_scoring_drops_the_scores_saves_and_exits_0(tiny_pack,
     assert "downstream at step 2: stopped by a signal" in out and "stopped after step 2" in out
     rows = [json.loads(r) for r in (dump / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and not any(k.startswith("downstream/") for k in rows[-1])
-    assert layout.scan(str(dump / "checkpoint")).newest().step == 2
+    assert tree.scan(str(dump / "checkpoint")).newest().step == 2
 
 
 def test_bad_downstream_settings_are_config_errors(tiny_pack, tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_loom.components.checkpoint import layout, load_full
+from torchtitan_loom.components.checkpoint import load_full, tree
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import export as export_tool
@@ -172,7 +172,7 @@ def test_resharded_restart_from_four_ranks(
 def test_export_of_a_four_rank_checkpoint(four_rank_straight, tmp_path):
     out = tmp_path / "export"
     assert export_tool.main([str(four_rank_straight), str(out), "--verify"]) == 0
-    assert layout.read_json(str(out / "model_args.json"))["step"] == 12
+    assert tree.read_json(str(out / "model_args.json"))["step"] == 12
 
 
 def _ep_layout(world, base):
@@ -248,7 +248,7 @@ def test_sigterm_saves_exits_0_and_the_next_launch_continues(tiny_pack, tmp_path
     assert proc.returncode == 0, out[-3000:]
     stopped = max(losses(dump))
     assert stopped < 400 and f"received SIGTERM: stopped after step {stopped}" in out
-    assert layout.scan(str(dump / "checkpoint")).newest().step == stopped
+    assert tree.scan(str(dump / "checkpoint")).newest().step == stopped
     out = run_train(args + ["--checkpoint.exit_after_step", str(stopped + 2)], 1, launch_cost_s)
     assert f"(step {stopped})" in out
     rows = [json.loads(r)["step"] for r in metrics.read_text().splitlines()]
@@ -310,5 +310,5 @@ def test_killing_the_launcher_stops_the_ranks_and_they_save(tiny_pack, tmp_path,
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
     stopped = max(losses(dump))
-    assert layout.scan(str(dump / "checkpoint")).newest().step == stopped  # saved on the way out
+    assert tree.scan(str(dump / "checkpoint")).newest().step == stopped  # saved on the way out
     assert json.loads((dump / "run.json").read_text())["status"] == "stopped"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from torchtitan_loom import train
-from torchtitan_loom.components.checkpoint import integrity, layout
+from torchtitan_loom.components.checkpoint import integrity, tree
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import pack as pack_tool
@@ -301,7 +301,7 @@ def assert_disk_full_handled(dump, capsys, code):
     )
     assert "Traceback" not in err
     root = dump / "checkpoint"
-    found = layout.scan(str(root))
+    found = tree.scan(str(root))
     assert [e.step for e in found.complete] == [2] and not found.incomplete
     assert integrity.verify(str(root / "step-2")) is None
     assert (

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from torchtitan_loom.components.checkpoint import CheckpointError, layout
+from torchtitan_loom.components.checkpoint import CheckpointError, tree
 from torchtitan_loom.components.checkpoint.state import read_metadata
 from torchtitan_loom.components.runtime.preemption import PreemptionWatcher
 from torchtitan_loom.config import load_config
@@ -96,7 +96,7 @@ def test_resume_restores_every_state_exactly(tiny_pack, tmp_path):
     run(resumed)
     assert_same_state(straight, resumed)
     assert torch.equal(torch.get_rng_state(), rng_after)
-    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [3, 6]
+    assert [e.step for e in tree.scan(str(tmp_path / "checkpoint")).complete] == [3, 6]
 
 
 def test_resume_with_activation_checkpointing_switched_on(tiny_pack, tmp_path):
@@ -177,7 +177,7 @@ def test_torn_checkpoint_is_skipped_with_a_warning(tiny_pack, tmp_path, capsys):
         )
     )
     root = tmp_path / "checkpoint"
-    os.remove(root / "step-3" / layout.MARKER)  # rank 0 died before the marker
+    os.remove(root / "step-3" / tree.MARKER)  # rank 0 died before the marker
     shutil.copytree(root / "step-2", root / ".tmp-step-4")  # a save killed mid-write
     capsys.readouterr()
     # run.json says finished: a relaunch continues it with more steps.
@@ -209,7 +209,7 @@ def test_keep_latest_k_snapshots_and_loading_a_snapshot(tiny_pack, tmp_path):
         )
     )
     root = str(tmp_path / "checkpoint")
-    found = layout.scan(root)
+    found = tree.scan(root)
     # Step 5 is the newest checkpoint followed by 2 healthy steps: keep 2 up to it, and all after.
     assert [e.step for e in found.of_kind("periodic")] == [4, 5, 6, 7]
     assert [e.step for e in found.of_kind("snapshot")] == [2, 4, 6]
@@ -217,7 +217,7 @@ def test_keep_latest_k_snapshots_and_loading_a_snapshot(tiny_pack, tmp_path):
     a = os.stat(os.path.join(root, "step-6", "__0_0.distcp"))
     b = os.stat(os.path.join(root, "snapshots", "step-6", "__0_0.distcp"))
     assert (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
-    index = layout.read_json(os.path.join(root, layout.INDEX))
+    index = tree.read_json(os.path.join(root, tree.INDEX))
     assert index["latest"] == "step-7" and index["final"] == "step-7"
     assert [s["path"] for s in index["snapshots"]] == [
         "snapshots/step-2",
@@ -235,14 +235,14 @@ def test_async_save_stages_before_returning_and_commits(tiny_pack, tmp_path):
         tiny_pack, tmp_path, "--training.steps", "2", "--checkpoint.async_mode", "async"
     )
     run(t1)  # the final save is async too and committed by close()
-    assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 2
+    assert tree.scan(str(tmp_path / "checkpoint")).newest().step == 2
     expected = {k: v.clone() for k, v in t1.model.state_dict().items()}
     t1.checkpointer.save(3)
     with torch.no_grad():  # an optimizer step right after save() returns must not leak into it
         for p in t1.model.parameters():
             p.add_(1.0)
     t1.checkpointer.close()
-    assert layout.is_complete(str(tmp_path / "checkpoint" / "step-3"))
+    assert tree.is_complete(str(tmp_path / "checkpoint" / "step-3"))
     t2 = make_trainer(tiny_pack, tmp_path, "--training.steps", "3")  # the run finished at 2
     assert_same_tensors(expected, t2.model.state_dict(), "async-saved model")
 
@@ -276,7 +276,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_at_the_next(tiny_pack, tmp_
     assert t.state.step == 3
     out = capsys.readouterr().out
     assert "received SIGTERM: stopped after step 3" in out and "relaunch the same command" in out
-    assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 3
+    assert tree.scan(str(tmp_path / "checkpoint")).newest().step == 3
     t2 = run(make_trainer(tiny_pack, tmp_path, "--training.steps", "6"))
     assert t2.state.step == 6
     rows = [r for r in open(tmp_path / "metrics.jsonl").read().splitlines()]
@@ -298,7 +298,7 @@ def test_spike_abort_does_not_save_the_step_it_stopped_at(tiny_pack, tmp_path):
     )
     t.spike_guard.check = lambda seg, loss, step: "forced" if step >= 2 else None
     assert t.train() == 2
-    assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 1
+    assert tree.scan(str(tmp_path / "checkpoint")).newest().step == 1
     assert "loss spike at step 2" in (tmp_path / "SPIKE_ABORT.txt").read_text()
 
 
@@ -391,7 +391,7 @@ def test_a_finite_explosion_inside_the_guard_warm_up_keeps_a_checkpoint_from_bef
     keep = ("--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1")
     guard = ("--spike_guard.warmup_steps", "50", "--spike_guard.abort_on_spike", "false")
     run(make_trainer(tiny_pack, tmp_path, "--training.steps", "8", *keep, *guard))
-    before = [e.step for e in layout.scan(str(tmp_path / "checkpoint")).of_kind("periodic")]
+    before = [e.step for e in tree.scan(str(tmp_path / "checkpoint")).of_kind("periodic")]
     t = make_trainer(
         tiny_pack, tmp_path, "--training.steps", "40", "--optimizer.lr", "10", *keep, *guard
     )
@@ -400,5 +400,5 @@ def test_a_finite_explosion_inside_the_guard_warm_up_keeps_a_checkpoint_from_bef
     loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert min(loss[s] for s in range(30, 41)) > 10 * loss[9], loss  # it exploded, finitely
     assert all(math.isfinite(v) for v in loss.values())
-    kept = [e.step for e in layout.scan(str(tmp_path / "checkpoint")).of_kind("periodic")]
+    kept = [e.step for e in tree.scan(str(tmp_path / "checkpoint")).of_kind("periodic")]
     assert min(kept) <= 8, (before, kept)  # a checkpoint from before the explosion survives

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_checkpoint import CPU, make_trainer, run  # tests/unit is on sys.path
 
-from torchtitan_loom.components.checkpoint import CheckpointError, found, layout
+from torchtitan_loom.components.checkpoint import CheckpointError, found, tree
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.tools import export as export_tool
@@ -156,7 +156,7 @@ def test_export_round_trip_verify_and_same_logits(trained, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("export: reading the model of ")  # before the slow part
     assert "verified: 28 tensors bit-identical" in printed
-    info = layout.read_json(str(out / "model_args.json"))
+    info = tree.read_json(str(out / "model_args.json"))
     assert (
         info["name"] == "loom"
         and info["flavor"] == "debug"
@@ -195,6 +195,6 @@ def test_export_refuses_torn_and_foreign_input(trained, tmp_path):
     dump, _ = trained
     torn = tmp_path / "step-9"
     shutil.copytree(dump / "checkpoint" / "step-1", torn)
-    os.remove(torn / layout.MARKER)
+    os.remove(torn / tree.MARKER)
     assert export_tool.main([str(torn), str(tmp_path / "x")]) == 2
     assert export_tool.main([str(tmp_path / "nothing"), str(tmp_path / "y")]) == 2

@@ -1,7 +1,7 @@
 """One checkpoint value (components/checkpoint/found.py): a run folder, a checkpoint folder, a
 step-N directory and an export all resolve to one FoundCheckpoint; a torn or corrupt one says why;
 its model is built from what one read of its files gave (DCP's .metadata read once); a save's paths
-are one value (layout.SaveTarget)."""
+are one value (tree.SaveTarget)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_checkpoint import make_trainer, run  # tests/unit is on sys.path
 
-from torchtitan_loom.components.checkpoint import found, layout, names, safe_read
+from torchtitan_loom.components.checkpoint import found, names, safe_read, tree
 from torchtitan_loom.tools import export as export_tool
 
 
@@ -111,10 +111,10 @@ def test_a_torn_or_corrupt_checkpoint_says_why(trained, tmp_path):
 
 
 def test_a_save_computes_its_paths_once(tmp_path):
-    periodic = layout.SaveTarget.of(str(tmp_path), 7, "periodic")
-    snapshot = layout.SaveTarget.of(str(tmp_path), 7, "snapshot")
+    periodic = tree.SaveTarget.of(str(tmp_path), 7, "periodic")
+    snapshot = tree.SaveTarget.of(str(tmp_path), 7, "snapshot")
     assert periodic.final == str(tmp_path / "step-7")
     assert periodic.tmp == str(tmp_path / ".tmp-step-7")
-    assert snapshot.final == str(tmp_path / layout.SNAPSHOT_DIR / "step-7")
-    assert snapshot.tmp == str(tmp_path / layout.SNAPSHOT_DIR / ".tmp-step-7")
-    assert layout.owner(snapshot.final) == layout.owner(periodic.final) == str(tmp_path)
+    assert snapshot.final == str(tmp_path / tree.SNAPSHOT_DIR / "step-7")
+    assert snapshot.tmp == str(tmp_path / tree.SNAPSHOT_DIR / ".tmp-step-7")
+    assert tree.owner(snapshot.final) == tree.owner(periodic.final) == str(tmp_path)

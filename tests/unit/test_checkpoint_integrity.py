@@ -11,7 +11,7 @@ import torch
 
 from tests.unit.test_checkpoint import assert_same_state, make_trainer, run
 from torchtitan_loom import train
-from torchtitan_loom.components.checkpoint import CheckpointError, integrity, layout
+from torchtitan_loom.components.checkpoint import CheckpointError, integrity, tree
 from torchtitan_loom.config import ConfigError
 from torchtitan_loom.tools import export as export_tool
 
@@ -23,7 +23,7 @@ FILES = (
     "model_args.json",
     "meta.json",
     integrity.CHECKSUMS,
-    layout.MARKER,
+    tree.MARKER,
 )
 
 
@@ -38,7 +38,7 @@ def pristine(tiny_pack, tmp_path_factory):
     """A run folder with complete step-2 and step-4 (stopped after step 4)."""
     dump = tmp_path_factory.mktemp("pristine")
     run(make_trainer(tiny_pack, dump, *STEPS, "--checkpoint.exit_after_step", "4"))
-    assert [e.step for e in layout.scan(str(dump / "checkpoint")).complete] == [2, 4]
+    assert [e.step for e in tree.scan(str(dump / "checkpoint")).complete] == [2, 4]
     return dump
 
 
@@ -68,7 +68,7 @@ def test_corrupt_file_falls_back_to_previous_checkpoint_bit_identically(
     resumed = make_trainer(tiny_pack, dump, *STEPS)
     out = capsys.readouterr().out
     assert resumed.state.step == 2, out
-    if name in (layout.MARKER, ".metadata") and how == "delete":  # a torn save, skipped as before
+    if name in (tree.MARKER, ".metadata") and how == "delete":  # a torn save, skipped as before
         assert "skipping incomplete checkpoint" in out and str(bad.parent) in out
     else:
         warnings = [
@@ -78,7 +78,7 @@ def test_corrupt_file_falls_back_to_previous_checkpoint_bit_identically(
         ]
         assert len(warnings) == 1 and str(bad) in warnings[0], out
     assert (
-        dump / "checkpoint" / layout.ABANDONED / "step-4" / "meta.json"
+        dump / "checkpoint" / tree.ABANDONED / "step-4" / "meta.json"
     ).exists() or name == "meta.json"
     run(resumed)
     assert_same_state(straight, resumed)
@@ -104,7 +104,7 @@ def write_nonfinite_step(trainer, step):
     """A checkpoint of a NaN model with valid checksums (as an older version could have written)."""
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
-    target = layout.SaveTarget.of(trainer.checkpointer.root, step, "periodic")
+    target = tree.SaveTarget.of(trainer.checkpointer.root, step, "periodic")
     trainer.checkpointer.writer._save(target, False)  # bypasses save()'s finiteness guard
 
 
@@ -114,7 +114,7 @@ def test_nonfinite_model_is_never_saved_and_never_loaded(tiny_pack, tmp_path, ca
         next(t.model.parameters()).fill_(float("nan"))
     t.checkpointer.save(4)
     assert "not saving step 4: non-finite weights" in capsys.readouterr().out
-    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [2]
+    assert [e.step for e in tree.scan(str(tmp_path / "checkpoint")).complete] == [2]
     write_nonfinite_step(t, 4)
     assert integrity.verify(str(tmp_path / "checkpoint" / "step-4")) is None
     with pytest.raises(CheckpointError, match="load_step: .*step-4 holds non-finite weights"):
@@ -139,10 +139,10 @@ def test_export_verify_checks_checksums_and_finiteness(tiny_pack, tmp_path, pris
 
 def test_checksums_are_recorded_before_the_marker(pristine):
     step = pristine / "checkpoint" / "step-2"
-    marker = layout.read_json(str(step / layout.MARKER))
+    marker = tree.read_json(str(step / tree.MARKER))
     assert marker["checksums"] == integrity.CHECKSUMS
-    sums = layout.read_json(str(step / integrity.CHECKSUMS))["files"]
-    assert set(sums) == set(os.listdir(step)) - {layout.MARKER, integrity.CHECKSUMS}
+    sums = tree.read_json(str(step / integrity.CHECKSUMS))["files"]
+    assert set(sums) == set(os.listdir(step)) - {tree.MARKER, integrity.CHECKSUMS}
     assert (
         sums["__0_0.distcp"]["crc32"] == f"{integrity.crc32_file(str(step / '__0_0.distcp')):08x}"
     )
@@ -211,7 +211,7 @@ def test_a_save_missing_a_data_file_its_metadata_names_is_never_committed(pristi
     src = os.path.join(pristine, "checkpoint", "step-4")
     tmp = os.path.join(tmp_path, "checkpoint", ".tmp-step-4")
     shutil.copytree(src, tmp)
-    for name in (layout.MARKER, integrity.CHECKSUMS):
+    for name in (tree.MARKER, integrity.CHECKSUMS):
         os.remove(os.path.join(tmp, name))
     data = os.path.join(tmp, "__0_0.distcp")
     assert integrity.missing_data_files(tmp) is None
@@ -223,8 +223,8 @@ def test_a_save_missing_a_data_file_its_metadata_names_is_never_committed(pristi
         os.rename(data, os.path.join(tmp_path, "elsewhere"))
         os.symlink(os.path.join(tmp_path, "elsewhere"), data)
     final = os.path.join(tmp_path, "checkpoint", "step-4")
-    with pytest.raises(layout.IncompleteSave) as exc:
-        layout.commit(tmp, final, {"step": 4, "kind": "periodic", "world_size": 2})
+    with pytest.raises(tree.IncompleteSave) as exc:
+        tree.commit(tmp, final, {"step": 4, "kind": "periodic", "world_size": 2})
     assert "__0_0.distcp" in str(exc.value)
     assert ("symbolic link" if how == "linked" else "shared") in str(exc.value), exc.value
-    assert not os.path.exists(final) and not os.path.exists(os.path.join(tmp, layout.MARKER))
+    assert not os.path.exists(final) and not os.path.exists(os.path.join(tmp, tree.MARKER))

@@ -17,7 +17,7 @@ from torchtitan_loom.components.data import (
     build_train_loader,
     open_pack,
 )
-from torchtitan_loom.components.data.rows import assemble_rows, layout_rows
+from torchtitan_loom.components.data.rows import assemble_rows, plan_rows
 from torchtitan_loom.components.data.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,9 +73,9 @@ def expected_global(path, orderings, G):
     pack = open_pack(path, S, 258)
     out = []
     for k in orderings:
-        layout = layout_rows(*pack.records(k), S + 1)
-        for lo in range(0, layout.num_rows - G + 1, G):
-            out.append(assemble_rows(pack.tokens, layout, lo, lo + G))
+        plan = plan_rows(*pack.records(k), S + 1)
+        for lo in range(0, plan.num_rows - G + 1, G):
+            out.append(assemble_rows(pack.tokens, plan, lo, lo + G))
     return out
 
 
@@ -131,7 +131,7 @@ def test_roll_over_cycles_training_orderings_and_never_reads_holdout(pack_dir):
     assert pack.training_epochs == (0, 1) and pack.holdout_epoch == 2
     G = 8
     ref = expected_global(pack_dir, [0, 1, 0], G)
-    per_pass = [layout_rows(*pack.records(k), S + 1).num_rows // G for k in (0, 1)]
+    per_pass = [plan_rows(*pack.records(k), S + 1).num_rows // G for k in (0, 1)]
     ld = build_train_loader(pack_dir, S, 258, G, 0, 1)
     got = global_batches([ld], len(ref))
     for a, b in zip(got, ref):
@@ -184,16 +184,16 @@ def test_workers_give_same_batches_and_exact_resume(pack_dir, workers):
 
 def test_eval_reads_holdout_in_order_and_pads_last_batch(pack_dir):
     pack = open_pack(pack_dir, S, 258)
-    layout = layout_rows(*pack.records(2), S + 1)
+    plan = plan_rows(*pack.records(2), S + 1)
     batches = [
         list(build_eval_loader(pack_dir, S, 258, batch_rows=4, dp_rank=r, dp_world=2))
         for r in (0, 1)
     ]
-    assert len(batches[0]) == len(batches[1]) == -(-layout.num_rows // 4)
+    assert len(batches[0]) == len(batches[1]) == -(-plan.num_rows // 4)
     full = torch.cat([torch.cat([a["input_ids"], b["input_ids"]]) for a, b in zip(*batches)])
-    ref = assemble_rows(pack.tokens, layout, 0, layout.num_rows)["input_ids"]
-    assert torch.equal(full[: layout.num_rows], ref)
-    assert (full[layout.num_rows :] == 0).all()  # padding rows
+    ref = assemble_rows(pack.tokens, plan, 0, plan.num_rows)["input_ids"]
+    assert torch.equal(full[: plan.num_rows], ref)
+    assert (full[plan.num_rows :] == 0).all()  # padding rows
     assert set(full[full != 0].tolist()) <= {ord("Z"), 256}  # holdout docs only
     again = list(build_eval_loader(pack_dir, S, 258, 4, 0, 2))
     assert all(

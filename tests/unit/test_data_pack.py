@@ -15,7 +15,7 @@ from torchtitan_loom.components.data import (
     build_train_loader,
     open_pack,
 )
-from torchtitan_loom.components.data.rows import layout_rows
+from torchtitan_loom.components.data.rows import plan_rows
 from torchtitan_loom.components.data.tokenizer import ByteTokenizer
 
 BYTE_INFO = {"vocab_size": 258, "name_or_path": "byte", "eos_token_id": 256}
@@ -69,7 +69,7 @@ def test_round_trip_reproduces_every_record_exactly(tmp_path):
     loader = build_train_loader(
         pack_dir, seq_len=8, vocab_size=258, global_batch_rows=1, dp_rank=0, dp_world=1
     )
-    rows_per_epoch = layout_rows(starts, lens, 9).num_rows
+    rows_per_epoch = plan_rows(starts, lens, 9).num_rows
     it = iter(loader)
     got = []
     for _ in range(rows_per_epoch):

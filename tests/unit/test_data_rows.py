@@ -6,10 +6,10 @@ import torch
 
 from torchtitan_loom.components.data.rows import (
     IGNORE_INDEX,
-    RowLayout,
+    RowPlan,
     assemble_rows,
-    layout_rows,
     next_fit_row_starts,
+    plan_rows,
     split_records,
 )
 
@@ -66,13 +66,13 @@ def test_split_records_cuts_long_records_and_drops_one_token_pieces():
     assert s.tolist() == [0, 4] and n.tolist() == [4, 4]
 
 
-def test_assemble_rows_layout_labels_positions_padding():
+def test_assemble_rows_plan_labels_positions_padding():
     tokens = np.arange(100, 200, dtype=np.uint16)
     # C = 6: row 0 = records (0,3) + (10,2); row 1 = record (20,5); row 2 = (30,6)
-    layout = layout_rows(np.array([0, 10, 20, 30]), np.array([3, 2, 5, 6]), 6)
-    assert layout.row_first.tolist() == [0, 2, 3, 4]
-    assert layout.label_counts().tolist() == [2 + 1, 4, 5]
-    b = assemble_rows(tokens, layout, 0, 3)
+    plan = plan_rows(np.array([0, 10, 20, 30]), np.array([3, 2, 5, 6]), 6)
+    assert plan.row_first.tolist() == [0, 2, 3, 4]
+    assert plan.label_counts().tolist() == [2 + 1, 4, 5]
+    b = assemble_rows(tokens, plan, 0, 3)
     assert all(v.dtype == torch.int64 and v.shape == (3, 5) for v in b.values())
     assert b["input_ids"][0].tolist() == [100, 101, 102, 110, 111]
     assert b["positions"][0].tolist() == [0, 1, 2, 0, 1]
@@ -88,8 +88,8 @@ def test_assemble_rows_layout_labels_positions_padding():
 
 def test_assemble_rows_padding_values_and_extra_empty_rows():
     tokens = np.arange(50, dtype=np.uint16)
-    layout = layout_rows(np.array([5]), np.array([3]), 6)
-    b = assemble_rows(tokens, layout, 0, 1, num_rows=3)
+    plan = plan_rows(np.array([5]), np.array([3]), 6)
+    b = assemble_rows(tokens, plan, 0, 1, num_rows=3)
     assert b["input_ids"].tolist()[0] == [5, 6, 7, 0, 0]
     assert b["positions"].tolist()[0] == [0, 1, 2, 0, 0]
     assert b["doc_ids"].tolist()[0] == [0, 0, 0, -1, -1]
@@ -103,11 +103,11 @@ def test_assemble_rows_middle_slice_equals_full_slice():
     tokens = rng.integers(0, 258, 5000).astype(np.uint16)
     lens = rng.integers(2, 40, 200)
     starts = np.cumsum(lens) - lens
-    layout = layout_rows(rng.permutation(starts), lens, 33)  # shuffled starts, like an epoch
-    full = assemble_rows(tokens, layout, 0, layout.num_rows)
-    part = assemble_rows(tokens, layout, 5, 9)
+    plan = plan_rows(rng.permutation(starts), lens, 33)  # shuffled starts, like an epoch
+    full = assemble_rows(tokens, plan, 0, plan.num_rows)
+    part = assemble_rows(tokens, plan, 5, 9)
     for k in full:
         assert torch.equal(part[k], full[k][5:9])
-    assert isinstance(layout, RowLayout)
+    assert isinstance(plan, RowPlan)
     # valid label count per row agrees with the tensor
-    assert (full["labels"] != IGNORE_INDEX).sum(1).tolist() == layout.label_counts().tolist()
+    assert (full["labels"] != IGNORE_INDEX).sum(1).tolist() == plan.label_counts().tolist()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.unit.test_checkpoint import make_trainer
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.components.checkpoint.integrity import model_finite
 
 COMMON = (
@@ -32,7 +32,7 @@ def test_consecutive_skips_stop_the_run_and_keep_the_last_good_checkpoint(
     assert t.state.step == 5  # skips at 3, 4, 5: the third stops the run
     text = (tmp_path / "SPIKE_ABORT.txt").read_text()
     assert "3 consecutive skipped steps" in text and "max_consecutive_skips" in text
-    found = [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete]
+    found = [e.step for e in tree.scan(str(tmp_path / "checkpoint")).complete]
     # keep_latest_k = 1, but no checkpoint was followed by 2 healthy steps (3 is the first skip),
     # so none prunes another: step-2, the last before the streak, is there; 5 is never saved.
     assert found == [1, 2, 3, 4]
@@ -73,7 +73,7 @@ def test_nonfinite_weight_after_a_step_stops_without_saving(tiny_pack, tmp_path,
     t.train_step = _NaNAfterStep3(t)
     assert t.train() == 2 and t.state.step == 3
     assert "non-finite weights after step 3" in (tmp_path / "SPIKE_ABORT.txt").read_text()
-    assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 2
+    assert tree.scan(str(tmp_path / "checkpoint")).newest().step == 2
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_a_nonfinite_loss_stops_the_run_whatever_the_guard(
     text = (tmp_path / "SPIKE_ABORT.txt").read_text()
     assert "non-finite loss in segment 1" in text and "at step 10" in text
     # Nothing saved, nothing pruned (step-8 was never followed by 2 healthy steps: step-4 stays).
-    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [4, 8]
+    assert [e.step for e in tree.scan(str(tmp_path / "checkpoint")).complete] == [4, 8]
     assert not model_finite(t.model)  # the NaN step's update was not applied
 
 
@@ -123,4 +123,4 @@ def test_a_nonfinite_gradient_stops_the_run(tiny_pack, tmp_path, stopped_at_8):
     )
     assert t.train() == 2 and t.state.step == 10
     assert "non-finite gradient in segment 1" in (tmp_path / "SPIKE_ABORT.txt").read_text()
-    assert [e.step for e in layout.scan(str(tmp_path / "checkpoint")).complete] == [4, 8]
+    assert [e.step for e in tree.scan(str(tmp_path / "checkpoint")).complete] == [4, 8]

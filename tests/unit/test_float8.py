@@ -14,7 +14,7 @@ from torchtitan_loom.components.quantization.float8 import (
     plan_float8,
     select_dense,
 )
-from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel, padded_layout
+from torchtitan_loom.components.quantization.grouped_gemm import grouped_kernel, padded_rows
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
 from torchtitan_loom.models.loom import LoomTransformer, loom_flavors
@@ -138,7 +138,7 @@ def test_state_dict_keys_shapes_and_parameter_order_are_unchanged():
 def test_padded_layout_aligns_every_group_and_tiles_the_buffer():
     counts_E = torch.tensor([5, 0, 32, 33, 1, 0, 64, 7])
     A, a = int(counts_E.sum()), 32
-    dest_A, ends_E, P = padded_layout(counts_E, a, A)
+    dest_A, ends_E, P = padded_rows(counts_E, a, A)
     assert P % a == 0 and P >= A + len(counts_E) * a - a and int(ends_E[-1]) == P
     starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]]).long()
     assert (starts_E % a == 0).all() and ((ends_E.long() - starts_E) >= a).all()

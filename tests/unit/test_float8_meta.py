@@ -6,7 +6,7 @@ The plan is the one the preset gets on the GPU it is written for (an H200, SM90)
 linears go through torchao's Float8Linear as converted by the project's Float8Converter; the
 routed experts' torchao wrapper needs triton (fp8 rowwise) or SM100 kernels (MXFP8), neither
 reachable here, so the experts run the project's padded layout (models/loom/float8_experts.py,
-swiglu_grouped on grouped_gemm.padded_layout) into torch._scaled_grouped_mm itself, the GEMM that
+swiglu_grouped on grouped_gemm.padded_rows) into torch._scaled_grouped_mm itself, the GEMM that
 wrapper ends in.
 
 Legend: M tokens of a micro-batch, A expert-assignment rows, D model dim, E routed experts.

@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.test_run_folder import argv
 from torchtitan_loom import launch
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.trainer import Trainer
 
@@ -51,7 +51,7 @@ def test_a_run_folder_swapped_for_a_link_mid_run_stops_the_run_and_touches_nothi
     assert f"now a link to {str(outside)!r}" in err
     assert _tree(outside) == before  # nothing written, renamed or removed there
     # The run's own folder (moved) keeps its step-2 checkpoint.
-    assert [e.step for e in layout.scan(str(moved / "checkpoint")).complete] == [2]
+    assert [e.step for e in tree.scan(str(moved / "checkpoint")).complete] == [2]
 
 
 def test_held_folder_checks(tmp_path):
@@ -109,7 +109,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_gets_no_new_tensorboard_file(
     assert launch.run(argv(tiny_pack, dump, *tb, steps=4), Trainer) == 0
     launches = sorted(p.name for p in (dump / "tb").iterdir())
     assert len(launches) == 1
-    for step in layout.scan(str(dump / "checkpoint")).complete:
+    for step in tree.scan(str(dump / "checkpoint")).complete:
         with open(os.path.join(step.path, "__0_0.distcp"), "r+b") as fh:
             fh.write(b"damaged")
     capsys.readouterr()

@@ -8,7 +8,7 @@ import pytest
 
 from tests.unit.test_run_folder import argv
 from torchtitan_loom import train
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +65,14 @@ def test_atomic_write_refuses_a_link_planted_at_its_temporary(tmp_path):
     victim.write_text("precious\n")
     os.symlink(victim, tmp_path / "index.json.partial")
     with pytest.raises(OSError, match="symbolic link"):  # safe_files.UnsafePathError
-        layout.write_json(str(tmp_path / "index.json"), {"a": 1})
+        tree.write_json(str(tmp_path / "index.json"), {"a": 1})
     assert victim.read_text() == "precious\n" and not (tmp_path / "index.json").exists()
     os.remove(tmp_path / "index.json.partial")
     (tmp_path / "index.json.partial").write_text(
         "left by a write that died"
     )  # a stale regular file: replaced
-    layout.write_json(str(tmp_path / "index.json"), {"a": 1})
-    assert layout.read_json(str(tmp_path / "index.json")) == {"a": 1}
+    tree.write_json(str(tmp_path / "index.json"), {"a": 1})
+    assert tree.read_json(str(tmp_path / "index.json")) == {"a": 1}
 
 
 def test_a_save_into_a_planted_temporary_link_is_refused_mid_run(tiny_pack, tmp_path):
@@ -88,7 +88,7 @@ def test_a_save_into_a_planted_temporary_link_is_refused_mid_run(tiny_pack, tmp_
     outside.mkdir()
     (outside / "keep.txt").write_text("precious\n")
     os.symlink(
-        outside, layout.SaveTarget.of(t.checkpointer.root, 2, "periodic").tmp
+        outside, tree.SaveTarget.of(t.checkpointer.root, 2, "periodic").tmp
     )  # planted after the launch check
     with pytest.raises(
         CheckpointError, match=r"step 2 not saved: .*\.tmp-step-2 is a symbolic link"
@@ -98,7 +98,7 @@ def test_a_save_into_a_planted_temporary_link_is_refused_mid_run(tiny_pack, tmp_
 
 
 def test_prune_reports_only_what_it_removed(tmp_path):
-    from tests.unit.test_checkpoint_layout import fake_ckpt
+    from tests.unit.test_checkpoint_tree import fake_ckpt
 
     root = tmp_path / "checkpoint"
     outside = tmp_path / "outside"
@@ -107,7 +107,7 @@ def test_prune_reports_only_what_it_removed(tmp_path):
     os.symlink(outside / "step-4", root / "step-4")
     for step in (6, 8):
         fake_ckpt(str(root), step)
-    deleted = layout.prune(str(root), keep_latest_k=1, snapshot_keep=0)
+    deleted = tree.prune(str(root), keep_latest_k=1, snapshot_keep=0)
     assert deleted == [str(root / "step-6")]  # the link is neither removed nor reported
-    assert os.path.islink(root / "step-4") and os.path.isfile(outside / "step-4" / layout.MARKER)
-    assert layout.scan(str(root)).links == [str(root / "step-4")]
+    assert os.path.islink(root / "step-4") and os.path.isfile(outside / "step-4" / tree.MARKER)
+    assert tree.scan(str(root)).links == [str(root / "step-4")]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_checkpoint import make_trainer, run
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 
 PRESET = str(Path(__file__).resolve().parents[2] / "train_configs" / "debug_model.toml")
 KEEP = ("--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1")
@@ -34,7 +34,7 @@ def test_an_explosion_after_a_resume_keeps_a_checkpoint_from_before_it(
     assert len(seg[9]) == (3 if bp_segment_len == "1" else 1)
     assert all(math.isfinite(v) for v in seg[36])
     assert min(max(seg[s]) for s in range(20, 37)) > 5 * seg[9][0], seg  # it exploded, finitely
-    kept = [e.step for e in layout.scan(str(tmp_path / "checkpoint")).of_kind("periodic")]
+    kept = [e.step for e in tree.scan(str(tmp_path / "checkpoint")).of_kind("periodic")]
     assert min(kept) <= 8, kept  # a checkpoint from before the explosion survives
 
 

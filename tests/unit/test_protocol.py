@@ -121,7 +121,7 @@ class LoopedDenseToy(nn.Module):
     def stream_rms(self, carry: torch.Tensor) -> torch.Tensor:
         return carry.float().pow(2).mean(-1).sqrt()  # no closing norm: the stream itself
 
-    def observation_layout(self) -> tuple[int, tuple[str, ...]]:
+    def observed_branches(self) -> tuple[int, tuple[str, ...]]:
         return 0, ()
 
     def param_groups(self) -> dict[str, list[str]]:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.unit.test_checkpoint import make_trainer
 from torchtitan_loom import launch, train
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.components.observability import metrics
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.trainer import Trainer
@@ -51,7 +51,7 @@ def exploding(tiny_pack, dump, good_at_8, *extra):
 
 
 def steps_on_disk(dump):
-    return [e.step for e in layout.scan(str(dump / "checkpoint")).complete]
+    return [e.step for e in tree.scan(str(dump / "checkpoint")).complete]
 
 
 def test_a_nan_stop_commits_and_prunes_nothing_not_even_an_async_save_in_flight(

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from torchtitan_loom import train
-from torchtitan_loom.components.checkpoint import layout, names
+from torchtitan_loom.components.checkpoint import names, tree
 from torchtitan_loom.components.runtime import run_folder
 
 
@@ -137,7 +137,7 @@ def test_overwrite_moves_the_old_run_aside(tiny_pack, tmp_path, capsys):
         f"[torchtitan_loom] job.overwrite: moved the previous run's run.json, config.toml, "
         f"metrics.jsonl, checkpoint to {old}"
     ], moved
-    assert len(rows(old)) == 4 and (old / "checkpoint" / "step-4" / layout.MARKER).exists()
+    assert len(rows(old)) == 4 and (old / "checkpoint" / "step-4" / tree.MARKER).exists()
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [1, 2, 3, 4] and r[0]["launch"] == {"resumed_from_step": None}
     assert run_folder.read_run(str(tmp_path))["identity"]["training.seed"] == 1
@@ -151,9 +151,9 @@ def test_load_step_moves_newer_checkpoints_to_abandoned(tiny_pack, tmp_path, cap
     assert train.main(argv(tiny_pack, tmp_path, "--checkpoint.load_step", "2", steps=6)) == 0
     assert "moved the checkpoints newer than step 2 (step-4, step-6)" in capsys.readouterr().out
     for s in (4, 6):  # the first history is kept intact, the new one is saved next to it
-        kept = root / layout.ABANDONED / f"step-{s}"
-        assert (kept / "__0_0.distcp").read_bytes() == before[s] and (kept / layout.MARKER).exists()
-        assert (root / f"step-{s}" / layout.MARKER).exists()
+        kept = root / tree.ABANDONED / f"step-{s}"
+        assert (kept / "__0_0.distcp").read_bytes() == before[s] and (kept / tree.MARKER).exists()
+        assert (root / f"step-{s}" / tree.MARKER).exists()
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6]
     assert r[6]["launch"] == {"resumed_from_step": 2} and r[6]["run_id"] != r[5]["run_id"]

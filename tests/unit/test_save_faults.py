@@ -13,7 +13,7 @@ import pytest
 
 from tests.unit.test_run_folder import argv
 from torchtitan_loom import launch
-from torchtitan_loom.components.checkpoint import layout, saving
+from torchtitan_loom.components.checkpoint import saving, tree
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter, _NewFilesOnly
 from torchtitan_loom.components.runtime import exit_codes
 from torchtitan_loom.trainer import Trainer
@@ -59,7 +59,7 @@ def test_a_link_planted_in_the_temporary_folder_during_a_save_is_one_line_exit_2
     assert line.startswith(f"checkpoint error: checkpoint step 8 not saved: {root}/.tmp-step-8/")
     assert "a symbolic link was placed there during the save; refusing to write through it" in line
     assert line.endswith(f"nothing pruned, the previous checkpoints in {root} are untouched")
-    assert layout.is_complete(str(root / "step-4")) and not (root / "step-8").exists()
+    assert tree.is_complete(str(root / "step-4")) and not (root / "step-8").exists()
     assert json.loads((dump / "run.json").read_text())["status"] == "failed"
     outside.check()
 
@@ -87,7 +87,7 @@ def test_a_second_ctrl_c_during_the_checkpoint_write_stops_without_saving(
     assert lines[-1] == "interrupted (SIGINT): stopped without saving", lines
     assert not any("Traceback" in ln or "Exception" in ln for ln in lines), lines
     root = dump / "checkpoint"
-    assert layout.is_complete(str(root / "step-4")) and not (root / "step-6").exists()
+    assert tree.is_complete(str(root / "step-4")) and not (root / "step-6").exists()
     if mode == "disabled":  # async's writer thread may still hold it: a .tmp- name never loads
         assert not [
             n for n in os.listdir(root) if n.startswith(".tmp-")

@@ -16,7 +16,7 @@ import pytest
 
 from tests.unit.test_checkpoint import assert_same_state, make_trainer, run
 from torchtitan_loom import launch
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_signal_mid_step_abandons_it_saves_and_resumes_bit_identically(
     out = capfd.readouterr().out
     assert f"received {signal.Signals(sig).name}: stopping after the step in progress" in out
     assert t.state.step == 2 and t.dataloader.state_dict()["cursor"] == 2 * 4
-    assert layout.scan(str(tmp_path / "run" / "checkpoint")).newest().step == 2
+    assert tree.scan(str(tmp_path / "run" / "checkpoint")).newest().step == 2
     resumed = run(make_trainer(tiny_pack, tmp_path / "run", *STEPS))
     assert_same_state(straight, resumed)
 
@@ -78,7 +78,7 @@ def test_sigterm_during_eval_stops_the_eval_saves_and_exits_0(tiny_pack, tmp_pat
     assert (
         rows[-1]["step"] == 2 and "eval_loss" not in rows[-1]
     )  # the interrupted eval is not reported
-    assert layout.scan(str(tmp_path / "checkpoint")).newest().step == 2
+    assert tree.scan(str(tmp_path / "checkpoint")).newest().step == 2
 
 
 def _reader(proc, lines):
@@ -151,7 +151,7 @@ def test_signal_is_acknowledged_within_a_second_from_the_command_line(
         return
     acks = [t for t, l in lines if f"received {signal.Signals(sig).name}: stopping" in l]
     assert acks and acks[0] - sent < 1.0, (acks, sent)
-    assert layout.scan(str(dump / "checkpoint")).newest() is not None
+    assert tree.scan(str(dump / "checkpoint")).newest() is not None
 
 
 def test_an_unreachable_launcher_store_counts_as_the_launcher_gone():

@@ -10,7 +10,7 @@ import shutil
 import pytest
 from test_checkpoint import make_trainer, run  # tests/unit is on sys.path
 
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.tools import analyze as analyze_tool
 from torchtitan_loom.tools import export as export_tool
 from torchtitan_loom.tools import generate as generate_tool
@@ -151,7 +151,7 @@ def test_verify_checks_the_exported_step_when_a_newer_one_appears(dump, tmp_path
     assert json.loads((out / "model_args.json").read_text())["step"] == 2
     # The run saves step 3 meanwhile (here: step 1's weights under a newer step).
     shutil.copytree(dump / "checkpoint" / "step-1", dump / "checkpoint" / "step-3")
-    assert layout.scan(str(dump / "checkpoint")).newest().step == 3
+    assert tree.scan(str(dump / "checkpoint")).newest().step == 3
     assert export_tool.verify(str(dump), str(out)) == 28
     assert export_tool.verify(None, str(out)) == 28  # the source the export records
     with pytest.raises(export_tool.ExportError, match="values differ"):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.components.data.pack_writer import PackWriter
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
@@ -111,7 +111,7 @@ def test_async_with_pinned_mem_reuses_one_stager_and_saves_exactly(pack_49152, t
     t1.train()  # saves steps 1, 2, 3 through the same stager; close() commits the last one
     assert (
         t1.checkpointer.stager is None
-        and layout.scan(str(tmp_path / "checkpoint")).newest().step == 3
+        and tree.scan(str(tmp_path / "checkpoint")).newest().step == 3
     )
     expected = {k: v.clone() for k, v in t1.model.state_dict().items()}
     # run.json says finished: load_step is how a finished run is opened again.

@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from tests.unit.test_checkpoint_layout import fake_ckpt
+from tests.unit.test_checkpoint_tree import fake_ckpt
 from tests.unit.test_run_folder import argv
 from torchtitan_loom import launch
-from torchtitan_loom.components.checkpoint import layout
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.components.runtime import safe_files
 from torchtitan_loom.trainer import Trainer
 
@@ -65,7 +65,7 @@ def test_a_snapshots_folder_linked_mid_run_is_neither_written_nor_pruned(
     before = listing(outside)
 
     def plant(t):  # after step 5: the run's snapshots/ (holding step-4) moved away, a link in place
-        snaps = os.path.join(t.checkpointer.root, layout.SNAPSHOT_DIR)
+        snaps = os.path.join(t.checkpointer.root, tree.SNAPSHOT_DIR)
         os.rename(snaps, tmp_path / "moved_snapshots")
         os.symlink(outside, snaps)
 
@@ -79,10 +79,10 @@ def test_a_snapshots_folder_linked_mid_run_is_neither_written_nor_pruned(
     assert "its snapshot was not saved" in err and "symbolic link" in err, err
     assert "nothing pruned" in err and "index.json and LAYOUT.md rewritten" in err, err
     assert listing(outside) == before  # nothing written into it, nothing deleted from it
-    assert layout.is_complete(str(root / "step-4")) and layout.is_complete(str(root / "step-8"))
-    index = layout.read_json(str(root / layout.INDEX))
+    assert tree.is_complete(str(root / "step-4")) and tree.is_complete(str(root / "step-8"))
+    index = tree.read_json(str(root / tree.INDEX))
     assert index["latest"] == "step-8" and index["snapshots"] == []  # what is there, truly
-    assert os.path.islink(root / layout.SNAPSHOT_DIR)
+    assert os.path.islink(root / tree.SNAPSHOT_DIR)
 
 
 def test_a_snapshot_only_save_into_a_linked_snapshots_folder_is_refused(
@@ -93,7 +93,7 @@ def test_a_snapshot_only_save_into_a_linked_snapshots_folder_is_refused(
 
     def plant(t):  # before any save: the checkpoint folder does not exist yet
         os.makedirs(t.checkpointer.root)
-        os.symlink(outside, os.path.join(t.checkpointer.root, layout.SNAPSHOT_DIR))
+        os.symlink(outside, os.path.join(t.checkpointer.root, tree.SNAPSHOT_DIR))
 
     policy = ("--checkpoint.interval", "4", "--checkpoint.snapshot_interval", "3")
     assert launch_with(planting(2, plant), tiny_pack, dump, *policy, steps=8) == 2
@@ -110,7 +110,7 @@ def test_an_index_link_planted_mid_run_ends_consistent_and_says_what_is_on_disk(
     precious.write_text("precious\n")
 
     def plant(t):
-        os.symlink(precious, os.path.join(t.checkpointer.root, layout.INDEX + ".partial"))
+        os.symlink(precious, os.path.join(t.checkpointer.root, tree.INDEX + ".partial"))
 
     policy = ("--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "1")
     # After step 11: step-8, proven by steps 9 and 10, has pruned step-4; step 12's commit is next.
@@ -123,15 +123,15 @@ def test_an_index_link_planted_mid_run_ends_consistent_and_says_what_is_on_disk(
     assert precious.read_text() == "precious\n"
     # What the message says is what is on disk: step-8 kept (step-12 was not proven yet),
     # step-12 complete, the index still naming step-8 as the newest.
-    assert [e.step for e in layout.scan(str(root)).complete] == [8, 12]
-    assert layout.read_json(str(root / layout.INDEX))["latest"] == "step-8"
-    os.remove(root / (layout.INDEX + ".partial"))  # the link removed: the relaunch resumes at 12
+    assert [e.step for e in tree.scan(str(root)).complete] == [8, 12]
+    assert tree.read_json(str(root / tree.INDEX))["latest"] == "step-8"
+    os.remove(root / (tree.INDEX + ".partial"))  # the link removed: the relaunch resumes at 12
     capsys.readouterr()
     assert launch_with(Trainer, tiny_pack, dump, *policy, steps=13) == 0
     assert "resumed from" in capsys.readouterr().out
     # Pruning waits for 2 healthy steps after a checkpoint: step-13 (the run's end) proves nothing.
-    assert [e.step for e in layout.scan(str(root)).complete] == [8, 12, 13]
-    assert layout.read_json(str(root / layout.INDEX))["latest"] == "step-13"
+    assert [e.step for e in tree.scan(str(root)).complete] == [8, 12, 13]
+    assert tree.read_json(str(root / tree.INDEX))["latest"] == "step-13"
 
 
 def test_an_abort_file_linked_mid_run_is_not_written_through(tiny_pack, tmp_path, capsys):
@@ -149,7 +149,7 @@ def test_an_abort_file_linked_mid_run_is_not_written_through(tiny_pack, tmp_path
     err = one_line(capsys, "warning: SPIKE_ABORT.txt not written: ")
     assert "symbolic link" in err
     assert precious.read_text() == "precious\n" and os.path.islink(dump / "SPIKE_ABORT.txt")
-    assert layout.read_json(str(dump / "run.json"))["status"] == "diverged"
+    assert tree.read_json(str(dump / "run.json"))["status"] == "diverged"
 
 
 TB = ("--metrics.enable_tensorboard", "true")
@@ -221,7 +221,7 @@ def test_overwrite_never_moves_the_old_run_through_a_planted_link(tiny_pack, tmp
     dump, outside = tmp_path / "run", tmp_path / "outside"
     outside.mkdir()
     assert launch_with(Trainer, tiny_pack, dump, steps=2) == 0
-    run_id = layout.read_json(str(dump / "run.json"))["run_id"]
+    run_id = tree.read_json(str(dump / "run.json"))["run_id"]
     os.symlink(outside, dump / f"replaced-{run_id}")  # where job.overwrite moves the old run
     capsys.readouterr()
     assert launch_with(Trainer, tiny_pack, dump, "--job.overwrite", "true", steps=2) == 2

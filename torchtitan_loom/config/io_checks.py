@@ -64,14 +64,14 @@ def folder_errors(cfg: Any) -> list[str]:
 def link_errors(cfg: Any) -> str | None:
     """One line naming the symbolic links planted where the run writes (run files, checkpoint
     names), else None: a run never writes, renames or removes through a link."""
-    from torchtitan_loom.components.checkpoint import layout
+    from torchtitan_loom.components.checkpoint import tree
     from torchtitan_loom.components.runtime import run_folder
 
     folders = [cfg.metrics.tb_folder] if cfg.metrics.enable_tensorboard else []
     folders += [cfg.profiling.save_traces_folder] if cfg.profiling.enable_profiling else []
     links = run_folder.planted_links(cfg.job.dump_folder, folders)
     if cfg.checkpoint.enable:
-        links += layout.planted_links(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
+        links += tree.planted_links(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
     if not links:
         return None
     return (

@@ -27,6 +27,7 @@ from torchtitan_loom.components.evaluation.adaptive_exit import (
     adaptive_pass,
     model_problem,
 )
+from torchtitan_loom.components.evaluation.loop_by_loop import each_loop
 from torchtitan_loom.components.loss import count_valid, token_ce_sum
 from torchtitan_loom.components.runtime.messages import count
 from torchtitan_loom.tools.progress import Progress
@@ -108,27 +109,17 @@ def _measure_forward(
     """One forward's rows into the sums of measure()."""
     H = model.num_loops
     carry = None
-    for t in range(1, H + 1):  # every policy's loops 1..H are the trained ones
-        out = _loop(model, batch, t, carry)
+    for t, out in each_loop(model, batch, range(1, H + 1)):  # every policy's loops 1..H: trained
         carry, loss = out.carry, float(token_ce_sum(out.logits_BSV, batch["labels"]))
         for policy in plan.policies:
             ce[policy][t - 1] += loss
     for policy in plan.policies:
         model.set_beyond_policy(policy)
-        deeper = carry
-        for t in range(H + 1, plan.max_loops + 1):
-            out = _loop(model, batch, t, deeper)
-            deeper = out.carry
+        for t, out in each_loop(model, batch, range(H + 1, plan.max_loops + 1), carry):
             ce[policy][t - 1] += float(token_ce_sum(out.logits_BSV, batch["labels"]))
     model.set_beyond_policy(plan.policies[0])
     for sweep in sweeps:
         sweep.add(*adaptive_pass(model, batch, sweep.criterion, sweep.threshold, plan.adaptive_max))
-
-
-def _loop(model: Any, mb: dict[str, torch.Tensor], t: int, carry: Any) -> Any:
-    return model(
-        mb["input_ids"], mb["positions"], mb["doc_ids"], loop_start=t, loop_end=t, carry=carry
-    )
 
 
 class DepthError(ValueError):

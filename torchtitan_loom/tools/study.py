@@ -44,7 +44,7 @@ import sys
 import time
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import layout, names
+from torchtitan_loom.components.checkpoint import names, tree
 from torchtitan_loom.components.runtime import exit_codes, safe_files
 from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.components.runtime.run_folder import RunFolderError, live_run, read_run
@@ -117,7 +117,7 @@ def status_of(run: PlannedRun) -> tuple[str, str]:
     step = int(rec.get("step") or 0)
     if rec.get("status") == "finished" and step >= run.steps:
         return "finished", f"finished at step {step}"
-    newest = layout.scan(os.path.join(run.folder, run.checkpoint_folder)).newest()
+    newest = tree.scan(os.path.join(run.folder, run.checkpoint_folder)).newest()
     step = max(step, newest.step if newest else 0)
     resume = (
         f"resumes from checkpoint step {newest.step}" if newest else "no checkpoint: starts over"

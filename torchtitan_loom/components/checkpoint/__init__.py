@@ -2,7 +2,7 @@
 
     names.py       every file name of a run folder, its checkpoint folder and a checkpoint
     found.py       one checkpoint on disk as one value: find(path), its tensors, its model
-    layout.py      the folder on disk: step-N/, snapshots/, temporaries, marker, pruning, index
+    tree.py        the folder on disk: step-N/, snapshots/, temporaries, marker, pruning, index
     state.py       what is saved (model, optimizer, RNG) and the model-compatibility checks
     safe_read.py   every read of a checkpoint: DCP's pickles admitted by an allow-list, never code
     integrity.py   checksums (CRC-32 per file), the marker's format version, finiteness checks

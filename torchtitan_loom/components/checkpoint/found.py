@@ -22,7 +22,7 @@ import os
 import pickle
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import integrity, layout, names
+from torchtitan_loom.components.checkpoint import integrity, names, tree
 from torchtitan_loom.components.checkpoint.modes import DEFAULT_FOLDER
 
 VERIFY = ("full", "quick", "none")  # all checksums; sizes + small files; links only
@@ -138,7 +138,7 @@ def _locate(path: str, step: int | None) -> str:
         return path
     run_root = _run_checkpoints(path)
     for root in (path, run_root):
-        found = layout.scan(root) if os.path.isdir(root) else None
+        found = tree.scan(root) if os.path.isdir(root) else None
         entry = None if found is None else found.newest() if step is None else found.find(step)
         if entry is not None:
             return entry.path
@@ -160,7 +160,7 @@ def _run_checkpoints(path: str) -> str:
 
 def _resolved(path: str) -> dict[str, Any]:
     """The flat config ("section.key" -> value) the run in ``path`` ran with, by its run.json."""
-    run = layout.read_json(os.path.join(path, names.RUN_JSON)) or {}
+    run = tree.read_json(os.path.join(path, names.RUN_JSON)) or {}
     resolved = run.get("resolved")
     return resolved if isinstance(resolved, dict) else {}
 
@@ -168,7 +168,7 @@ def _resolved(path: str) -> dict[str, Any]:
 def at(folder: str, verify: str = "full") -> FoundCheckpoint:
     """The checkpoint directory ``folder`` as it is, checked as ``verify`` says (its ``problem``);
     a save that did not finish (meta.json without the marker) is NotACheckpoint."""
-    info = layout.read_json(os.path.join(folder, names.MODEL_ARGS_JSON))
+    info = tree.read_json(os.path.join(folder, names.MODEL_ARGS_JSON))
     config = os.path.join(folder, names.CONFIG_TOML)
     config_path = config if os.path.isfile(config) else None
     if info is not None and "file" in info:  # an export (tools/export.py): its model file
@@ -180,8 +180,8 @@ def at(folder: str, verify: str = "full") -> FoundCheckpoint:
             f"{folder}: not a checkpoint directory (no {names.DCP_METADATA}) and not an export "
             f"(its {names.MODEL_ARGS_JSON} names no model file)"
         )
-    meta = layout.read_json(os.path.join(folder, names.META_JSON))
-    if meta is not None and not layout.is_complete(folder):
+    meta = tree.read_json(os.path.join(folder, names.META_JSON))
+    if meta is not None and not tree.is_complete(folder):
         raise NotACheckpoint(
             f"{folder}: incomplete checkpoint (no {names.MARKER} marker: its save did not finish)"
         )
@@ -247,7 +247,7 @@ def why_no_checkpoint(path: str) -> str:
             f"--job.config_file {config} --job.dump_folder {folder} --job.overwrite true "
             "--checkpoint.enable true"
         )
-    run = layout.read_json(os.path.join(path, names.RUN_JSON)) or {}
+    run = tree.read_json(os.path.join(path, names.RUN_JSON)) or {}
     return (
         f"; that run (status {run.get('status', 'unknown')!r} at step {run.get('step', '?')}) has "
         f"not saved yet: it saves every {interval} steps and at its last step"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchtitan_loom.components.checkpoint import found, integrity, layout, resolve
+from torchtitan_loom.components.checkpoint import found, integrity, resolve, tree
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
@@ -30,7 +30,7 @@ class Resumer:
 
     def _decide(
         self, exclude: dict[str, str]
-    ) -> tuple[Any, list[layout.Entry], list[str], str | None]:
+    ) -> tuple[Any, list[tree.Entry], list[str], str | None]:
         """Rank 0 picks (and verifies) the checkpoint; every rank gets the same answer or error."""
         payload: list[Any] = [None]
         if self.p.rank == 0:
@@ -54,7 +54,7 @@ class Resumer:
             choice, incomplete, skipped, error = self._decide(dict(exclude))
             if error:
                 raise ckstate.CheckpointError(error)
-            for line in [layout.incomplete_warning(incomplete)] + skipped:
+            for line in [tree.incomplete_warning(incomplete)] + skipped:
                 if line and line not in warned:  # each once, though the choice may be made again
                     warned.add(line)
                     self.p._log("warning: " + line)
@@ -83,11 +83,11 @@ class Resumer:
         if step is not None:
             self.p.proof.resumed(step)  # the steps after it prove it
         if step is not None and self.p.rank == 0:
-            moved = layout.abandon_newer(self.p.root, step)
+            moved = tree.abandon_newer(self.p.root, step)
             if moved:
                 self.p._log(
                     f"moved the checkpoints newer than step {step} ({', '.join(moved)}) to "
-                    f"{os.path.join(self.p.root, layout.ABANDONED)}: kept, never loaded or overwritten"
+                    f"{os.path.join(self.p.root, tree.ABANDONED)}: kept, never loaded or overwritten"
                 )
         return step
 

@@ -1,7 +1,7 @@
 """CheckpointManager: when to save, the atomic save itself (sync or async), and resume.
 
 The trainer builds it once everything Stateful exists, calls ``load()`` at the start of ``train()``,
-``after_step(step, last=...)`` after every global step and ``close()`` at the end. See layout.py
+``after_step(step, last=...)`` after every global step and ``close()`` at the end. See tree.py
 for the folder, state.py for what is saved, resolve.py for which checkpoint is loaded.
 
 Saved: "model" and "optimizer" (state.py), every object of ``states`` under its name (lr
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_loom.components.checkpoint import layout, resolve
+from torchtitan_loom.components.checkpoint import resolve, tree
 from torchtitan_loom.components.checkpoint.loading import Resumer
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
 from torchtitan_loom.components.checkpoint.modes import ASYNC_MODES
@@ -161,7 +161,7 @@ class CheckpointManager:
         if not stopping:
             return None
         w.wait()
-        return layout.SaveTarget.of(self.root, step, "periodic").final
+        return tree.SaveTarget.of(self.root, step, "periodic").final
 
     def save(self, step: int, *, periodic: bool = True, snapshot: bool = False) -> None:
         """Save step ``step`` now (saving.Writer.save)."""
@@ -177,7 +177,7 @@ class CheckpointManager:
 
     def newest(self) -> str | None:
         """The newest complete checkpoint on disk (rank 0's view), None when there is none."""
-        entry = layout.scan(self.root).newest() if self.enabled else None
+        entry = tree.scan(self.root).newest() if self.enabled else None
         return None if entry is None else entry.path
 
     def close(self) -> None:

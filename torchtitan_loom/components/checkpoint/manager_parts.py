@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_loom.components.checkpoint import state as ckstate
-from torchtitan_loom.components.checkpoint.layout import SaveTarget
 from torchtitan_loom.components.checkpoint.proof import ProofPolicy
+from torchtitan_loom.components.checkpoint.tree import SaveTarget
 from torchtitan_loom.components.runtime.safe_files import HeldFolder
 
 

@@ -10,7 +10,7 @@ RUN_JSON = "run.json"
 CONFIG_TOML = "config.toml"
 METRICS_JSONL = "metrics.jsonl"
 
-# The checkpoint folder (layout.py): what is where, rewritten after every commit.
+# The checkpoint folder (tree.py): what is where, rewritten after every commit.
 INDEX = "index.json"
 LAYOUT_MD = "LAYOUT.md"
 

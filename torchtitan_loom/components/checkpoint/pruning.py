@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.api import (
     CheckpointException,
 )  # a BaseException, not an Exception
 
-from torchtitan_loom.components.checkpoint import layout
 from torchtitan_loom.components.checkpoint import state as ckstate
+from torchtitan_loom.components.checkpoint import tree
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts
 from torchtitan_loom.components.checkpoint.proof import PROVE_STEPS
 from torchtitan_loom.components.checkpoint.saving import Writer
@@ -55,19 +55,19 @@ class Pruner:
     def _prune_upto(self, p: int) -> None:
         c = self.p.cfg
         try:
-            deleted = layout.prune(self.p.root, c.keep_latest_k, c.snapshot_keep, upto_step=p)
+            deleted = tree.prune(self.p.root, c.keep_latest_k, c.snapshot_keep, upto_step=p)
         except safe_files.UnsafePathError as exc:
             raise ckstate.CheckpointError(f"nothing pruned: {exc}") from None
         if not deleted:
             return
         rel = ", ".join(os.path.relpath(d, self.p.root) for d in deleted)
         try:
-            layout.write_index(self.p.root, self.p._policy(), final_step=self.p.total_steps)
+            tree.write_index(self.p.root, self.p._policy(), final_step=self.p.total_steps)
         except (Exception, CheckpointException) as exc:
             refused = isinstance(exc, safe_files.UnsafePathError)
             raise (ckstate.CheckpointError if refused else ckstate.CheckpointSaveError)(
                 f"pruned {rel} (checkpoint step {p} was proven by {PROVE_STEPS} healthy steps); "
-                f"{layout.INDEX} and {layout.LAYOUT_MD} not rewritten after that ({exc}): they "
+                f"{tree.INDEX} and {tree.LAYOUT_MD} not rewritten after that ({exc}): they "
                 f"still list {rel}; a resume reads the folder, not the index"
             ) from None
         self.p._log_routine(

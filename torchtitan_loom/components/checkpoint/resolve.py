@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import found, layout, names
+from torchtitan_loom.components.checkpoint import found, names, tree
 from torchtitan_loom.components.runtime import format_version
 from torchtitan_loom.protocols import get_train_spec
 
@@ -46,7 +46,7 @@ def choose(
     *,
     verify: str = "full",
     exclude: dict[str, str] | None = None,
-) -> tuple[LoadChoice | None, layout.Scan, list[str]]:
+) -> tuple[LoadChoice | None, tree.Scan, list[str]]:
     """The checkpoint to load (or None), the scan it came from, and one warning line per newer
     complete checkpoint that was skipped because it failed verification (found.at;
     ``verify`` = "full", "quick" or "none") or is in ``exclude`` (path → why it was refused once
@@ -56,11 +56,11 @@ def choose(
     Raises ValueError with a user-facing message when ``load_step`` or ``initial_load_path`` point
     at nothing usable, when the explicitly requested ``load_step`` fails verification, or when
     every complete checkpoint fails it (a run that cannot be continued is never restarted in place)."""
-    scanned = layout.scan(root)
+    scanned = tree.scan(root)
     exclude = exclude or {}
     seen: dict[str, found.FoundCheckpoint] = {}
 
-    def problem(entry: layout.Entry) -> str | None:
+    def problem(entry: tree.Entry) -> str | None:
         if entry.path in exclude:
             why = exclude[entry.path]
             return why if why.startswith(entry.path) else f"{entry.path}: {why}"

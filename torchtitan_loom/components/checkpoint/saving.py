@@ -1,7 +1,7 @@
 """The save path of CheckpointManager: what is saved, the atomic write (sync or async), the commit.
 
 A save writes into a temporary folder and is committed by rank 0 (marker + rename, the snapshot
-copy, the index) once every rank's data is written: its paths are one layout.SaveTarget, computed
+copy, the index) once every rank's data is written: its paths are one tree.SaveTarget, computed
 once and carried from the write to the commit. A failed write removes the temporary folder, keeps
 every older checkpoint and raises CheckpointSaveError. Pruning is not part of a save: it waits for
 proof (proof.py).
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import (
     CheckpointException,
 )  # a BaseException, not an Exception
 
-from torchtitan_loom.components.checkpoint import disk_space, integrity, layout, names, resolve
+from torchtitan_loom.components.checkpoint import disk_space, integrity, names, resolve, tree
 from torchtitan_loom.components.checkpoint import state as ckstate
 from torchtitan_loom.components.checkpoint.manager_parts import ManagerParts, PendingSave
 from torchtitan_loom.components.checkpoint.safe_write import SafeWriter
@@ -129,7 +129,7 @@ class Writer:
     def _write_sidecars(self, tmp: str, step: int) -> None:
         """Rank 0: the human/tool-readable files next to the DCP data."""
         safe_files.atomic_write(os.path.join(tmp, names.CONFIG_TOML), self.p.config_toml)
-        layout.write_json(
+        tree.write_json(
             os.path.join(tmp, names.MODEL_ARGS_JSON),
             {
                 "name": self.p.model_name,
@@ -138,7 +138,7 @@ class Writer:
             },
         )
         ts = self.p.states.get("train_state")
-        layout.write_json(
+        tree.write_json(
             os.path.join(tmp, names.META_JSON),
             {
                 format_version.KEY: resolve.FORMAT_VERSION,
@@ -160,7 +160,7 @@ class Writer:
         if bad:
             self.p._log(f"warning: not saving step {step}: non-finite weights ({', '.join(bad)})")
             return
-        target = layout.SaveTarget.of(self.p.root, step, "periodic" if periodic else "snapshot")
+        target = tree.SaveTarget.of(self.p.root, step, "periodic" if periodic else "snapshot")
         try:
             self._save(target, periodic and snapshot)
             self.p.proof.saved(step)
@@ -179,7 +179,7 @@ class Writer:
 
     def _needed_bytes(self) -> int:
         """About what a checkpoint takes: the newest one on disk, else this rank's state × ranks."""
-        newest = layout.scan(self.p.root).newest()
+        newest = tree.scan(self.p.root).newest()
         if newest is not None:
             return disk_space.dir_bytes(newest.path)
         local = sum(ckstate.local_nbytes(v) for v in self._collect().values())
@@ -212,7 +212,7 @@ class Writer:
                 f"checkpoints in {self.p.root} are untouched"
             )
         reason: str | None  # None: not a failure we can explain; the original error is raised
-        if isinstance(exc, layout.IncompleteSave):  # its message says what is missing and why
+        if isinstance(exc, tree.IncompleteSave):  # its message says what is missing and why
             reason = str(exc)
         else:
             reason = disk_space.explain_write_failure(tmp, exc, self._needed_bytes())
@@ -228,7 +228,7 @@ class Writer:
             f"checkpoints in {self.p.root} are untouched"
         )
 
-    def _save(self, target: layout.SaveTarget, snapshot_too: bool) -> None:
+    def _save(self, target: tree.SaveTarget, snapshot_too: bool) -> None:
         step, tmp = target.step, target.tmp
         error = None
         if self.p.rank == 0:
@@ -271,7 +271,7 @@ class Writer:
                 error = self._final_error(step, tmp, exc)
         self.p._agree(error)  # committed (or failed, on every rank) before anyone goes on
 
-    def _commit(self, target: layout.SaveTarget, snapshot_too: bool, started: float) -> None:
+    def _commit(self, target: tree.SaveTarget, snapshot_too: bool, started: float) -> None:
         """Rank 0: marker + rename, the snapshot copy, index (pruning waits for proof: _prune)."""
         safe_files.check_held(
             self.p.root
@@ -284,14 +284,14 @@ class Writer:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         final = target.final
-        layout.commit(target.tmp, final, marker)
+        tree.commit(target.tmp, final, marker)
         where, snap_exc = [final], None
         if snapshot_too:
-            copy = layout.SaveTarget.of(self.p.root, step, "snapshot")
+            copy = tree.SaveTarget.of(self.p.root, step, "snapshot")
             snap, snap_tmp = copy.final, copy.tmp
             try:
                 safe_files.make_dirs(os.path.dirname(snap), self.p.root)
-                layout.clone(final, snap_tmp, snap, dict(marker, kind="snapshot"))
+                tree.clone(final, snap_tmp, snap, dict(marker, kind="snapshot"))
                 where.append(snap)
             except (Exception, CheckpointException) as exc:
                 snap_exc = exc
@@ -300,7 +300,7 @@ class Writer:
                 except OSError:
                     pass  # a link (refused) or unremovable: a .tmp- name is never loaded
         try:  # pruning is not part of a commit: it waits for proof (_prune)
-            layout.write_index(self.p.root, self.p._policy(), final_step=self.p.total_steps)
+            tree.write_index(self.p.root, self.p._policy(), final_step=self.p.total_steps)
         except (Exception, CheckpointException) as exc:
             raise _CommittedButIncomplete(
                 self._incomplete_message(final, step, "index", exc, snap_exc), exc
@@ -328,7 +328,7 @@ class Writer:
         parts = [f"checkpoint step {step} saved to {final} (complete: a resume loads it)"]
         if snap_exc is not None:
             parts.append(f"its snapshot was not saved ({snap_exc})")
-        files = f"{layout.INDEX} and {layout.LAYOUT_MD}"
+        files = f"{tree.INDEX} and {tree.LAYOUT_MD}"
         if stage == "index":
             parts.append(f"{files} not rewritten ({exc}): they do not list step {step}")
         else:

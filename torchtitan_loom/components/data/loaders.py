@@ -2,7 +2,7 @@
 
 Legend: G global batch rows, W data-parallel ranks, r rank, S model sequence length.
 
-Global batch n is rows [cursor, cursor + G) of the row layout of the current data epoch; rank r
+Global batch n is rows [cursor, cursor + G) of the row plan of the current data epoch; rank r
 takes rows [cursor + r·G/W, cursor + (r+1)·G/W). The position (epoch, cursor) is the same on every
 rank and for every W, so it is the whole loader state. "epoch" counts passes over the data: pass
 k reads training ordering `training_epochs[k mod n]` (never the holdout). When fewer than G rows
@@ -25,7 +25,7 @@ except (
     from torch.utils.data import DataLoader as _BaseLoader
 
 from torchtitan_loom.components.data.pack_format import Pack, PackError, open_pack
-from torchtitan_loom.components.data.rows import RowLayout, assemble_rows, layout_rows
+from torchtitan_loom.components.data.rows import RowPlan, assemble_rows, plan_rows
 
 
 def _check_ranks(batch_rows: int, dp_rank: int, dp_world: int, name: str) -> None:
@@ -56,41 +56,41 @@ class GlobalBatchStream(IterableDataset):
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.start = (0, 0)
-        self._layout_key: int | None = None
-        self._layout: RowLayout | None = None
+        self._plan_key: int | None = None
+        self._plan: RowPlan | None = None
 
-    def layout(self, ordering: int) -> RowLayout:
-        """Row layout of epoch directory `ordering` (only the latest one is kept in memory)."""
-        if self._layout_key != ordering:
+    def row_plan(self, ordering: int) -> RowPlan:
+        """Row plan of epoch directory `ordering` (only the latest one is kept in memory)."""
+        if self._plan_key != ordering:
             start, length = self.pack.records(ordering)
-            self._layout = layout_rows(start, length, self.seq_len + 1)
-            self._layout_key = ordering
-            if self._layout.num_rows < self.global_batch_rows:
+            self._plan = plan_rows(start, length, self.seq_len + 1)
+            self._plan_key = ordering
+            if self._plan.num_rows < self.global_batch_rows:
                 raise PackError(
-                    f"pack {str(self.pack.path)!r}: epoch_{ordering} packs into {self._layout.num_rows} "
+                    f"pack {str(self.pack.path)!r}: epoch_{ordering} packs into {self._plan.num_rows} "
                     f"rows of {self.seq_len + 1} tokens, fewer than global_batch_rows "
                     f"{self.global_batch_rows}; use a smaller global batch or a larger corpus"
                 )
-        assert self._layout is not None  # set above on the first call (_layout_key starts None)
-        return self._layout
+        assert self._plan is not None  # set above on the first call (_plan_key starts None)
+        return self._plan
 
     def resolve(self, epoch: int, cursor: int) -> tuple[int, int]:
         """Position of the next global batch: rolls over when fewer than G rows are left."""
         orderings = self.pack.training_epochs
         if (
             cursor + self.global_batch_rows
-            > self.layout(orderings[epoch % len(orderings)]).num_rows
+            > self.row_plan(orderings[epoch % len(orderings)]).num_rows
         ):
             epoch, cursor = epoch + 1, 0
-            self.layout(orderings[epoch % len(orderings)])  # validates the new pass has ≥ G rows
+            self.row_plan(orderings[epoch % len(orderings)])  # validates the new pass has ≥ G rows
         return epoch, cursor
 
     def rank_batch(self, epoch: int, cursor: int) -> dict[str, torch.Tensor]:
         """This rank's slice of the global batch at a resolved position."""
-        layout = self.layout(self.pack.training_epochs[epoch % len(self.pack.training_epochs)])
+        plan = self.row_plan(self.pack.training_epochs[epoch % len(self.pack.training_epochs)])
         per_rank = self.global_batch_rows // self.dp_world
         lo = cursor + self.dp_rank * per_rank
-        return assemble_rows(self.pack.tokens, layout, lo, lo + per_rank)
+        return assemble_rows(self.pack.tokens, plan, lo, lo + per_rank)
 
     def __iter__(self):
         info = get_worker_info()
@@ -108,8 +108,8 @@ class GlobalBatchStream(IterableDataset):
     def __getstate__(self) -> dict:
         state = (
             self.__dict__.copy()
-        )  # workers rebuild layouts themselves instead of unpickling them
-        state["_layout_key"], state["_layout"] = None, None
+        )  # workers rebuild row plans themselves instead of unpickling them
+        state["_plan_key"], state["_plan"] = None, None
         return state
 
 
@@ -182,7 +182,7 @@ def build_train_loader(
     _check_ranks(global_batch_rows, dp_rank, dp_world, "global_batch_rows")
     pack = open_pack(path, seq_len=seq_len, vocab_size=vocab_size, tokenizer_name=tokenizer_name)
     stream = GlobalBatchStream(pack, seq_len, global_batch_rows, dp_rank, dp_world)
-    stream.layout(
+    stream.row_plan(
         pack.training_epochs[0]
     )  # fail now, not at the first step, if the pack is too small
     return TrainLoader(stream, num_workers=num_workers)
@@ -210,11 +210,11 @@ class EvalLoader:
         self.pack, self.epoch = pack, epoch
         self.batch_rows, self.dp_rank, self.dp_world = batch_rows, dp_rank, dp_world
         self.max_tokens = max_tokens
-        self.layout = layout_rows(*pack.records(epoch), seq_len + 1)
-        label_counts = self.layout.label_counts()
+        self.row_plan = plan_rows(*pack.records(epoch), seq_len + 1)
+        label_counts = self.row_plan.label_counts()
         self._num_batches = 0
         seen = 0
-        for lo in range(0, self.layout.num_rows, batch_rows):
+        for lo in range(0, self.row_plan.num_rows, batch_rows):
             self._num_batches += 1
             seen += int(label_counts[lo : lo + batch_rows].sum())
             if max_tokens is not None and seen >= max_tokens:
@@ -227,9 +227,9 @@ class EvalLoader:
     def __iter__(self):
         per_rank = self.batch_rows // self.dp_world
         for n in range(self._num_batches):
-            lo = min(n * self.batch_rows + self.dp_rank * per_rank, self.layout.num_rows)
-            hi = min(lo + per_rank, self.layout.num_rows)
-            yield assemble_rows(self.pack.tokens, self.layout, lo, hi, num_rows=per_rank)
+            lo = min(n * self.batch_rows + self.dp_rank * per_rank, self.row_plan.num_rows)
+            hi = min(lo + per_rank, self.row_plan.num_rows)
+            yield assemble_rows(self.pack.tokens, self.row_plan, lo, hi, num_rows=per_rank)
 
 
 def build_eval_loader(

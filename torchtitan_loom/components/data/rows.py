@@ -24,7 +24,7 @@ _BLOCK = 4096  # pieces per block of the block-parallel next-fit pass (see next_
 
 
 @dataclass(frozen=True)
-class RowLayout:
+class RowPlan:
     """Pieces of one epoch and how they fall into rows: row r = pieces [row_first[r], row_first[r+1])."""
 
     piece_start_P: np.ndarray  # int64 offset of each piece in the token stream
@@ -112,29 +112,29 @@ def next_fit_row_starts(piece_len: np.ndarray, row_len: int) -> np.ndarray:
     return np.append(np.flatnonzero(on_chain[:P]), P).astype(np.int64)
 
 
-def layout_rows(doc_start: np.ndarray, doc_len: np.ndarray, row_len: int) -> RowLayout:
+def plan_rows(doc_start: np.ndarray, doc_len: np.ndarray, row_len: int) -> RowPlan:
     """Split the records of an epoch and pack them into rows of `row_len` slots."""
     start_P, len_P = split_records(doc_start, doc_len, row_len)
-    return RowLayout(start_P, len_P, next_fit_row_starts(len_P, row_len), row_len)
+    return RowPlan(start_P, len_P, next_fit_row_starts(len_P, row_len), row_len)
 
 
 def assemble_rows(
-    tokens: np.ndarray, layout: RowLayout, row_lo: int, row_hi: int, num_rows: int | None = None
+    tokens: np.ndarray, plan: RowPlan, row_lo: int, row_hi: int, num_rows: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Batch dict for rows [row_lo, row_hi) of `layout`, padded with empty rows to `num_rows`.
+    """Batch dict for rows [row_lo, row_hi) of `plan`, padded with empty rows to `num_rows`.
 
     Returns int64 tensors [B, S]: input_ids, labels (-100 = ignore), positions, doc_ids
     (index of the piece within its row; -1 on padding).
     """
-    C = layout.row_len
+    C = plan.row_len
     B = row_hi - row_lo if num_rows is None else num_rows
     tok_BC = np.zeros((B, C), np.int64)
     pos_BC = np.zeros((B, C), np.int64)
     doc_BC = np.full((B, C), PAD_DOC_ID, np.int64)
-    p_lo, p_hi = int(layout.row_first[row_lo]), int(layout.row_first[row_hi])
+    p_lo, p_hi = int(plan.row_first[row_lo]), int(plan.row_first[row_hi])
     if p_hi > p_lo:
-        first = layout.row_first[row_lo : row_hi + 1] - p_lo
-        len_p = layout.piece_len_P[p_lo:p_hi]
+        first = plan.row_first[row_lo : row_hi + 1] - p_lo
+        len_p = plan.piece_len_P[p_lo:p_hi]
         n_in_row = np.diff(first)
         row_of_p = np.repeat(np.arange(row_hi - row_lo), n_in_row)
         cum_p = np.cumsum(len_p) - len_p  # piece offset in the gathered stream
@@ -142,7 +142,7 @@ def assemble_rows(
         idx_p = np.arange(len(len_p)) - first[:-1][row_of_p]  # piece index inside its row
         T = int(len_p.sum())
         within_T = np.arange(T) - np.repeat(cum_p, len_p)
-        src_T = np.repeat(layout.piece_start_P[p_lo:p_hi], len_p) + within_T
+        src_T = np.repeat(plan.piece_start_P[p_lo:p_hi], len_p) + within_T
         dst_T = np.repeat(row_of_p * C + slot_p, len_p) + within_T
         tok_BC.reshape(-1)[dst_T] = tokens[src_T]
         pos_BC.reshape(-1)[dst_T] = within_T

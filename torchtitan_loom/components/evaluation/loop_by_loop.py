@@ -12,7 +12,8 @@ Legend: B rows, S sequence length, H loops, L layers, K top-k.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -21,6 +22,32 @@ from torchtitan_loom.components.observability.routing_stats import RoutingStats
 from torchtitan_loom.data_contract import real_tokens
 from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.protocols import ModelProtocol
+
+
+def each_loop(
+    model: ModelProtocol,
+    mb: dict[str, torch.Tensor],
+    loops: range,
+    carry: Any = None,
+    request: LoopRequest | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Iterator[tuple[int, Any]]:
+    """The one loop-by-loop driver: each loop of ``loops`` run alone on micro-batch ``mb``,
+    continuing ``carry`` (None: from the embedding, loops from 1); yields (loop, its output), whose
+    ``carry`` the next loop continues. The eval, analyze and the depth tool run loops through it."""
+    for loop in loops:
+        with autocast():
+            out = model(
+                mb["input_ids"],
+                mb["positions"],
+                mb["doc_ids"],
+                loop_start=loop,
+                loop_end=loop,
+                carry=carry,
+                request=request,
+            )
+        carry = out.carry
+        yield loop, out
 
 
 class LoopByLoop:
@@ -47,18 +74,10 @@ class LoopByLoop:
         n_layers, n_experts = model.routing or (0, 0)
         # The expert ids are asked of routed models only (protocols.ModelProtocol.__call__).
         request = LoopRequest(return_topk=n_experts > 0)
-        carry, ids_per_loop = None, []
-        for loop in range(1, self.num_loops + 1):
-            with self.autocast():
-                out = model(
-                    mb["input_ids"],
-                    mb["positions"],
-                    mb["doc_ids"],
-                    loop_start=loop,
-                    loop_end=loop,
-                    carry=carry,
-                    request=request,
-                )
+        ids_per_loop = []
+        for loop, out in each_loop(
+            model, mb, range(1, self.num_loops + 1), request=request, autocast=self.autocast
+        ):
             carry = out.carry
             if out.topk_LTBSK is not None:
                 if self.routing is None:  # top-k from the ids' own shape, no model field read

@@ -274,7 +274,7 @@ def build_diagnostics(
     num_loops: int | None = None,
 ) -> BranchDiagnostics:
     """The run's diagnostics from the ``[metrics]`` switches and the model's protocol surface
-    (observation_layout, param_groups, num_loops); ``num_loops``: the loops a step may run when
+    (observed_branches, param_groups, num_loops); ``num_loops``: the loops a step may run when
     training.sample_depth_max reaches past the model's H."""
     options = DiagOptions(
         metrics_cfg.diag_interval,
@@ -285,7 +285,7 @@ def build_diagnostics(
     on = options.interval > 0
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     groups = model.param_groups() if on and options.grad else {}
-    num_layers, branches = model.observation_layout() if on else (0, ())
+    num_layers, branches = model.observed_branches() if on else (0, ())
     return BranchDiagnostics(
         options,
         branches=branches,

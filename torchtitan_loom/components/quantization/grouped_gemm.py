@@ -4,7 +4,7 @@ padding it needs. What the experts compute with it, and their weights' layout, i
 (LOOM: models/loom/float8_experts.py, behind TrainSpec.float8_experts_fn); nothing here knows it.
 
 Token-group alignment: float8 / MXFP8 grouped GEMMs need every expert's row count to be a multiple
-of 16 / 32. `padded_layout` says where each row goes in a zero buffer whose groups start at aligned
+of 16 / 32. `padded_rows` says where each row goes in a zero buffer whose groups start at aligned
 offsets; the model copies its rows there, runs the GEMMs on the padded groups and reads the rows
 back from the same positions; zero rows give zero outputs and add nothing to the weight gradients,
 so padding changes no result. Shapes are static (the buffer size depends on A, E and the alignment
@@ -22,7 +22,7 @@ import torch
 from torchtitan_loom.protocols import GroupedGemm, GroupedKernel
 
 
-def padded_layout(
+def padded_rows(
     counts_E: torch.Tensor, alignment: int, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Where each row goes in the padded buffer.
@@ -91,9 +91,9 @@ def grouped_kernel(
 ) -> GroupedKernel:
     """The GroupedKernel for torchao's `kernel` (or for `gemm`, e.g. a high-precision one in tests)."""
 
-    def layout(counts_E: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return padded_layout(counts_E, alignment, num_rows)
+    def pad_rows(counts_E: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return padded_rows(counts_E, alignment, num_rows)
 
     return GroupedKernel(
-        kernel, alignment, dim_multiple, gemm or torchao_grouped_gemm(kernel), layout
+        kernel, alignment, dim_multiple, gemm or torchao_grouped_gemm(kernel), pad_rows
     )

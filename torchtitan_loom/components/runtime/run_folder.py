@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torchtitan_loom.components.checkpoint import layout, names
+from torchtitan_loom.components.checkpoint import names, tree
 from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import format_version, safe_files
 from torchtitan_loom.components.runtime.resolved import flat_sections, resolved_config
@@ -163,7 +163,7 @@ def _continue_advice(cfg: Any) -> str:
     """How a finished run continues, said only where it can: the launch must resume from a
     complete checkpoint in the folder (a run that saved none cannot be continued)."""
     root = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-    if os.path.isdir(root) and layout.scan(root).newest() is not None:
+    if os.path.isdir(root) and tree.scan(root).newest() is not None:
         on = "" if cfg.checkpoint.enable else " with --checkpoint.enable true"
         return f"raise training.steps{on} to continue it, or "
     return "it saved no checkpoint, so it cannot be continued: "

@@ -37,7 +37,7 @@ def swiglu_grouped(
 ) -> torch.Tensor:
     """W_d (silu(W_g x) * W_u x) per expert group, through `kernel` on alignment-padded groups."""
     A, D = x_AD.shape
-    dest_A, ends_E, P = kernel.layout(counts_E, A)
+    dest_A, ends_E, P = kernel.pad_rows(counts_E, A)
     x_PD = x_AD.new_zeros(P, D).index_copy(0, dest_A, x_AD)
     # Weights stay [E, out, in]; the kernels take the transposed (column-major) view.
     h_P2I = kernel.gemm(x_PD, w13_E2ID.transpose(-2, -1), ends_E)

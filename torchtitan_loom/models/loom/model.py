@@ -263,7 +263,7 @@ class LoomTransformer(nn.Module):
         kv = req.cache if req.hold is None else req.hold
         return LoopCall(e_BSD, rope, attn_mask, gamma, kv, req)
 
-    def observation_layout(self) -> tuple[int, tuple[str, ...]]:
+    def observed_branches(self) -> tuple[int, tuple[str, ...]]:
         """(L, names of the N branch outputs) of ModelOutput.observed_LTNK, in order."""
         return self.args.n_layers, BRANCHES
 
