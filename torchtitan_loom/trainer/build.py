@@ -283,7 +283,12 @@ def build_step(
     float8, model = model_parts.float8, model_parts.model
     head = model.exit_parameters() if isinstance(model, ExitsPerToken) else []
     # The exit head's gradient stays out of the clip's norm: it must not rescale the LM's.
-    lm_params = [p for p in model_parts.params if all(p is not h for h in head)]
+    # Without a head the step shares the model parts' own list (one of each part, shared).
+    lm_params = (
+        [p for p in model_parts.params if all(p is not h for h in head)]
+        if head
+        else model_parts.params
+    )
     hook = None
     if model_parts.float8_precompute and float8 is not None:
         hook = lambda: float8.post_optimizer_hook(cast(nn.Module, model))  # noqa: E731
