@@ -16,8 +16,8 @@ from torchtitan_loom.components.checkpoint import (
     CheckpointError,
     found,
     integrity,
-    layout,
     load_full,
+    tree,
 )
 from torchtitan_loom.tools import export as export_tool
 from torchtitan_loom.tools import generate as generate_tool
@@ -140,9 +140,9 @@ def test_a_marker_that_lost_its_checksums_is_refused_only_format_1_loads_unverif
 ):
     dump = copy_run(pristine, tmp_path)
     step4 = dump / "checkpoint" / "step-4"
-    marker = json.loads((step4 / layout.MARKER).read_text())
+    marker = json.loads((step4 / tree.MARKER).read_text())
     del marker["checksums"]  # verification off on the old code, so a damaged file loaded silently
-    (step4 / layout.MARKER).write_text(json.dumps(marker))
+    (step4 / tree.MARKER).write_text(json.dumps(marker))
     with open(step4 / "__0_0.distcp", "r+b") as fh:
         fh.seek(os.path.getsize(step4 / "__0_0.distcp") // 2)
         fh.write(b"\xa5" * 8)
@@ -150,15 +150,15 @@ def test_a_marker_that_lost_its_checksums_is_refused_only_format_1_loads_unverif
     resumed = make_trainer(tiny_pack, dump, *STEPS)
     out = capsys.readouterr().out
     assert resumed.state.step == 2, out
-    assert "names no checksum list; refused" in out and str(step4 / layout.MARKER) in out
+    assert "names no checksum list; refused" in out and str(step4 / tree.MARKER) in out
 
     # The pre-checksum format (no "format", no "checksums", no CHECKSUMS.json) loads with a warning.
     dump = copy_run(pristine, tmp_path / "old")
     step4 = dump / "checkpoint" / "step-4"
-    marker = json.loads((step4 / layout.MARKER).read_text())
+    marker = json.loads((step4 / tree.MARKER).read_text())
     del marker["checksums"]
     marker.pop("format", None)
-    (step4 / layout.MARKER).write_text(json.dumps(marker))
+    (step4 / tree.MARKER).write_text(json.dumps(marker))
     os.remove(step4 / integrity.CHECKSUMS)
     capsys.readouterr()
     resumed = make_trainer(tiny_pack, dump, *STEPS)
