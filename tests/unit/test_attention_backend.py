@@ -55,9 +55,9 @@ def test_auto_gives_the_sdpa_logits_and_one_mask_serves_every_block(dtype):
     sdpa.init_weights()
     masks = []
 
-    def block_region(layer, z, rope, mask, *rest):  # the model's seam: sees each block's mask
-        masks.append(mask)
-        return layer(z, rope, mask, *rest)
+    def block_region(layer, *args):  # the model's seam: sees each block's mask (its BlockInput)
+        masks.append(args[-1].attn_mask)
+        return layer(*args)
 
     auto.region_wrappers["block"] = block_region
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != FP32):

@@ -237,10 +237,10 @@ def test_a_signal_during_a_save_does_not_save_that_step_twice(tiny_pack, tmp_pat
     t = make_trainer(tiny_pack, tmp_path, *STEPS)
     real, saved = t.checkpointer.writer._save, []
 
-    def save_then_signal(step, *args):
-        saved.append(step)
-        real(step, *args)
-        if step == 2:
+    def save_then_signal(target, *args):  # the writer's _save(SaveTarget, ...)
+        saved.append(target.step)
+        real(target, *args)
+        if target.step == 2:
             signal.raise_signal(signal.SIGTERM)  # arrives while step 2's save is being written
 
     t.checkpointer.writer._save = save_then_signal

@@ -197,8 +197,16 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 def args_differences(
     saved: dict[str, Any], current: Any, ignore: tuple[str, ...] = ()
 ) -> list[str]:
-    """'field: checkpoint X, config Y' for every model arg that differs (``ignore`` skipped)."""
+    """'field: checkpoint X, config Y' for every model arg that differs (``ignore`` skipped). An
+    argument added since the checkpoint was written reads as its default, as building the model
+    from the checkpoint's arguments gives it."""
     mine = dataclasses.asdict(current)
+    added = {
+        f.name: f.default
+        for f in dataclasses.fields(current)
+        if f.name not in saved and f.default is not dataclasses.MISSING
+    }
+    saved = {**added, **saved}
     return [
         f"{k}: checkpoint {saved.get(k)!r}, config {mine.get(k)!r}"
         for k in sorted(mine.keys() | saved.keys())

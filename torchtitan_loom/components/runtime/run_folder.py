@@ -119,10 +119,12 @@ def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
         return [version]
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
-    old, new = (
-        _as_flavor(flat_sections(run.get("identity", {}))),
-        _as_flavor(flat_sections(identity(cfg))),
-    )
+    now = flat_sections(identity(cfg))
+    # A model argument added since the run was recorded is absent there: read it as unset (the
+    # flavor's value), as a key the run left unset.
+    recorded = {k: None for k in now if k.startswith("model.")}
+    recorded.update(flat_sections(run.get("identity", {})))
+    old, new = _as_flavor(recorded), _as_flavor(now)
     old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
     old.setdefault("training.sample_depth_min", 0)  # recorded before depth sampling existed
     old.setdefault("training.sample_depth_max", 0)  # recorded before depth past H existed
