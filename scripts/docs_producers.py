@@ -6,12 +6,14 @@ default run, the short run with checkpoints) happen once, on first use.
 The producers live by topic: docs_producers_runs.py (training runs and the tools on them),
 docs_producers_layout.py (sizes, the dry run, the FSDP benchmarks), docs_producers_figures.py (the
 figures of the estimate and the cost model quoted in the prose, the protocol's surface),
-docs_producers_depth.py (the depth study and the depth reports of docs/studying_depth.md).
+docs_producers_depth.py (the depth study and the depth reports of docs/studying_depth.md),
+docs_producers_exit.py (its study of the depth methods: training past H, the learned exit).
 """
 
 from __future__ import annotations
 
 import docs_producers_depth as depth
+import docs_producers_exit as exit_study
 import docs_producers_figures as fig
 import docs_producers_layout as lay
 import docs_producers_runs as runs
@@ -77,6 +79,14 @@ PRODUCERS: dict[str, Producer] = {
     "depth-report": Producer((depth.DEPTH_H3,), depth.depth_report),
     "depth-training": Producer((depth.DEPTH_SAMPLED,), depth.depth_training),
     "depth-generate": Producer((depth.GENERATE_EXIT,), depth.generate_exit),
+    "h6-study": Producer(
+        (exit_study.STUDY_FIXED, exit_study.STUDY_METHODS, exit_study.COMPARE),
+        exit_study.study_table,
+    ),
+    "h6-past-h": Producer(
+        (exit_study.DEPTH_FIXED, exit_study.DEPTH_LEARNED), exit_study.past_h_table
+    ),
+    "h6-learned-exit": Producer((), exit_study.learned_table),
     "protocol-surface": Producer(
         (),
         fig.protocol_surface,

@@ -49,9 +49,9 @@ class ModelOutput(NamedTuple):
     observed_LTNK: torch.Tensor | None = None
     """The request's `observe` function applied to each of the N observed branch outputs (see
     ModelProtocol.observed_branches) of every layer and loop of the range, stacked; None without it."""
-    exit_logit_BS: torch.Tensor | None = None
-    """fp32 [B, S] logit of P(loops loop_start.. lower the token's loss), from the detached carry
-    (ExitsPerToken.exit_parameters); None without a head or a carry."""
+    exit_gain_BS: torch.Tensor | None = None
+    """fp32 [B, S] predicted drop of each token's loss (nats) over loops loop_start.., from the
+    detached carry (ExitsPerToken.exit_gain); None without a head or a carry."""
 
 
 class HfExport(NamedTuple):
@@ -201,12 +201,12 @@ class ExitsPerToken(Protocol):
         ...
 
     def exit_parameters(self) -> list[nn.Parameter]:
-        """The learned exit head's parameters ([] without one: exit_logit then refuses)."""
+        """The learned exit head's parameters ([] without one: exit_gain then refuses)."""
         ...
 
-    def exit_logit(self, carry: Any) -> torch.Tensor:
-        """[B, S] fp32 logit of P(the next loop lowers the token's loss) after the carry's last
-        loop, from the learned exit head; ValueError without one."""
+    def exit_gain(self, carry: Any, loop: int) -> torch.Tensor:
+        """[B, S] fp32 predicted drop of each token's loss (nats) over the loops after ``loop``
+        (the carry's last), from the learned exit head; ValueError without one."""
         ...
 
 

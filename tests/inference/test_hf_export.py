@@ -218,3 +218,30 @@ def test_a_model_without_an_hf_exporter_is_one_line(tmp_path, capsys):
     ):
         hf_export.export_hf(loaded, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_learned_exit_head_travels_with_the_hf_export(tiny_pack, tmp_path):
+    """A checkpoint with model.exit_head: transformers loads every head weight (no key missing or
+    unexpected), and the loaded model's exit head predicts what the project model's does."""
+    from test_checkpoint import make_trainer, run
+
+    from torchtitan_loom.components.evaluation.loop_by_loop import each_loop
+
+    args = ("--training.steps", "3", "--checkpoint.interval", "3", "--model.exit_head", "true")
+    run(make_trainer(tiny_pack, tmp_path / "run", *args, "--training.bp_segment_len", "1"))
+    out = tmp_path / "hf"
+    assert export_tool.main([str(tmp_path / "run"), str(out), "--format", "hf"]) == 0
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), trust_remote_code=True, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ours = load(str(tmp_path / "run")).model
+    assert ours.exit_head is not None and hf.model.exit_head is not None
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    mb = {"input_ids": ids, "positions": torch.arange(12)[None], "doc_ids": torch.zeros_like(ids)}
+    with torch.no_grad():
+        want = [ours.exit_gain(o.carry, t) for t, o in each_loop(ours, mb, range(1, 3))]
+        got = [hf.model.exit_gain(o.carry, t) for t, o in each_loop(hf.model, mb, range(1, 3))]
+    assert any(w.abs().max() > 0 for w in want)  # the head moved from its zero output
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

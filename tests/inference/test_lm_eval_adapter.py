@@ -1,4 +1,6 @@
-"""The lm-eval adapter's rolling log-likelihood and generate_until against independent computations."""
+"""The lm-eval adapter's rolling log-likelihood and generate_until against independent computations;
+with an exit rule, scores read at each token's exit loop (the whole-sequence pass with the same
+exits) and independent of the batch, threshold 0 the fixed-depth scores exactly."""
 
 from types import SimpleNamespace
 
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval")
 
+from torchtitan_loom.components.evaluation.adaptive_exit import ExitRule
 from torchtitan_loom.components.evaluation.lm_eval_adapter import LoomLM
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.tools.loading import load
@@ -65,3 +68,44 @@ def test_generate_until_cuts_at_the_stop_string(trained_run):
     assert full.startswith(" mat ")  # the learned sentence, then end of text
     assert out[0] == full[: full.index("t ")] == " ma"
     assert out[1] == " m"  # max_gen_toks = 2 byte tokens
+
+
+def test_an_exit_rule_scores_each_token_at_its_exit_loop(trained_run):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
+    from test_depth_model import hold_pass
+
+    loaded = load(str(trained_run))
+    enc, model = loaded.tokenizer.encode, loaded.model
+    pairs = [(enc("the cat sat on the"), enc(" mat and")), (enc("a"), enc(" dog sat on it"))]
+    cpu = torch.device("cpu")
+    fixed = LoomLM(model, loaded.tokenizer, cpu, loops=3, batch_size=2).score_tokens(pairs)
+    never = ExitRule("confidence", 0.0, 3)
+    zero = LoomLM(model, loaded.tokenizer, cpu, loops=3, batch_size=2, exit_rule=never)
+    assert zero.score_tokens(pairs) == fixed  # threshold 0: fixed depth, exactly
+    rule = ExitRule("confidence", 0.5, 3)
+    lm = LoomLM(model, loaded.tokenizer, cpu, loops=3, batch_size=2, exit_rule=rule)
+    together = lm.score_tokens(pairs)
+    alone = [
+        LoomLM(model, loaded.tokenizer, cpu, loops=3, batch_size=1, exit_rule=rule).score_tokens(
+            [p]
+        )[0]
+        for p in pairs
+    ]
+    assert [ll for ll, _ in together] == pytest.approx([ll for ll, _ in alone], rel=1e-5)
+    assert 1.0 < lm.exit_loops_sum / lm.exit_tokens < 3.0  # exits at several loops
+    for (ctx, cont), (ll, _) in zip(pairs, together):
+        # Independently: find each position's exit loop from the confidence of its own loop
+        # (running the held pass loop by loop), then read the logits at those loops.
+        seq = torch.tensor([ctx + cont])[:, :-1]
+        S = seq.shape[1]
+        exits = torch.full((S,), 3)
+        for t in (1, 2):
+            probe = hold_pass(model, seq, torch.where(exits < t, exits, torch.full((S,), t)), t)
+            top = probe.softmax(-1).max(-1).values
+            exits = torch.where((exits == 3) & (1 - top < 0.5), torch.full((S,), t), exits)
+        logp = hold_pass(model, seq, exits, 3).log_softmax(-1)
+        want = logp[len(ctx) - 1 :].gather(1, torch.tensor(cont)[:, None]).sum().item()
+        assert ll == pytest.approx(want, rel=1e-5, abs=1e-5)

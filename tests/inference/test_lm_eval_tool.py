@@ -1,7 +1,8 @@
 """tools/lm_eval.py end to end on a tiny local multiple-choice task: results folder with step,
 commit, config and the holdout check; scores equal an independent log-likelihood computation and
-do not depend on the batch size; the holdout check trips on perturbed weights; two ranks
-(torchrun, gloo) give the single-rank scores; bad input exits 2."""
+do not depend on the batch size; with --exit each token is scored at its exit loop and the mean
+loops are recorded; the holdout check trips on perturbed weights; two ranks (torchrun, gloo) give
+the single-rank scores; bad input exits 2."""
 
 import glob
 import json
@@ -97,6 +98,31 @@ def test_end_to_end_results_scores_and_batch_size_independence(trained_run, tmp_
     assert r5["results"]["loom_tiny_mc"]["acc,none"] == r1["results"]["loom_tiny_mc"]["acc,none"]
 
 
+def test_exit_scores_each_token_at_its_exit_loop_and_records_the_mean(
+    trained_run, tmp_path, capsys
+):
+    from torchtitan_loom.components.evaluation.adaptive_exit import ExitRule, adaptive_logits
+
+    args = ("--exit", "confidence", "--exit-threshold", "0.5", "--holdout-check", "off")
+    code, res, _, err = run_eval(capsys, trained_run, tmp_path / "x", *args)
+    assert code == 0, err
+    ex = res["scoring"]["exit"]
+    assert ex["criterion"] == "confidence" and ex["threshold"] == 0.5 and ex["decide_at"] is None
+    assert 1.0 < ex["mean_loops"] < 3.0 and ex["scored_tokens"] > 0  # tokens exit at several loops
+    # Each choice's score: the row run alone with its exits, read at each token's exit loop.
+    loaded = load(str(trained_run))
+    enc, rule = loaded.tokenizer.encode, ExitRule("confidence", 0.5, 3)
+    doc = json.loads(open(os.path.join(TASKS_DIR, "loom_tiny_mc.jsonl")).readline())
+    for choice, got in zip(doc["choices"], lls(res)[0]):
+        ctx, cont = enc(doc["query"]), enc(choice)
+        ids = torch.tensor([ctx + cont])[:, :-1]
+        batch = {"input_ids": ids, "positions": torch.arange(ids.shape[1])[None]}
+        batch["doc_ids"] = torch.zeros_like(ids)
+        logp, _ = adaptive_logits(loaded.model, batch, rule)
+        want = logp[0, len(ctx) - 1 :].gather(1, torch.tensor(cont)[:, None]).sum().item()
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
 def test_holdout_check_trips_on_perturbed_weights(trained_run, tmp_path, capsys):
     exp = tmp_path / "exp"
     assert export_tool.main([str(trained_run), str(exp)]) == 0
@@ -128,6 +154,13 @@ def test_bad_input_exit_2(trained_run, tmp_path, capsys):
         ),
         ([*TASK, "--loops", "7"], "--loops 7: out of range; valid 1..6"),
         ([*TASK, "--tokenizer", "gpt2"], "does not match the pack"),
+        ([*TASK, "--exit", "kl"], "--exit kl needs --exit-threshold X"),
+        ([*TASK, "--exit-threshold", "0.1"], "--exit-threshold needs --exit kl, confidence"),
+        ([*TASK, "--exit", "confidence", "--exit-threshold", "2"], "must be in [0, 1]"),
+        (
+            [*TASK, "--exit", "learned", "--exit-threshold", "0.02"],
+            "--exit exit criterion learned: this checkpoint has no exit head",
+        ),
     ]
     for extra, expected in cases:
         code = eval_tool.main([str(trained_run), *extra, "--out", str(tmp_path)])

@@ -150,3 +150,21 @@ def test_without_a_run_config_there_is_no_eval_to_match_and_it_says_so():
         "unlike the run's held-out eval: no config.toml next to the checkpoint, so no eval to "
         "match; --capacity off: the model as decoding runs it (trained with capacity_factor = 1.5)"
     )
+
+
+def test_the_fixed_loops_of_equal_loss_read_the_falling_part_of_the_curve():
+    # Loops 1..4: 1.0, 0.9, 0.8, 0.85 (depth 4 worse than 3: the best depth is 3).
+    curve = fixed(1.0, 0.9, 0.8, 0.85)
+    slow, fast, best, worse = (
+        point(2.0, 0.85),  # the curve needs 2.5 loops for 0.85 (not 4: past the best depth)
+        point(1.5, 0.9),  # 2 loops for 0.9: 25% fewer
+        point(2.4, 0.79),  # below every fixed depth: measured against the best depth, 3
+        point(1.0, 1.1),  # worse than one loop: no fixed depth of equal loss
+    )
+    a, b, c, d = judged(curve, 4, slow, fast, best, worse)[0]
+    assert a["fixed_loops_same_loss"] == pytest.approx(2.5)
+    assert a["fewer_loops_same_loss"] == pytest.approx(0.2)
+    assert b["fixed_loops_same_loss"] == pytest.approx(2.0)
+    assert b["fewer_loops_same_loss"] == pytest.approx(0.25)
+    assert c["fixed_loops_same_loss"] == 3.0 and c["fewer_loops_same_loss"] == pytest.approx(0.2)
+    assert d["fixed_loops_same_loss"] is None and d["fewer_loops_same_loss"] is None

@@ -36,7 +36,7 @@ from torchtitan_loom.tools.progress import Progress
 # debug runs of docs/studying_depth.md.
 KL_THRESHOLDS = "0.001,0.003,0.01,0.03,0.1,0.3,1"
 CONFIDENCE_THRESHOLDS = "0.001,0.01,0.05,0.1,0.2,0.3,0.5,0.7,0.9"
-LEARNED_THRESHOLDS = "0.1,0.2,0.3,0.4,0.5,0.6,0.7"
+LEARNED_THRESHOLDS = "0.001,0.003,0.01,0.02,0.03,0.05,0.1"
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--learned",
         default=None,
-        help="thresholds of the exit head's P(next loop helps) (model.exit_head; default "
+        help="thresholds of the exit head's predicted loss drop of the next loops, in nats "
+        "(model.exit_head; asked at the run's backprop segment ends; default "
         f"{LEARNED_THRESHOLDS} on a checkpoint with the head, none without)",
     )
     p.add_argument(

@@ -82,15 +82,16 @@ def tables(numbers: dict[str, Any]) -> str:
     lines += [
         "",
         "| exit | threshold | mean loops | loss | vs fixed curve, same loops | "
-        f"vs fixed curve, same FLOPs | loops saved vs depth {d} | GFLOP/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"vs fixed curve, same FLOPs | loops saved vs depth {d} | fixed loops, same loss | "
+        "GFLOP/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for a in numbers["adaptive"]:
         lines.append(
             f"| {a['criterion']} | {a['threshold']:g} | {a['mean_loops']:.2f} | {a['loss']:.4f} | "
             f"{_vs(a['loss'], a['curve_loss_at_loops'])} | "
             f"{_vs(a['loss'], a['curve_loss_at_flops'])} | "
-            f"{a['loops_saved']:.2f} | {a['gflops_per_token']:.4f} |"
+            f"{a['loops_saved']:.2f} | {_same_loss(a)} | {a['gflops_per_token']:.4f} |"
         )
     lines += _task_table(numbers.get("task_scores"), H)
     better = numbers["better_beyond"]
@@ -100,6 +101,14 @@ def tables(numbers: dict[str, Any]) -> str:
     lines.append(f"{numbers['reads_text']}.")
     lines.append(f"Verdict: {numbers['verdict']['text']}.")
     return "\n".join(lines)
+
+
+def _same_loss(a: dict[str, Any]) -> str:
+    """The fixed loops of the point's loss and the share it saves: "2.84 (25% fewer)"."""
+    equal, fewer = a.get("fixed_loops_same_loss"), a.get("fewer_loops_same_loss")
+    if equal is None or fewer is None:
+        return "— (worse than 1 loop)"
+    return f"{equal:.2f} ({abs(round(fewer, 2)):.0%} {'fewer' if fewer >= 0 else 'more'})"
 
 
 def _vs(loss: float, curve: float | None) -> str:
@@ -142,7 +151,7 @@ def write_report(numbers: dict[str, Any], out: str) -> str:
         "H, `cycle` runs routers 1..H again. Adaptive exit stops each token after the first loop "
         "where its criterion is below the threshold (kl: KL between successive loops' "
         "predictions; confidence: 1 - top probability; learned: the trained exit head's "
-        "P(next loop helps)), up to "
+        "predicted loss drop of the next loops, asked at the run's backprop segment ends), up to "
         f"{numbers['adaptive_max_loops']} loops; an exited token's keys and values in deeper "
         "loops are its exit loop's. Forward FLOPs per token count the head once per prediction "
         "read (an adaptive token reads one after every loop it runs). Each adaptive point is "
@@ -150,7 +159,10 @@ def write_report(numbers: dict[str, Any], out: str) -> str:
         "loops and at its FLOPs: + above it (worse than fixed depths), - below. An exit is "
         "credited only with the loops it saves beyond the fewest fixed loops whose loss is within "
         f"{WITHIN:.0%} of the best fixed-depth loss at depths 1..H, and only when it is within "
-        f"{WITHIN:.0%} itself and below the curve.",
+        f"{WITHIN:.0%} itself and below the curve. The fixed loops of the same loss are what "
+        "the falling part of the fixed-depth curve (depths 1 up to the best) needs for the "
+        "point's loss (the best depth when the point is at or below every fixed depth), and the "
+        "share of them the point does not run.",
         "",
         tables(numbers),
         "",

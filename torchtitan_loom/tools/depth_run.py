@@ -25,6 +25,7 @@ import torch
 from torchtitan_loom.components.evaluation.adaptive_exit import (
     CRITERIA,
     adaptive_pass,
+    decision_loops,
     model_problem,
 )
 from torchtitan_loom.components.evaluation.loop_by_loop import each_loop
@@ -80,18 +81,24 @@ class FlopCount:
 
 @torch.no_grad()
 def measure(
-    model: Any, loader: Any, plan: DepthPlan, progress: Progress, forward_rows: int
+    model: Any,
+    loader: Any,
+    plan: DepthPlan,
+    progress: Progress,
+    forward_rows: int,
+    decide_at: dict[str, frozenset[int] | None] | None = None,
 ) -> dict[str, Any]:
     """Sums over the loader's batches, each run ``forward_rows`` rows at a time (as the trainer's
     eval runs its micro-batches): {"ce": {policy: [CE sum after each loop]}, "sweeps": [Sweep],
-    "tokens": N}. Adaptive loops past H (only with adaptive_max > H) use the first policy."""
+    "tokens": N}. Adaptive loops past H (only with adaptive_max > H) use the first policy; a
+    criterion exits only after its loops of ``decide_at`` (absent or None: any loop)."""
     ce = {p: [0.0] * plan.max_loops for p in plan.policies}
     sweeps = [Sweep(c, thr) for c in CRITERIA for thr in plan.thresholds.get(c, [])]
     n_tok, n_batches = 0, 0
     for rows in loader:
         for lo in range(0, rows["input_ids"].shape[0], forward_rows):
             batch = {k: v[lo : lo + forward_rows] for k, v in rows.items()}
-            _measure_forward(model, batch, plan, ce, sweeps)
+            _measure_forward(model, batch, plan, ce, sweeps, decide_at or {})
             n_tok += int(count_valid(batch["labels"]))
         n_batches += 1
         line = f"{n_tok:,} held-out tokens measured ({count(n_batches, 'batch')})"
@@ -105,6 +112,7 @@ def _measure_forward(
     plan: DepthPlan,
     ce: dict[str, list[float]],
     sweeps: list[Sweep],
+    decide_at: dict[str, frozenset[int] | None],
 ) -> None:
     """One forward's rows into the sums of measure()."""
     H = model.num_loops
@@ -119,7 +127,16 @@ def _measure_forward(
             ce[policy][t - 1] += float(token_ce_sum(out.logits_BSV, batch["labels"]))
     model.set_beyond_policy(plan.policies[0])
     for sweep in sweeps:
-        sweep.add(*adaptive_pass(model, batch, sweep.criterion, sweep.threshold, plan.adaptive_max))
+        sweep.add(
+            *adaptive_pass(
+                model,
+                batch,
+                sweep.criterion,
+                sweep.threshold,
+                plan.adaptive_max,
+                decide_at.get(sweep.criterion),
+            )
+        )
 
 
 class DepthError(ValueError):
@@ -161,6 +178,7 @@ def run_depth(
         raise DepthError(f"{loaded.checkpoint}: a {loaded.name} model has no per-token exit")
     plan = learned_plan(plan_of(loaded.model.num_loops), loaded.model)
     run_cfg = loaded.config
+    decide_at = _decide_at(plan, loaded)
     tasks = None if tasks_of is None else tasks_of(run_cfg)
     if tasks is not None:  # before the slow part: an unknown task fails now
         from torchtitan_loom.components.evaluation.downstream import unknown_tasks
@@ -195,7 +213,7 @@ def run_depth(
         f"{' and '.join(plan.policies)}, then "
         f"{sum(len(v) for v in plan.thresholds.values())} adaptive sweeps, over {reads.source()}"
     )
-    sums = measure(model, loader, plan, progress, reads.forward_rows)
+    sums = measure(model, loader, plan, progress, reads.forward_rows, decide_at)
     if sums["tokens"] == 0:
         raise DepthError(f"held-out data {reads.data}: no valid tokens; pass --data with a holdout")
     numbers = report(sums, plan, FlopCount(model, reads.seq_len), loaded, reads)
@@ -208,6 +226,20 @@ def run_depth(
         return write_report(numbers, out), numbers
     except OSError as exc:
         raise DepthError(f"{out}: cannot write the report: {exc}") from None
+
+
+def _decide_at(plan: DepthPlan, loaded: Any) -> dict[str, frozenset[int] | None]:
+    """Each swept criterion's decision loops (adaptive_exit.decision_loops: the learned head
+    decides where its run trained it to, the segment ends), or DepthError."""
+    training = None if loaded.config is None else loaded.config.training
+    try:
+        return {
+            c: decision_loops(c, loaded.args.num_loops, training)
+            for c, t in plan.thresholds.items()
+            if t
+        }
+    except ValueError as exc:
+        raise DepthError(f"--learned: {exc}") from None
 
 
 def learned_plan(plan: DepthPlan, model: Any) -> DepthPlan:

@@ -54,11 +54,28 @@ def baseline(fixed: list[dict[str, Any]], H: int) -> dict[str, Any]:
     }
 
 
+def loops_for_loss(fixed: list[dict[str, Any]], best_depth: int, loss: float) -> float | None:
+    """The fewest mean loops the fixed-depth curve needs for ``loss`` (its falling part, depths
+    1 .. best_depth: past the best depth more loops give no lower loss); best_depth when ``loss``
+    is at or below the best fixed-depth loss, None when it is above depth 1's."""
+    rows = fixed[:best_depth]
+    if loss > rows[0]["loss"]:
+        return None
+    for a, b in zip(rows, rows[1:]):
+        if loss >= b["loss"]:
+            if a["loss"] == b["loss"]:
+                return float(a["loops"])
+            return a["loops"] + (a["loss"] - loss) / (a["loss"] - b["loss"])
+    return float(rows[-1]["loops"]) if len(rows) > 1 else 1.0
+
+
 def against_curve(
     point: dict[str, Any], fixed: list[dict[str, Any]], base: dict[str, Any]
 ) -> dict[str, Any]:
     """The point's place against the fixed curve: the curve's loss at its mean loops and at its
-    FLOPs (None past the deepest fixed point), and the loops it is credited with."""
+    FLOPs (None past the deepest fixed point), the loops it is credited with, and the fixed loops
+    of equal loss (loops_for_loss) with the share of them the point does not run (issue 46's
+    goal: 25%; negative when it runs more)."""
     losses = [r["loss"] for r in fixed]
     at_loops = curve_at([float(r["loops"]) for r in fixed], losses, point["mean_loops"])
     at_flops = curve_at([r["gflops_per_token"] for r in fixed], losses, point["gflops_per_token"])
@@ -66,11 +83,14 @@ def against_curve(
     credited = (
         below and point["loss"] <= base["target_loss"] and point["mean_loops"] < base["depth"]
     )
+    equal = loops_for_loss(fixed, base["best_depth"], point["loss"])
     return {
         "curve_loss_at_loops": at_loops,
         "curve_loss_at_flops": at_flops,
         "below_curve": below,
         "loops_saved": base["depth"] - point["mean_loops"] if credited else 0.0,
+        "fixed_loops_same_loss": equal,
+        "fewer_loops_same_loss": None if equal is None else 1 - point["mean_loops"] / equal,
     }
 
 

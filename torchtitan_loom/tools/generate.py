@@ -22,14 +22,15 @@ load took over SLOW_S seconds, one more line before sampling starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
-from typing import Any
 
 from torchtitan_loom.components.runtime import exit_codes
 
 # Nothing here imports torch: the first line is printed before that wait (see run()).
 from torchtitan_loom.components.runtime.messages import shorten_line
+from torchtitan_loom.tools.exit_option import check_exit_flags, exit_rule
 from torchtitan_loom.tools.input_files import BEYOND_HELP, LoadError
 
 SLOW_S = 5.0  # a load slower than this is followed by a line saying what comes next
@@ -66,14 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit",
         default=None,
         help="per-token exit criterion: kl (successive loops' predictions), confidence "
-        "(1 - top probability) or learned (the model's exit head: P(next loop helps)); "
+        "(1 - top probability) or learned (the model's exit head: the predicted loss drop of its next "
+        "loops, in nats, asked at the run's backprop segment ends); "
         "default: every token runs --loops",
     )
     p.add_argument(
         "--exit-threshold",
         type=float,
         default=None,
-        help="exit once the criterion is below this (kl ≥ 0, confidence and learned in [0, 1]; "
+        help="exit once the criterion is below this (kl and learned ≥ 0, confidence in [0, 1]; "
         "0 = fixed depth)",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
@@ -93,6 +95,7 @@ def run(ns: argparse.Namespace) -> str:
     from torchtitan_loom.components.evaluation.sampling import DepthUsed, SamplingConfig, generate
     from torchtitan_loom.tools.loading import check_loops, load
 
+    check_exit_flags(ns.exit, ns.exit_threshold)
     cfg = SamplingConfig(
         max_new_tokens=ns.max_new_tokens,
         temperature=ns.temperature,
@@ -102,16 +105,9 @@ def run(ns: argparse.Namespace) -> str:
         exit_criterion=ns.exit,
         exit_threshold=0.0 if ns.exit_threshold is None else ns.exit_threshold,
     )
-    if ns.exit_threshold is not None and ns.exit is None:
-        raise LoadError("--exit-threshold needs --exit kl, confidence or learned")
     problems = cfg.problems()
     if problems:
         raise LoadError(problems[0])
-    if ns.exit is not None and ns.exit_threshold is None:  # 0 would exit no token: a silent no-op
-        raise LoadError(
-            f"--exit {ns.exit} needs --exit-threshold X: a token stops once the criterion is below "
-            f"X (kl ≥ 0, e.g. 0.1; confidence, learned in [0, 1], e.g. 0.2; 0 = fixed depth)"
-        )
     if ns.temperature == 0 and (ns.top_k, ns.top_p) != (0, 1.0):
         raise LoadError(
             "--top-k and --top-p filter what is sampled, and --temperature 0 samples nothing "
@@ -121,7 +117,9 @@ def run(ns: argparse.Namespace) -> str:
         raise LoadError("--device cuda: no CUDA device is available here; use --device cpu")
     loaded = load(ns.ckpt, device=ns.device, tokenizer=ns.tokenizer)
     loops = check_loops(ns.loops, loaded.model, ns.beyond)
-    _check_exit(ns.exit, loaded.model)
+    rule = exit_rule(ns.exit, ns.exit_threshold, loaded, loops)
+    if rule is not None:  # the learned head decides at its run's segment ends only
+        cfg = dataclasses.replace(cfg, exit_loops=rule.decide_at)
     tok = loaded.tokenizer
     assert tok is not None  # load() builds one (need_tokenizer defaults to True)
     ids = tok.encode(ns.prompt)
@@ -163,15 +161,6 @@ def run(ns: argparse.Namespace) -> str:
         )
     new = [t for t in new_BS[0].tolist() if t != tok.eos_id]
     return tok.decode(new)
-
-
-def _check_exit(criterion: str | None, model: Any) -> None:
-    """LoadError when `model` cannot exit by `criterion` (learned needs the exit head)."""
-    from torchtitan_loom.components.evaluation.adaptive_exit import model_problem
-
-    problem = None if criterion is None else model_problem(criterion, model)
-    if problem:
-        raise LoadError(f"--exit {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,13 +2,16 @@
 
     python -m torchtitan_loom.tools.lm_eval CKPT --tasks arc_easy,hellaswag [--limit N --batch-size B
         --loops H' --param-dtype fp32|bf16 --holdout-check on|off|record --holdout-threshold 0.005
-        --tasks-dir DIR --only-tasks-dir --device cpu|cuda]
+        --tasks-dir DIR --only-tasks-dir --device cpu|cuda
+        --exit kl|confidence|learned --exit-threshold X]
     torchrun --nproc_per_node 4 -m torchtitan_loom.tools.lm_eval CKPT --tasks ...   # requests split over ranks
 
 Before scoring, the checkpoint's held-out loss is recomputed and compared with the eval_loss its
 run logged at that step (tools/holdout.py); ``on`` refuses to score on a gap above the threshold.
 Scoring runs with capacity dropping off and fp32 parameters by default, so a question's score does
-not depend on its batch. Results go to ``<CKPT>/eval_results/<timestamp>/results.json`` (metrics,
+not depend on its batch. ``--exit`` scores every token at its own exit loop (the criteria of
+components/evaluation/adaptive_exit.py, ``--loops`` the deepest; the learned head asked at the run's
+segment ends), and results.json records the mean loops of the scored tokens. Results go to ``<CKPT>/eval_results/<timestamp>/results.json`` (metrics,
 per-sample scores, step, commit, config, holdout) and ``summary.md``, never through a link below
 CKPT (or ``--out``; tools/out_files.py). Needs ``pip install
 torchtitan_loom[eval]``. Bad input: one line, exit code 2.
@@ -42,6 +45,7 @@ from torchtitan_loom.components.runtime.messages import count, shorten_line
 from torchtitan_loom.distributed.utils import SHORT_DTYPES
 from torchtitan_loom.protocols import cast_model_for_inference, get_train_spec
 from torchtitan_loom.tools import out_files
+from torchtitan_loom.tools.exit_option import check_exit_flags, exit_rule
 from torchtitan_loom.tools.holdout import MODES, check
 from torchtitan_loom.tools.input_files import BEYOND_HELP
 from torchtitan_loom.tools.loading import LoadError, check_loops, load
@@ -127,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="index only --tasks-dir (skips lm-eval's own "
         "~15k task configs, which take ~30 s to index)",
+    )
+    p.add_argument(
+        "--exit",
+        default=None,
+        help="per-token exit: kl, confidence or learned (as generate --exit); default: every "
+        "token runs --loops",
+    )
+    p.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="exit once the criterion is below this (kl and learned ≥ 0, confidence in [0, 1])",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
     p.add_argument(
@@ -265,6 +281,18 @@ def _score(
         )
 
 
+def _exit_record(rule: Any, lm: Any) -> dict[str, Any]:
+    """results.json's scoring.exit: the rule and the mean loops of the scored tokens."""
+    return {
+        "criterion": rule.criterion,
+        "threshold": rule.threshold,
+        "max_loops": rule.max_loops,
+        "decide_at": None if rule.decide_at is None else sorted(rule.decide_at),
+        "scored_tokens": lm.exit_tokens,
+        "mean_loops": lm.exit_loops_sum / lm.exit_tokens if lm.exit_tokens else None,
+    }
+
+
 def run(ns: argparse.Namespace) -> str | None:
     """Check, score, write; returns the results folder on rank 0 (None on other ranks)."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -281,11 +309,13 @@ def run(ns: argparse.Namespace) -> str | None:
     from torchtitan_loom.distributed import utils as dist_utils
 
     tasks = _checked_tasks(ns)
+    check_exit_flags(ns.exit, ns.exit_threshold)
     info = dist_utils.init_distributed(ns.device)
     loaded = load(ns.ckpt, device=str(info.device), tokenizer=ns.tokenizer)
     root = ns.out or os.path.join(loaded.checkpoint, "eval_results")  # checked before the scoring:
     out_files.below(root, ns.out or loaded.checkpoint, LoadError)  # never written through a link
     loops = check_loops(ns.loops, loaded.model, ns.beyond)
+    rule = exit_rule(ns.exit, ns.exit_threshold, loaded, loops)
     progress.phase(f"step {loaded.step} loaded; indexing the lm-eval tasks")
     tm = _task_manager(ns, tasks)
     holdout = check(
@@ -308,7 +338,7 @@ def run(ns: argparse.Namespace) -> str | None:
     ):  # what stays fp32 is the model's call (TrainSpec.inference_fp32_fn)
         cast_model_for_inference(get_train_spec(loaded.name), model, SHORT_DTYPES[ns.param_dtype])
     assert loaded.tokenizer is not None  # load() builds one (need_tokenizer defaults to True)
-    lm = LoomLM(model, loaded.tokenizer, info.device, loops, batch_size=ns.batch_size)
+    lm = LoomLM(model, loaded.tokenizer, info.device, loops, ns.batch_size, exit_rule=rule)
     if info.rank == 0:
         print(f"lm_eval: scoring {', '.join(tasks)} (step {loaded.step}) ...", flush=True)
     res = _score(ns, lm, model, tasks, tm, progress)
@@ -329,6 +359,7 @@ def run(ns: argparse.Namespace) -> str | None:
             "limit": ns.limit,
             "batch_size": ns.batch_size,
             "loops": loops,
+            "exit": None if rule is None else _exit_record(rule, lm),
             "param_dtype": ns.param_dtype,
             "capacity": "off",
             "world_size": info.world_size,

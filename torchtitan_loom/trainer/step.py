@@ -132,7 +132,7 @@ class SegmentedStep:
         p.state.step += 1
         p.state.tokens_seen += int(out.n_valid)
         out.diag = None if diag is None else diag.finish()
-        out.exit_scores = None if self.exit is None else self.exit.scalars()
+        out.exit_scores = None if self.exit is None else self.exit.scalars(dist_utils.all_reduce)
         return out
 
     def _backward_segment(
@@ -169,7 +169,7 @@ class SegmentedStep:
             loss = ce_sum / denom_t.to(ce_sum.dtype).reshape(()) + out.aux_loss / aux_divisor
             if self.exit is not None:
                 exit_loss = self.exit.loss(
-                    m, out.logits_BSV, mb["labels"], out.exit_logit_BS, denom_t
+                    m, out.logits_BSV, mb["labels"], out.exit_gain_BS, denom_t
                 )
                 loss = loss if exit_loss is None else loss + exit_loss
             loss.backward()

@@ -7,8 +7,10 @@ token's prediction settles, so a threshold of 0 never exits early (fixed depth, 
     "kl"          KL(p_t || p_{t-1}) between successive loops' next-token distributions
                   (Huginn's zero-shot exit); defined from loop 2
     "confidence"  1 - max_v p_t(v): the top token's probability reached 1 - threshold; from loop 1
-    "learned"     P(the next loop lowers the token's loss), the model's trained exit head
-                  (model.exit_head, models/loom/exit_head.py); from loop 1
+    "learned"     the drop of the token's loss (nats) the model's trained exit head predicts
+                  for the next loops (model.exit_head, models/loom/exit_head.py; below 0 read as
+                  0); only after the loops the head was trained to decide at, the run's backprop
+                  segment ends (decision_loops)
 
 An exited token's keys and values in deeper loops are its exit loop's (models/loom/kv_hold.py),
 so tokens still looping read what a real early-exit run would give them. The pass below still
@@ -21,12 +23,14 @@ Legend: B rows, S positions, V vocab, T loops.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from torchtitan_loom.data_contract import IGNORE_INDEX
+from torchtitan_loom.depth_sampling import step_segments
 from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.protocols import ExitsPerToken
 
@@ -44,9 +48,25 @@ def threshold_problem(criterion: str, threshold: float) -> str | None:
         return (
             f"confidence threshold {threshold}: must be in [0, 1] (it bounds 1 - max probability)"
         )
-    if criterion == "learned" and threshold > 1:
-        return f"learned threshold {threshold}: must be in [0, 1] (it bounds a probability)"
     return None
+
+
+def decision_loops(criterion: str, num_loops: int, training: Any) -> frozenset[int] | None:
+    """The loops after which `criterion` may exit a token; None: after any. The learned head
+    was trained to decide at the run's segment ends only (components/exit_training.py), so it
+    is asked there only: ``training`` is the run's [training] section (bp_segment_len,
+    sample_depth_max), None when the checkpoint has no config (ValueError for learned)."""
+    if criterion != "learned":
+        return None
+    if training is None:
+        raise ValueError(
+            "exit criterion learned: the checkpoint has no config.toml, so the loops its exit "
+            "head was trained to decide at (the backprop segment ends) are unknown"
+        )
+    ends = [
+        b for _, b in step_segments(num_loops, training.bp_segment_len, training.sample_depth_max)
+    ]
+    return frozenset(ends[:-1])
 
 
 def model_problem(criterion: str, model: Any) -> str | None:
@@ -65,13 +85,18 @@ def exit_score(
     criterion: str,
     model: Any,
     carry: Any,
+    loop: int,
     logp_BSV: torch.Tensor,
     prev_logp_BSV: torch.Tensor | None,
+    decide_at: frozenset[int] | None = None,
 ) -> torch.Tensor:
-    """[B, S] fp32 score of loop t for `criterion` (exit where it is below the threshold): the
-    model's P(next loop helps) for learned, else settle_score."""
+    """[B, S] fp32 score of loop `loop` for `criterion` (exit where it is below the threshold):
+    the model's predicted drop, floored at 0, for learned, else settle_score; +inf after a loop
+    not in `decide_at` (None: every loop decides)."""
+    if decide_at is not None and loop not in decide_at:
+        return torch.full(logp_BSV.shape[:2], math.inf, device=logp_BSV.device)
     if criterion == "learned":
-        return torch.sigmoid(model.exit_logit(carry))
+        return model.exit_gain(carry, loop).clamp_min(0.0)
     return settle_score(criterion, logp_BSV, prev_logp_BSV)
 
 
@@ -99,30 +124,42 @@ class ExitPass(NamedTuple):
     exits_T: list[int]
 
 
-@torch.no_grad()
-def adaptive_pass(
-    model: Any,
-    batch: dict[str, torch.Tensor],
-    criterion: str,
-    threshold: float,
-    max_loops: int,
-) -> ExitPass:
-    """Run ``batch`` loop by loop up to ``max_loops`` with per-token exit (see the module doc);
-    ValueError (one line) when the model cannot exit by ``criterion``."""
-    problem = model_problem(criterion, model)
+class ExitRule(NamedTuple):
+    """A per-token exit: the criterion, its threshold, the deepest loop and the loops after which
+    a token may exit (None: any; decision_loops)."""
+
+    criterion: str
+    threshold: float
+    max_loops: int
+    decide_at: frozenset[int] | None = None
+
+
+class LoopExits(NamedTuple):
+    """One loop of an exit run: the loop, its output, its log-probabilities [B, S, V] and the
+    tokens that exit after it [B, S]."""
+
+    loop: int
+    out: Any
+    logp_BSV: torch.Tensor
+    new_BS: torch.Tensor
+
+
+def exit_run(
+    model: Any, batch: dict[str, torch.Tensor], rule: ExitRule, needed_BS: torch.Tensor
+) -> Iterator[LoopExits]:
+    """Run ``batch`` loop by loop up to ``rule.max_loops``, each token stopping after the first
+    loop where its criterion is below the threshold (the deepest ends the rest); stops once every
+    token of ``needed_BS`` has exited (deeper loops change none of them). ValueError (one line)
+    when the model cannot exit by the criterion. The one loop of adaptive_pass and adaptive_logits."""
+    problem = model_problem(rule.criterion, model)
     if problem:
         raise ValueError(problem)
-    tokens_BS, labels_BS = batch["input_ids"], batch["labels"]
-    valid_BS = labels_BS != IGNORE_INDEX
-    targets_BS1 = labels_BS.clamp_min(0)[..., None]
     hold = model.new_exit_hold()
-    exited_BS = torch.zeros_like(valid_BS)
-    exit_ce_BS = torch.zeros(labels_BS.shape, dtype=torch.float64, device=labels_BS.device)
-    exit_loop_BS = torch.zeros(labels_BS.shape, dtype=torch.int64, device=labels_BS.device)
+    exited_BS = torch.zeros_like(needed_BS)
     carry, prev_logp = None, None
-    for t in range(1, max_loops + 1):
+    for t in range(1, rule.max_loops + 1):
         out = model(
-            tokens_BS,
+            batch["input_ids"],
             batch["positions"],
             batch["doc_ids"],
             loop_start=t,
@@ -132,19 +169,37 @@ def adaptive_pass(
         )
         carry = out.carry
         logp_BSV = F.log_softmax(out.logits_BSV.float(), dim=-1)
-        ce_BS = -logp_BSV.gather(-1, targets_BS1)[..., 0]
-        settled_BS = exit_score(criterion, model, carry, logp_BSV, prev_logp) < threshold
-        new_BS = ~exited_BS & (settled_BS | (t == max_loops))
-        exit_ce_BS = torch.where(new_BS, ce_BS.double(), exit_ce_BS)
-        exit_loop_BS = torch.where(new_BS, t, exit_loop_BS)
+        score_BS = exit_score(rule.criterion, model, carry, t, logp_BSV, prev_logp, rule.decide_at)
+        new_BS = ~exited_BS & ((score_BS < rule.threshold) | (t == rule.max_loops))
         hold.exit(new_BS)
         exited_BS |= new_BS
         prev_logp = logp_BSV
-        if bool(
-            (exited_BS | ~valid_BS).all()
-        ):  # every target has its answer: deeper loops change none
-            break
-    exit_loop_BS = torch.where(exited_BS, exit_loop_BS, t)  # padding that never exited
+        yield LoopExits(t, out, logp_BSV, new_BS)
+        if bool((exited_BS | ~needed_BS).all()):
+            return
+
+
+@torch.no_grad()
+def adaptive_pass(
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    criterion: str,
+    threshold: float,
+    max_loops: int,
+    decide_at: frozenset[int] | None = None,
+) -> ExitPass:
+    """The sums of ExitPass over ``batch``'s valid targets under per-token exit (exit_run;
+    exits only after the loops of ``decide_at``, None: any)."""
+    labels_BS = batch["labels"]
+    valid_BS = labels_BS != IGNORE_INDEX
+    targets_BS1 = labels_BS.clamp_min(0)[..., None]
+    exit_ce_BS = torch.zeros(labels_BS.shape, dtype=torch.float64, device=labels_BS.device)
+    exit_loop_BS = torch.zeros(labels_BS.shape, dtype=torch.int64, device=labels_BS.device)
+    rule = ExitRule(criterion, threshold, max_loops, decide_at)
+    for step in exit_run(model, batch, rule, valid_BS):
+        ce_BS = -step.logp_BSV.gather(-1, targets_BS1)[..., 0]
+        exit_ce_BS = torch.where(step.new_BS, ce_BS.double(), exit_ce_BS)
+        exit_loop_BS = torch.where(step.new_BS, step.loop, exit_loop_BS)
     loops_V = exit_loop_BS[valid_BS]
     return ExitPass(
         float(exit_ce_BS[valid_BS].sum()),
@@ -152,3 +207,23 @@ def adaptive_pass(
         int(valid_BS.sum()),
         torch.bincount(loops_V - 1, minlength=max_loops).tolist(),
     )
+
+
+@torch.no_grad()
+def adaptive_logits(
+    model: Any, batch: dict[str, torch.Tensor], rule: ExitRule
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 log-probabilities [B, S, V] of each token at its exit loop, its exit loop [B, S]) of
+    ``batch`` (input_ids, positions, doc_ids; doc -1 = padding) under ``rule``: what lm_eval
+    scores. Padding that never exited keeps loop 1's (no real token reads it: causal)."""
+    needed_BS = batch["doc_ids"] >= 0
+    logp_BSV: torch.Tensor | None = None
+    loop_BS = torch.zeros(needed_BS.shape, dtype=torch.int64, device=needed_BS.device)
+    for step in exit_run(model, batch, rule, needed_BS):
+        new_BS1 = step.new_BS[..., None]
+        logp_BSV = (
+            step.logp_BSV if logp_BSV is None else torch.where(new_BS1, step.logp_BSV, logp_BSV)
+        )
+        loop_BS = torch.where(step.new_BS, step.loop, loop_BS)
+    assert logp_BSV is not None  # max_loops >= 1
+    return logp_BSV, loop_BS

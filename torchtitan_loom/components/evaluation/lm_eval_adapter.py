@@ -6,7 +6,10 @@
     generate_until         incremental decoding (components/evaluation/sampling.py) cut at the first stop string.
 
 Capacity dropping is off (the loader builds the model so), hence every request's score depends
-only on its own tokens, not on which other requests share its batch. With several ranks
+only on its own tokens, not on which other requests share its batch. With an exit rule
+(``--exit`` of tools.lm_eval) each token is scored from its exit loop's prediction, the whole
+sequence run once with the exits (adaptive_exit.adaptive_logits), which is what decoding with the
+same exits gives; still per row, so still independent of the batch. With several ranks
 (torchrun), lm-eval gives each rank its share of the requests and gathers the metrics through
 ``all_gather`` / ``gather_object`` below.
 
@@ -26,6 +29,7 @@ from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from torchtitan_loom.components.data.tokenizer import Tokenizer
+from torchtitan_loom.components.evaluation.adaptive_exit import ExitRule, adaptive_logits
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.protocols import ModelProtocol
 
@@ -35,7 +39,8 @@ class ScoringStopped(Exception):
 
 
 class LoomLM(LM):
-    """lm-eval's LM interface over a LOOM model running loops [1, loops]."""
+    """lm-eval's LM interface over a LOOM model running loops [1, loops], or with per-token exit
+    (``exit_rule``, adaptive_exit.ExitRule: each token scored and generated at its exit loop)."""
 
     def __init__(
         self,
@@ -48,6 +53,7 @@ class LoomLM(LM):
         split_over_ranks: bool = True,
         should_stop: Callable[[], bool] | None = None,
         forward_context: Callable[[], Any] | None = None,
+        exit_rule: ExitRule | None = None,
     ) -> None:
         """split_over_ranks=False: every rank scores every request (a sharded model needs every rank
         in every forward). should_stop() is asked before every batch; true raises ScoringStopped.
@@ -58,6 +64,9 @@ class LoomLM(LM):
         self.max_len: int = cast(ModelProtocol, model).args.max_seq_len
         self.should_stop = should_stop or (lambda: False)
         self.forward_context = forward_context or contextlib.nullcontext
+        self.exit_rule = exit_rule
+        # Loops run by the scored continuation tokens (exit_rule only): their mean is reported.
+        self.exit_loops_sum, self.exit_tokens = 0, 0
         if split_over_ranks and dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
@@ -128,8 +137,16 @@ class LoomLM(LM):
             positions_BS = torch.arange(S, device=self._device).expand_as(tokens_BS)
             # One document per row; the padding after it is never seen by the real tokens (causal).
             with self.forward_context():
-                out = self.model(tokens_BS, positions_BS, doc_BS, loop_end=self.loops)
-            logp_BSV = F.log_softmax(out.logits_BSV.float(), dim=-1)
+                if self.exit_rule is None:
+                    out = self.model(tokens_BS, positions_BS, doc_BS, loop_end=self.loops)
+                    logp_BSV = F.log_softmax(out.logits_BSV.float(), dim=-1)
+                else:
+                    batch = {"input_ids": tokens_BS, "positions": positions_BS, "doc_ids": doc_BS}
+                    logp_BSV, loop_BS = adaptive_logits(self.model, batch, self.exit_rule)
+                    for b in range(len(idx)):
+                        n, length = len(targets[b]), len(inputs[b])
+                        self.exit_loops_sum += int(loop_BS[b, length - n : length].sum())
+                        self.exit_tokens += n
             for b, i in enumerate(idx):
                 n, length = len(targets[b]), len(inputs[b])
                 if n == 0:
@@ -177,10 +194,14 @@ class LoomLM(LM):
             ids = self.tok.encode(context) or [self.tok.eos_id]
             max_new = min(max_new, self.max_len - 1)
             ids = ids[-(self.max_len - max_new) :]  # keep the end of an over-long context
+            rule = self.exit_rule
             cfg = SamplingConfig(
                 max_new_tokens=max_new,
                 temperature=temperature,
                 seed=int(kwargs.pop("seed", 0) or 0),
+                exit_criterion=None if rule is None else rule.criterion,
+                exit_threshold=0.0 if rule is None else rule.threshold,
+                exit_loops=None if rule is None else rule.decide_at,
             )
             new = generate(
                 self.model,

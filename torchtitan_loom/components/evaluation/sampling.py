@@ -46,6 +46,8 @@ class SamplingConfig:
     exit_criterion: str | None = None
     """None: every token runs the same loops; else adaptive_exit.CRITERIA (per-token exit)."""
     exit_threshold: float = 0.0
+    exit_loops: frozenset[int] | None = None
+    """The loops after which a token may exit (adaptive_exit.decision_loops); None: any."""
 
     def problems(self) -> list[str]:
         """One line per invalid field (empty when valid)."""
@@ -201,7 +203,9 @@ def _adaptive_step(
         carry = out.carry
         logp_B1V = F.log_softmax(out.logits_BSV.float(), dim=-1)
         new_B = ~exited_B & (
-            exit_score(cfg.exit_criterion, model, carry, logp_B1V, prev_logp)[:, 0]
+            exit_score(cfg.exit_criterion, model, carry, t, logp_B1V, prev_logp, cfg.exit_loops)[
+                :, 0
+            ]
             < cfg.exit_threshold
         )
         if t == max_loops:

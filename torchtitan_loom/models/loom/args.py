@@ -103,9 +103,10 @@ class LoomModelArgs:
     moe_impl: str = "grouped"
     """'grouped': routed experts via torch._grouped_mm where usable. 'loop': per-expert matmul loop."""
     exit_head: bool = False
-    """True: a learned per-token exit head (models/loom/exit_head.py, D + 1 parameters) trained on
-    the detached stream to predict whether the next loops lower the token's loss; the exit
-    criterion 'learned' of tools.depth and generate --exit reads it. False: no head."""
+    """True: a learned per-token exit head (models/loom/exit_head.py: an MLP of (D + 2) x 64 + 65
+    parameters) trained on the detached stream and prediction entropy to predict how much the next
+    loops lower the token's loss; the exit criterion 'learned' of tools.depth, generate and
+    lm_eval --exit reads it. False: no head."""
     init_seed: int = 0
     """Seed of the layout-independent init: each parameter's generator is seeded by (seed, name)."""
 

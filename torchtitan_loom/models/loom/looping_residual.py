@@ -31,10 +31,20 @@ class LoopCarry(NamedTuple):
     h_num_BSD: torch.Tensor
     h_den_BS1: torch.Tensor
     rms_BS1: torch.Tensor
+    entropy_BS: torch.Tensor | None = None
+    """The last loop's prediction entropy (fp32, no gradient): the learned exit head reads it
+    (models/loom/exit_head.py); None on a model without the head."""
 
     def detach(self) -> LoopCarry:
         """Values only, no autograd history (segment boundary of truncated backprop)."""
-        return LoopCarry(*(t.detach() for t in self))
+        e = self.entropy_BS
+        return LoopCarry(
+            self.z_BSD.detach(),
+            self.h_num_BSD.detach(),
+            self.h_den_BS1.detach(),
+            self.rms_BS1.detach(),
+            None if e is None else e.detach(),
+        )
 
 
 class Memory(NamedTuple):

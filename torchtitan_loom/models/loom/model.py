@@ -35,7 +35,7 @@ from torchtitan_loom.models.loom.attention import (
 from torchtitan_loom.models.loom.block import BRANCHES, BlockOutput, LoomBlock, rms_norm
 from torchtitan_loom.models.loom.counts import count_flops_per_token, count_params
 from torchtitan_loom.models.loom.depth import check_beyond, check_inputs, router_index
-from torchtitan_loom.models.loom.exit_head import ExitHead
+from torchtitan_loom.models.loom.exit_head import ExitHead, prediction_entropy
 from torchtitan_loom.models.loom.expert_bias import update_expert_bias
 from torchtitan_loom.models.loom.kv_hold import KVHold
 from torchtitan_loom.models.loom.loop_result import LoopCall, LoopRange, OneLoop
@@ -93,7 +93,7 @@ class LoomTransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList([LoomBlock(args) for _ in range(args.n_layers)])
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.exit_head = ExitHead(args.dim) if args.exit_head else None
+        self.exit_head = ExitHead(args.dim, args.num_loops) if args.exit_head else None
         # The one seam for code outside the model math (activation checkpointing): scope ("block",
         # "loop" or "segment" = the loops of one forward call) -> wrapper(fn, *args) that must
         # return fn(*args). Empty = plain calls. Set by distributed/activation_checkpoint.py.
@@ -147,12 +147,14 @@ class LoomTransformer(nn.Module):
         """The learned exit head's parameters (model.exit_head), [] without one."""
         return [] if self.exit_head is None else list(self.exit_head.parameters())
 
-    def exit_logit(self, carry: LoopCarry) -> torch.Tensor:
-        """[B, S] logit of P(the next loop lowers the token's loss) after the carry's last loop
-        (the learned exit, models/loom/exit_head.py); ValueError without the head."""
+    def exit_gain(self, carry: LoopCarry, loop: int) -> torch.Tensor:
+        """[B, S] predicted drop of each token's loss (nats) over the loops after ``loop``, the
+        carry's last (the learned exit, models/loom/exit_head.py); ValueError without the head."""
         if self.exit_head is None:
             raise ValueError("this model has no exit head (model.exit_head = true trains one)")
-        return self.exit_head(carry.z_BSD)
+        if carry.entropy_BS is None:
+            raise ValueError("this carry has no prediction entropy: it was made without the head")
+        return self.exit_head(carry.z_BSD, carry.entropy_BS, loop)
 
     def stream_rms(self, carry: LoopCarry) -> torch.Tensor:
         """Per-token RMS [B, S] of the stream in the carry's last loop after its last block's
@@ -228,17 +230,25 @@ class LoomTransformer(nn.Module):
             aux_loss = args.router_z_loss_coef * loops.z_sq_X.sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=e_BSD.device)
+        logits_BSV = self.output(loops.z_BSD).float()
+        head = self.exit_head
         return ModelOutput(
-            self.output(loops.z_BSD).float(),
-            LoopCarry(loops.z_BSD, loops.h_mem.num_BSD, loops.h_mem.den_BS1, loops.rms_BS1),
+            logits_BSV,
+            LoopCarry(
+                loops.z_BSD,
+                loops.h_mem.num_BSD,
+                loops.h_mem.den_BS1,
+                loops.rms_BS1,
+                None if head is None else prediction_entropy(logits_BSV),
+            ),
             aux_loss,
             counts_LTE=loops.counts_LTE,
             topk_LTBSK=loops.topk_LTBSK,
             observed_LTNK=loops.observed_LTNK,
             # Inside forward so FSDP's root unit has the head's parameters gathered.
-            exit_logit_BS=None
-            if self.exit_head is None or carry is None
-            else self.exit_head(carry.z_BSD),
+            exit_gain_BS=None
+            if head is None or carry is None
+            else self.exit_gain(carry, loop_start - 1),
         )
 
     def _loop_call(

@@ -66,8 +66,10 @@ def _init_value(name: str, shape: tuple[int, ...], args: LoomModelArgs) -> torch
     """The full fp32 CPU init tensor of parameter `name` (spec §3 table)."""
     if re.fullmatch(r"layers\.\d+\.ffn_branch_norm\.weight", name):
         return torch.ones(shape)
-    if re.fullmatch(r"exit_head\.proj\.(weight|bias)", name):  # P(next loop helps) = 1/2
+    if re.fullmatch(r"exit_head\.(w_out\.(weight|bias)|w_in\.bias)", name):  # predicted gain 0
         return torch.zeros(shape)
+    if name == "exit_head.w_in.weight":  # fan-in D + 2
+        return _randn(name, shape, args.init_seed) / math.sqrt(shape[1])
     router = _ROUTER.match(name)
     if router:  # plain normal; every loop's router from router 0's seed => identical copies
         return _randn(router.group(1) + "0", shape, args.init_seed) / math.sqrt(args.dim)
