@@ -31,7 +31,8 @@ _DEPTH = (
     "    --out " + OUT + "/${{run#outputs/studies/}} --force > /dev/null || exit 1; done"
 )
 DEPTH_FIXED = _DEPTH.format(
-    runs=f"{FIXED}/*/seed-* {METHODS}/H6_past_H/seed-*", sweep='--kl "" --confidence ""'
+    runs=f"{FIXED}/*/seed-* {METHODS}/H6_past_H/seed-* {METHODS}/H6_all_12_loops/seed-*",
+    sweep='--kl "" --confidence ""'
 )
 DEPTH_LEARNED = _DEPTH.format(
     runs=f"{METHODS}/H6_learned_exit/seed-*", sweep='--kl 0.01,0.03,0.1 --confidence ""'
@@ -40,6 +41,7 @@ VARIANTS = (  # (variant, study folder), in the order the tables show them
     ("H6", FIXED),
     ("H6_180_steps", FIXED),
     ("H6_past_H", METHODS),
+    ("H6_all_12_loops", METHODS),
     ("H6_learned_exit", METHODS),
 )
 SEEDS = (0, 1, 2)

@@ -108,7 +108,8 @@ def _same_loss(a: dict[str, Any]) -> str:
     equal, fewer = a.get("fixed_loops_same_loss"), a.get("fewer_loops_same_loss")
     if equal is None or fewer is None:
         return "— (worse than 1 loop)"
-    return f"{equal:.2f} ({abs(round(fewer, 2)):.0%} {'fewer' if fewer >= 0 else 'more'})"
+    share = round(fewer, 2) + 0.0  # no "-0%"
+    return f"{equal:.2f} ({abs(share):.0%} {'fewer' if share >= 0 else 'more'})"
 
 
 def _vs(loss: float, curve: float | None) -> str:
