@@ -32,7 +32,7 @@ _DEPTH = (
 )
 DEPTH_FIXED = _DEPTH.format(
     runs=f"{FIXED}/*/seed-* {METHODS}/H6_past_H/seed-* {METHODS}/H6_all_12_loops/seed-*",
-    sweep='--kl "" --confidence ""'
+    sweep='--kl "" --confidence ""',
 )
 DEPTH_LEARNED = _DEPTH.format(
     runs=f"{METHODS}/H6_learned_exit/seed-*", sweep='--kl 0.01,0.03,0.1 --confidence ""'
