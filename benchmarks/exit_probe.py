@@ -18,6 +18,10 @@ knows each token's drop of the next loop (an upper bound for any rule that decid
 time). Each row: mean loops, loss, the fixed loops of the same loss on the falling part of the
 fixed-depth curve (tools/depth_verdict.loops_for_loss) and the share of them the rule does not run.
 
+``--causal-first-loop`` measures instead a checkpoint's own trained head causally (the held keys
+and values included, capacity as trained): stopping tokens after loop 1 too, against from loop 2
+on, the rule adaptive_exit.FIRST_LEARNED_EXIT keeps.
+
 Legend: N tokens, T loops, D model dim.
 """
 
@@ -133,6 +137,56 @@ def fit_mlp(x_MF: torch.Tensor, y_M: torch.Tensor, seed: int, epochs: int = 10) 
     return net
 
 
+@torch.no_grad()
+def causal_first_loop(run: str, tokens: int) -> None:
+    """On a checkpoint with the exit head: its exits measured causally (adaptive_pass, the held
+    keys and values included, the run's capacity as trained) when the head may stop a token after
+    loop 1 too, and from loop 2 on (adaptive_exit.FIRST_LEARNED_EXIT), against fixed depths on
+    the same tokens (every token stopped at loop t)."""
+    from torchtitan_loom.components.evaluation.adaptive_exit import adaptive_pass
+    from torchtitan_loom.tools.depth_run import as_trained
+
+    loaded = load(run, need_tokenizer=False)
+    model, H = as_trained(loaded), loaded.model.num_loops
+    seq_len = loaded.config.training.seq_len if loaded.config else 256
+    loader = build_eval_loader(
+        str(loaded.pack_path or bundled_corpus_path(None)),
+        seq_len=seq_len,
+        vocab_size=loaded.args.vocab_size,
+        batch_rows=8,
+        dp_rank=0,
+        dp_world=1,
+        val_path=None,
+        max_tokens=tokens,
+    )
+    batches = list(loader)
+
+    def measure(threshold: float, max_loops: int, decide_at: frozenset[int]) -> tuple[float, float]:
+        ce = loops = n = 0.0
+        for mb in batches:
+            got = adaptive_pass(model, mb, "learned", threshold, max_loops, decide_at)
+            ce, loops, n = ce + got.ce_sum, loops + got.loops_sum, n + got.tokens
+        return loops / n, ce / n
+
+    fixed = [{"loops": t, "loss": measure(1e9, t, frozenset({t}))[1]} for t in range(1, H + 1)]
+    best = min(fixed, key=lambda r: r["loss"])["loops"]
+    print(
+        "causal, held keys and values: fixed depth " + " / ".join(f"{r['loss']:.4f}" for r in fixed)
+    )
+    print("| head decides after | threshold | mean loops | loss | fixed loops, same loss | fewer |")
+    print("|---|---|---|---|---|---|")
+    for first in (1, 2):
+        decide_at = frozenset(range(first, H))
+        for threshold in (0.003, 0.01, 0.03, 0.1):
+            loops, loss = measure(threshold, H, decide_at)
+            equal = loops_for_loss(fixed, best, loss)
+            same = "—" if equal is None else f"{equal:.2f}"
+            fewer = "—" if equal is None else f"{1 - loops / equal:+.0%}"
+            print(
+                f"| loops {first}..{H - 1} | {threshold:g} | {loops:.2f} | {loss:.4f} | {same} | {fewer} |"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="a run folder with a checkpoint (any H)")
@@ -140,8 +194,18 @@ def main() -> None:
         "--tokens", type=int, default=100_000, help="held-out tokens (half fit, half test)"
     )
     p.add_argument("--seed", type=int, default=0, help="the MLP's init and batch order")
+    p.add_argument(
+        "--causal-first-loop",
+        action="store_true",
+        help="instead: the checkpoint's own exit head, measured causally, deciding from loop 1 "
+        "and from loop 2",
+    )
     ns = p.parse_args()
     start = time.monotonic()
+    if ns.causal_first_loop:
+        causal_first_loop(ns.run, ns.tokens)
+        print(f"({time.monotonic() - start:.0f} s)")
+        return
     got = collect(ns.run, ns.tokens)
     ce_NT, z_NTD, ent_NT, kl_NT = got["ce"], got["z"], got["entropy"], got["kl"].double()
     N, T = ce_NT.shape

@@ -58,7 +58,7 @@ def test_learned_decoding_equals_the_whole_sequence_with_the_same_exits():
         temperature=0,
         exit_criterion="learned",
         exit_threshold=0.3,
-        exit_loops=frozenset({1, 2, 3}),
+        exit_loops=frozenset({2, 3}),
     )
     with torch.no_grad():
         new = generate(model, prompt, cfg, depth_used=used)[0]
@@ -77,15 +77,15 @@ def _mb():
 
 
 def test_learned_threshold_zero_is_fixed_depth_and_a_large_one_exits_at_the_first_decision():
-    model, mb = with_head(H=3), _mb()
-    every = decision_loops("learned", 3, SimpleNamespace(bp_segment_len=1, sample_depth_max=0))
-    assert every == {1, 2}
+    model, mb = with_head(H=4), _mb()
+    every = decision_loops("learned", 4, SimpleNamespace(bp_segment_len=1, sample_depth_max=0))
+    assert every == {2, 3}  # not after loop 1: a token stopped there would hold its loop-1 K/V
     with torch.no_grad():
-        never = adaptive_pass(model, mb, "learned", 0.0, 3, every)
-        always = adaptive_pass(model, mb, "learned", 1e9, 3, every)
-        some = adaptive_pass(model, mb, "learned", 0.3, 3, every)
-    assert never.exits_T == [0, 0, never.tokens] and always.exits_T == [always.tokens, 0, 0]
-    assert 0 < some.exits_T[0] < some.tokens
+        never = adaptive_pass(model, mb, "learned", 0.0, 4, every)
+        always = adaptive_pass(model, mb, "learned", 1e9, 4, every)
+        some = adaptive_pass(model, mb, "learned", 0.3, 4, every)
+    assert never.exits_T == [0, 0, 0, never.tokens] and always.exits_T == [0, always.tokens, 0, 0]
+    assert 0 < some.exits_T[1] < some.tokens and some.exits_T[0] == 0
 
 
 def test_with_three_loops_per_segment_a_token_exits_only_at_a_segment_end():

@@ -10,7 +10,7 @@ token's prediction settles, so a threshold of 0 never exits early (fixed depth, 
     "learned"     the drop of the token's loss (nats) the model's trained exit head predicts
                   for the next loops (model.exit_head, models/loom/exit_head.py; below 0 read as
                   0); only after the loops the head was trained to decide at, the run's backprop
-                  segment ends (decision_loops)
+                  segment ends, from loop 2 (decision_loops)
 
 An exited token's keys and values in deeper loops are its exit loop's (models/loom/kv_hold.py),
 so tokens still looping read what a real early-exit run would give them. The pass below still
@@ -51,11 +51,20 @@ def threshold_problem(criterion: str, threshold: float) -> str | None:
     return None
 
 
+# The first loop after which the learned head may stop a token. A token stopped after loop 1
+# shows every deeper loop its loop-1 keys and values, far from what those loops were trained to
+# attend to: on the H = 6 study's seed-0 run (benchmarks/exit_probe.py --causal-first-loop), with
+# loop 1 allowed the head's exits needed up to 91% more loops than fixed depth for their loss; from
+# loop 2 on, 20% fewer at 2.09 loops (docs/studying_depth.md). KL starts at loop 2 by definition.
+FIRST_LEARNED_EXIT = 2
+
+
 def decision_loops(criterion: str, num_loops: int, training: Any) -> frozenset[int] | None:
     """The loops after which `criterion` may exit a token; None: after any. The learned head
     was trained to decide at the run's segment ends only (components/exit_training.py), so it
-    is asked there only: ``training`` is the run's [training] section (bp_segment_len,
-    sample_depth_max), None when the checkpoint has no config (ValueError for learned)."""
+    is asked there only, from FIRST_LEARNED_EXIT on: ``training`` is the run's [training]
+    section (bp_segment_len, sample_depth_max), None when the checkpoint has no config
+    (ValueError for learned)."""
     if criterion != "learned":
         return None
     if training is None:
@@ -66,7 +75,7 @@ def decision_loops(criterion: str, num_loops: int, training: Any) -> frozenset[i
     ends = [
         b for _, b in step_segments(num_loops, training.bp_segment_len, training.sample_depth_max)
     ]
-    return frozenset(ends[:-1])
+    return frozenset(e for e in ends[:-1] if e >= FIRST_LEARNED_EXIT)
 
 
 def model_problem(criterion: str, model: Any) -> str | None:
