@@ -87,7 +87,7 @@ def _reports(ctx: Context) -> tuple[float, dict[str, list[dict]]]:
 
 def _ms(values: list[float], fmt: str = "{:.4f}") -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{fmt.format(statistics.fmean(values))} ± {fmt.format(sd)}"
+    return f"{fmt.format(statistics.fmean(values))} ± {fmt.replace('+', '').format(sd)}"
 
 
 def study_table(ctx: Context) -> str:
@@ -118,7 +118,8 @@ def study_table(ctx: Context) -> str:
 def past_h_table(ctx: Context) -> str:
     wall_s, reports = _reports(ctx)
     _, numbers = _compare(ctx)
-    fpt = {g["name"]: g["flops_per_token"] for g in numbers["groups"]}
+    # compare names a group of two study folders "<study>/<variant>"
+    fpt = {g["name"].rsplit("/", 1)[-1]: g["flops_per_token"] for g in numbers["groups"]}
 
     def loss(rep: dict, loops: int) -> float:
         return rep["fixed"]["last"][loops - 1]["loss"]

@@ -34,7 +34,7 @@ from torchtitan_loom.depth_sampling import step_segments
 from torchtitan_loom.loop_request import LoopRequest
 from torchtitan_loom.protocols import ExitsPerToken
 
-# The criteria, implemented by settle_score below.
+# The criteria, implemented by exit_score below.
 CRITERIA = ("kl", "confidence", "learned")
 
 
