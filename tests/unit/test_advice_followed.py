@@ -47,8 +47,8 @@ ADVICE = {
     ("components/runtime/run_folder.py", "job.dump_folder"): FOLLOWED,
     ("components/checkpoint/resolve.py", "--job.overwrite"): FOLLOWED,
     ("components/checkpoint/found.py", "--job.config_file"): FOLLOWED,
-    ("tools/generate.py", "--exit"): FOLLOWED,
-    ("tools/generate.py", "--exit-threshold"): FOLLOWED,
+    ("tools/exit_option.py", "--exit"): FOLLOWED,  # generate --exit (lm_eval --exit shares it)
+    ("tools/exit_option.py", "--exit-threshold"): FOLLOWED,
     ("tools/generate.py", "--temperature"): FOLLOWED,
     ("tools/loading.py", "--loops"): FOLLOWED,
     ("tools/out_files.py", "--force"): FOLLOWED,
