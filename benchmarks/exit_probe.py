@@ -42,17 +42,11 @@ from torchtitan_loom.tools.loading import load
 DECILES = [0.1 * k for k in range(1, 10)]
 
 
-@torch.no_grad()
-def collect(run: str, tokens: int) -> dict[str, torch.Tensor]:
-    """Per held-out token and loop 1..H: "ce" [N, T] fp64, "z" the normed stream [N, T, D],
-    "entropy" [N, T] and "kl" [N, T] (KL(p_t || p_{t-1}); +inf at loop 1)."""
-    loaded = load(run, need_tokenizer=False)
-    model, H = loaded.model, loaded.model.num_loops
-    seq_len = loaded.config.training.seq_len if loaded.config else 256
-    pack = str(loaded.pack_path or bundled_corpus_path(None))
-    loader = build_eval_loader(
-        pack,
-        seq_len=seq_len,
+def held_out(loaded, tokens: int):
+    """The pack's holdout in rows of the run's seq_len, 8 rows a batch, up to ``tokens``."""
+    return build_eval_loader(
+        str(loaded.pack_path or bundled_corpus_path(None)),
+        seq_len=loaded.config.training.seq_len if loaded.config else 256,
         vocab_size=loaded.args.vocab_size,
         batch_rows=8,
         dp_rank=0,
@@ -60,6 +54,15 @@ def collect(run: str, tokens: int) -> dict[str, torch.Tensor]:
         val_path=None,
         max_tokens=tokens,
     )
+
+
+@torch.no_grad()
+def collect(run: str, tokens: int) -> dict[str, torch.Tensor]:
+    """Per held-out token and loop 1..H: "ce" [N, T] fp64, "z" the normed stream [N, T, D],
+    "entropy" [N, T] and "kl" [N, T] (KL(p_t || p_{t-1}); +inf at loop 1)."""
+    loaded = load(run, need_tokenizer=False)
+    model, H = loaded.model, loaded.model.num_loops
+    loader = held_out(loaded, tokens)
     kept: dict[str, list[torch.Tensor]] = {"ce": [], "z": [], "entropy": [], "kl": []}
     for mb in loader:
         valid_BS = mb["labels"] != IGNORE_INDEX
@@ -148,18 +151,7 @@ def causal_first_loop(run: str, tokens: int) -> None:
 
     loaded = load(run, need_tokenizer=False)
     model, H = as_trained(loaded), loaded.model.num_loops
-    seq_len = loaded.config.training.seq_len if loaded.config else 256
-    loader = build_eval_loader(
-        str(loaded.pack_path or bundled_corpus_path(None)),
-        seq_len=seq_len,
-        vocab_size=loaded.args.vocab_size,
-        batch_rows=8,
-        dp_rank=0,
-        dp_world=1,
-        val_path=None,
-        max_tokens=tokens,
-    )
-    batches = list(loader)
+    batches = list(held_out(loaded, tokens))
 
     def measure(threshold: float, max_loops: int, decide_at: frozenset[int]) -> tuple[float, float]:
         ce = loops = n = 0.0

@@ -46,7 +46,8 @@ def _study(ctx: Context) -> Result:
     return ctx.once(STUDY, lambda: ctx.runner.run(STUDY, timeout_s=STUDY_TIMEOUT_S))
 
 
-def _shell(command: str, body: str) -> str:
+def shell(command: str, body: str = "") -> str:
+    """A console block: the command after '$ ', then what it printed (docs_producers_exit too)."""
     return "```\n$ " + command + ("\n" + body.rstrip("\n") if body.strip() else "") + "\n```"
 
 
@@ -70,9 +71,9 @@ def study_table(ctx: Context) -> str:
     table = "\n".join(ln for ln in table.splitlines() if ln.startswith("|"))
     walls = [r["wall_s"] for r in numbers["runs"] if r.get("wall_s")]
     return (
-        _shell(STUDY, "")
+        shell(STUDY, "")
         + "\n\n"
-        + _shell(COMPARE, "")
+        + shell(COMPARE, "")
         + "\n\n"
         + table
         + "\n\n"
@@ -102,7 +103,7 @@ def _tables(res: Result) -> str:
 def depth_report(ctx: Context) -> str:
     res, numbers = _depth(ctx, DEPTH_H3, "/tmp/loom_depth_H3")
     shutil.copyfile(Path(ctx.runner.real("/tmp/loom_depth_H3")) / "depth.png", ROOT / REPORT_FIGURE)
-    return _shell(DEPTH_H3, _tables(res)) + f"\n\n({duration(res.wall_s)} on {machine()}.)"
+    return shell(DEPTH_H3, _tables(res)) + f"\n\n({duration(res.wall_s)} on {machine()}.)"
 
 
 def depth_training(ctx: Context) -> str:
@@ -120,7 +121,7 @@ def depth_training(ctx: Context) -> str:
         return " / ".join(f"{r['loss']:.4f}" for r in rows[3:])
 
     return (
-        _shell(DEPTH_SAMPLED, _tables(res))
+        shell(DEPTH_SAMPLED, _tables(res))
         + "\n\n"
         + prose(
             "On the same tokens (three seeds each), the held-out loss after loop 1 / 2 / 3 is "
@@ -138,4 +139,4 @@ def generate_exit(ctx: Context) -> str:
     _study(ctx)
     res = ctx.run(GENERATE_EXIT)
     err = [ln for ln in res.stderr.splitlines() if "loops per token" in ln]
-    return _shell(GENERATE_EXIT, res.stdout + "\n".join(err))
+    return shell(GENERATE_EXIT, res.stdout + "\n".join(err))

@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 from docs_context import Context, prose
+from docs_producers_depth import shell
 from docs_runner import Result, duration, machine
 from docs_tour_figures import cpu_kind
 
@@ -48,10 +49,6 @@ SEEDS = (0, 1, 2)
 DEPTHS = (DEPTH_FIXED, DEPTH_LEARNED)
 STUDY_TIMEOUT_S = 4 * 3600
 H = 6
-
-
-def _shell(command: str, body: str = "") -> str:
-    return "```\n$ " + command + ("\n" + body.rstrip("\n") if body.strip() else "") + "\n```"
 
 
 def _studies(ctx: Context) -> list[Result]:
@@ -97,11 +94,11 @@ def study_table(ctx: Context) -> str:
     table = "\n".join(ln for ln in table.splitlines() if ln.startswith("|"))
     walls = [r["wall_s"] for r in numbers["runs"] if r.get("wall_s")]
     return (
-        _shell(STUDY_FIXED)
+        shell(STUDY_FIXED)
         + "\n\n"
-        + _shell(STUDY_METHODS)
+        + shell(STUDY_METHODS)
         + "\n\n"
-        + _shell(COMPARE)
+        + shell(COMPARE)
         + "\n\n"
         + table
         + "\n\n"
@@ -137,9 +134,9 @@ def past_h_table(ctx: Context) -> str:
         cells = [_ms([loss(r, t) for r in reps]) for t in (3, H, 9, 2 * H)]
         lines.append(f"| {v} | {flops} | " + " | ".join(cells) + f" | {_ms(rel, '{:+.1f}')}% |")
     return (
-        _shell(DEPTH_FIXED)
+        shell(DEPTH_FIXED)
         + "\n\n"
-        + _shell(DEPTH_LEARNED)
+        + shell(DEPTH_LEARNED)
         + "\n\n"
         + "\n".join(lines)
         + "\n\n"

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from torchtitan_loom.components.evaluation.loop_by_loop import each_loop
 from torchtitan_loom.data_contract import IGNORE_INDEX
 from torchtitan_loom.depth_sampling import step_segments
 from torchtitan_loom.loop_request import LoopRequest
@@ -165,20 +166,13 @@ def exit_run(
         raise ValueError(problem)
     hold = model.new_exit_hold()
     exited_BS = torch.zeros_like(needed_BS)
-    carry, prev_logp = None, None
-    for t in range(1, rule.max_loops + 1):
-        out = model(
-            batch["input_ids"],
-            batch["positions"],
-            batch["doc_ids"],
-            loop_start=t,
-            loop_end=t,
-            carry=carry,
-            request=LoopRequest(hold=hold),
-        )
-        carry = out.carry
+    prev_logp = None
+    loops = range(1, rule.max_loops + 1)
+    for t, out in each_loop(model, batch, loops, request=LoopRequest(hold=hold)):
         logp_BSV = F.log_softmax(out.logits_BSV.float(), dim=-1)
-        score_BS = exit_score(rule.criterion, model, carry, t, logp_BSV, prev_logp, rule.decide_at)
+        score_BS = exit_score(
+            rule.criterion, model, out.carry, t, logp_BSV, prev_logp, rule.decide_at
+        )
         new_BS = ~exited_BS & ((score_BS < rule.threshold) | (t == rule.max_loops))
         hold.exit(new_BS)
         exited_BS |= new_BS
