@@ -10,6 +10,8 @@ import sys
 from torchtitan_loom import train
 from torchtitan_loom.components.checkpoint import names, tree
 from torchtitan_loom.components.runtime import run_folder
+from torchtitan_loom.components.runtime.resolved import flat_sections
+from torchtitan_loom.config import load_config
 
 
 def argv(pack, dump, *extra, steps=4):
@@ -199,3 +201,28 @@ def test_a_finished_run_is_refused_before_torch_is_imported(tmp_path):
     from torchtitan_loom.config.early import answer_early
 
     answer_early([*args, "--training.seed", "1"])  # returns: nothing to say before torch
+
+
+def test_an_identity_key_the_run_did_not_record_reads_as_the_schema_default(tmp_path):
+    """A run recorded before an identity key existed trained with that key's default: a launch at
+    the default continues it, a launch at another value is a different run, with the default named
+    as the run's value. Every non-model key of the identity, one at a time."""
+    base = ["--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
+    cfg = load_config(base)
+    flat = flat_sections(run_folder.identity(cfg))
+    other = {  # a non-default value per key, where the test can make one without data on disk
+        "training.seed": "7",
+        "training.sample_depth_min": "1",
+        "optimizer.name": "Lion",
+    }
+    keys = [k for k in flat if not k.startswith("model.")]
+    assert set(other) <= set(keys), keys
+    for key in keys:
+        recorded = {k: v for k, v in run_folder.identity(cfg).items() if k != key}
+        run = {"format_version": run_folder.RUN_FORMAT_VERSION, "identity": recorded}
+        (tmp_path / names.RUN_JSON).write_text(json.dumps({**run, "status": "running", "step": 1}))
+        assert run_folder.relaunch_errors(cfg) == [], key
+        if key in other:
+            changed = load_config([*base, f"--{key}", other[key]])
+            (error,) = run_folder.relaunch_errors(changed)
+            assert f"{key}: {flat[key]!r} → " in error, error

@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtitan_loom.components.checkpoint import names, tree
-from torchtitan_loom.components.optim.choices import RECORDED_BEFORE_NAMES
 from torchtitan_loom.components.runtime import format_version, safe_files
 from torchtitan_loom.components.runtime.resolved import flat_sections, resolved_config
 from torchtitan_loom.protocols import model_args_of, relaunch_tunable_of
@@ -120,14 +119,16 @@ def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
     hint = "pass --job.overwrite true (the old run moves to replaced-<run_id>/) or use a new job.dump_folder"
     where = f"job.dump_folder = '{cfg.job.dump_folder}'"
     now = flat_sections(identity(cfg))
-    # A model argument added since the run was recorded is absent there: read it as unset (the
-    # flavor's value), as a key the run left unset.
-    recorded = {k: None for k in now if k.startswith("model.")}
+    # A key added to the identity since the run was recorded is absent there. A model argument
+    # reads as unset (the flavor's value), as a key the run left unset; any other key as the
+    # schema's default (the config's own class, built bare), what runs trained before the key.
+    recorded = {
+        k: None if k.startswith("model.") else v
+        for k, v in flat_sections(identity(type(cfg)())).items()
+    }
+    recorded.update({k: None for k in now if k.startswith("model.")})
     recorded.update(flat_sections(run.get("identity", {})))
     old, new = _as_flavor(recorded), _as_flavor(now)
-    old.setdefault("optimizer.name", RECORDED_BEFORE_NAMES)  # a run recorded before the key
-    old.setdefault("training.sample_depth_min", 0)  # recorded before depth sampling existed
-    old.setdefault("training.sample_depth_max", 0)  # recorded before depth past H existed
     diff = [
         f"{k}: {old.get(k)!r} → {new.get(k)!r}"
         for k in sorted(old.keys() | new.keys())
