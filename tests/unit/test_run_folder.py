@@ -226,3 +226,21 @@ def test_an_identity_key_the_run_did_not_record_reads_as_the_schema_default(tmp_
             changed = load_config([*base, f"--{key}", other[key]])
             (error,) = run_folder.relaunch_errors(changed)
             assert f"{key}: {flat[key]!r} → " in error, error
+
+
+def test_a_dry_run_is_not_refused_by_the_run_in_its_folder(tmp_path):
+    """The dry run writes nothing into job.dump_folder, so a finished (or different) run there
+    refuses it neither before torch nor after: the README's first command leaves a finished run in
+    ./outputs/debug, and a dry run typed next must still lay out its ranks."""
+    from torchtitan_loom.config.early import answer_early
+    from torchtitan_loom.config.validate import resolve
+
+    args = ["--job.dump_folder", str(tmp_path), "--training.steps", "4"]
+    finished = {"identity": run_folder.identity(load_config(args)), "status": "finished", "step": 4}
+    (tmp_path / names.RUN_JSON).write_text(json.dumps(finished))
+    assert run_folder.relaunch_errors(load_config(args))  # a launch is refused
+    for extra in ([], ["--training.seed", "1"]):  # the same run, finished; a different run
+        dry = [*args, *extra, "--parallelism.dry_run"]
+        assert run_folder.relaunch_errors(load_config(dry)) == []
+        answer_early(dry)  # returns: nothing to say before torch
+        resolve(load_config(dry), 1)  # and nothing after

@@ -299,9 +299,8 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     errors += _limit_errors(cfg)
     errors += parallelism_errors(cfg, dims, args)
     errors += float8_errors(cfg)
-    # The run folder only once the config is valid (its refusal is no cause of another problem),
-    # and never for the dry run, which writes nothing.
-    if not errors and not cfg.parallelism.dry_run:
+    # The run folder only once the config is valid (its refusal is no cause of another problem).
+    if not errors:
         errors += relaunch_errors(cfg)
     errors += checkpoint_errors(cfg, args if not errors else None)
     if errors:

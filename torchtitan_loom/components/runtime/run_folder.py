@@ -105,7 +105,7 @@ def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
     """Why this launch may not continue the run in job.dump_folder ([] = it may). ``finished_only``
     (the answer before torch): only the refusal of the same run, finished; a different run is
     said with the config's other problems, which need torch."""
-    if cfg.job.overwrite:
+    if cfg.job.overwrite or cfg.parallelism.dry_run:  # the dry run writes nothing there
         return []
     try:
         run = read_run(cfg.job.dump_folder)
