@@ -10,16 +10,21 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
+from tests.rank_exit import run_then_exit
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture
 def launch_ranks(launch_cost_s):
     def launch(fn, world: int, args: tuple, launches: float, what: str) -> None:
-        """Run fn(rank, *args) on `world` spawned processes; fail the test past `launches` times the
+        """Run fn(rank, *args) on `world` spawned processes (each leaving without the interpreter's
+        finalization once fn returns: tests/rank_exit.py says why); fail the test past `launches` times the
         measured cost of a bare launch (tests/launch_cost.py), so the limit grows with the load."""
         timeout_s = launches * launch_cost_s
-        ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            run_then_exit, args=(fn, *args), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

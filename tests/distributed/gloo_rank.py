@@ -33,6 +33,9 @@ def gloo_rank(rank: int, world: int, store_path: str) -> Iterator[DistInfo]:
     )
     try:
         yield DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
+        # Every rank done before any leaves: a rank that exits while a peer is still in the last
+        # collective tears that peer's connections down (distributed/utils.destroy_distributed).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tests.rank_exit import run_then_exit
 from torchtitan_loom.components.evaluation.sampling import SamplingConfig, generate
 from torchtitan_loom.config import ConfigError, load_config
 from torchtitan_loom.config.validate import resolve
@@ -363,8 +364,8 @@ def test_the_toy_resumes_at_another_world_size(tiny_pack, tmp_path):
     assert Trainer(first, resolve(first, 1), CPU).train() == 0
     world = 2
     mp.start_processes(
-        _resume_rank,
-        args=(world, str(tmp_path / "store"), str(tiny_pack), str(split)),
+        run_then_exit,
+        args=(_resume_rank, world, str(tmp_path / "store"), str(tiny_pack), str(split)),
         nprocs=world,
         join=True,
         start_method="spawn",
