@@ -122,11 +122,10 @@ def relaunch_errors(cfg: Any, finished_only: bool = False) -> list[str]:
     # A key added to the identity since the run was recorded is absent there. A model argument
     # reads as unset (the flavor's value), as a key the run left unset; any other key as the
     # schema's default (the config's own class, built bare), what runs trained before the key.
+    default = flat_sections(identity(type(cfg)()))
     recorded = {
-        k: None if k.startswith("model.") else v
-        for k, v in flat_sections(identity(type(cfg)())).items()
+        k: None if k.startswith("model.") else default.get(k) for k in default.keys() | now.keys()
     }
-    recorded.update({k: None for k in now if k.startswith("model.")})
     recorded.update(flat_sections(run.get("identity", {})))
     old, new = _as_flavor(recorded), _as_flavor(now)
     diff = [
