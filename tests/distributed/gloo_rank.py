@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from torchtitan_loom.config import load_config
 from torchtitan_loom.config.validate import resolve
-from torchtitan_loom.distributed.utils import DistInfo
+from torchtitan_loom.distributed.utils import DistInfo, destroy_distributed
 from torchtitan_loom.trainer import Trainer
 
 
@@ -31,13 +31,12 @@ def gloo_rank(rank: int, world: int, store_path: str) -> Iterator[DistInfo]:
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
+    finished = False
     try:
         yield DistInfo(rank=rank, world_size=world, device=torch.device("cpu"))
-        # Every rank done before any leaves: a rank that exits while a peer is still in the last
-        # collective tears that peer's connections down (distributed/utils.destroy_distributed).
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        finished = True
+    finally:  # the trainer's teardown: after a body that finished, every rank waits for the others
+        destroy_distributed(wait_for_all=finished)
 
 
 def build_trainer(argv: list[str], world: int, info: DistInfo) -> Trainer:
